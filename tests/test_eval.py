@@ -1,0 +1,236 @@
+"""eval.py: models, tasks, sampling, evaluation and the CLI's error lines."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_jsonl
+
+import eval as ev
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return ev.load_model(str(tiny_model_dir))
+
+
+# ---- tasks
+
+
+def test_jsonl_task_takes_the_answer_after_hashes_without_annotations(gsm8k_jsonl, tiny):
+    _, tokenizer = tiny
+    examples = ev.load_task(str(gsm8k_jsonl), "train", tokenizer=tokenizer)
+    assert examples[0].answer == "7" and examples[3].answer == "42"
+    assert examples[0].prompt == "[MATH_TASK] Problem:\n" + examples[0].question + "\n\nSolution:"
+    assert tokenizer.decode(examples[0].prompt_ids) == examples[0].prompt
+    assert len(ev.load_task(str(gsm8k_jsonl), "train", limit=3)) == 3
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"question": "a", "answer": "1"}\nnot json\n', "line 2 is not valid JSON"),
+        ('{"question": "a"}\n', "line 1 needs"),
+        ('{"question": "a", "answer": "#### "}\n', "row 1 has a missing or unparseable reference"),
+        ("", "has no examples"),
+    ],
+)
+def test_malformed_jsonl_is_rejected_with_the_row(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ev.UsageError, match=message):
+        ev.load_task(str(path), "train")
+
+
+def test_unknown_task_and_missing_file():
+    with pytest.raises(ev.UsageError, match="unknown task"):
+        ev.load_task("gsm9k", "train")
+    with pytest.raises(ev.UsageError, match="does not exist"):
+        ev.load_task("nowhere/data.jsonl", "train")
+
+
+def test_reasoning_gym_task_has_disjoint_deduplicated_splits():
+    name = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
+    train = ev.load_task(name, "train", limit=300)
+    test = ev.load_task(name, "test", limit=50)
+    assert len({e.question for e in train}) == len(train)
+    assert not {e.question for e in train} & {e.question for e in test}
+    assert all(e.question.endswith("=") and e.answer.lstrip("-").isdigit() for e in train)
+    with pytest.raises(ev.UsageError, match="key=value"):
+        ev.load_task("rg:chain_sum:max_digits", "train")
+
+
+def test_hub_task_offline_is_one_clear_error():
+    with pytest.raises(ev.UsageError, match="Offline, use --task rg:chain_sum"):
+        ev.load_task("gsm8k", "test")
+
+
+# ---- models
+
+
+def test_unknown_model_is_one_clear_error():
+    with pytest.raises(ev.UsageError, match="smollm2-135m"):
+        ev.load_model("no-such-org/no-such-model")
+
+
+def test_smollm2_loads_offline_as_a_plain_trainable_model():
+    model, tokenizer = ev.load_model("smollm2-135m")
+    assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
+    assert sum(p.numel() for p in model.parameters()) > 100_000_000
+    prompt = ev.encode_prompt(ev.format_prompt("What is 2 + 3?", tokenizer), tokenizer)
+    [[completion]] = ev.HFSampler(model, tokenizer).sample([prompt], 1, temperature=0, top_p=1.0, max_new_tokens=24)
+    text = tokenizer.decode(completion.ids, skip_special_tokens=True)
+    assert len(completion.ids) > 0 and text.strip()
+
+
+# ---- sampling
+
+
+def test_greedy_sampling_matches_step_by_step_forward(tiny):
+    model, tokenizer = tiny
+    prompts = [tokenizer("[MATH_TASK] Problem:\n1+1\n\nSolution:")["input_ids"], tokenizer("x")["input_ids"]]
+    groups = ev.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=8)
+    for prompt, group in zip(prompts, groups):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):
+                next_id = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                ids.append(next_id)
+                if next_id == tokenizer.eos_token_id:
+                    break
+        assert group[0].ids == group[1].ids == ids[len(prompt) :]
+
+
+def test_sampling_returns_n_per_prompt_with_limits_and_seeded(tiny):
+    model, tokenizer = tiny
+    prompts = [[10] * 5, [11] * 50]
+    sample = lambda seed: ev.HFSampler(model, tokenizer, seed=seed, batch_size=4).sample(  # noqa: E731
+        prompts, 3, temperature=1.0, top_p=0.9, max_new_tokens=20, context=60
+    )
+    groups = sample(0)
+    assert [len(g) for g in groups] == [3, 3]
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert len(c.ids) <= min(20, 60 - len(prompt))
+            assert c.finish_reason == ("stop" if c.ids and c.ids[-1] == tokenizer.eos_token_id else "length")
+    assert [[c.ids for c in g] for g in groups] == [[c.ids for c in g] for g in sample(0)]
+    assert max(len(c.ids) for c in groups[1]) <= 10
+
+
+def boost(logits, token):
+    """Forward hook helper: make `token` the certain next token."""
+    logits[..., token] += 1e4
+    return logits
+
+
+def test_eos_ends_a_completion_and_is_kept(tiny):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, eos))
+    try:
+        [[c]] = ev.HFSampler(model, tokenizer).sample([[12, 13]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10)
+    finally:
+        hook.remove()
+    assert c.ids == [eos] and c.finish_reason == "stop"
+
+
+def test_cut_at_stop_ends_where_the_stop_string_begins(tiny):
+    _, tokenizer = tiny
+    ids = tokenizer("The answer is 5.\n\n\nProblem: next")["input_ids"]
+    cut, found = ev.cut_at_stop(tokenizer, ids, [ev.RHO_STOP])
+    assert found and tokenizer.decode(cut) == "The answer is 5."
+    assert ev.cut_at_stop(tokenizer, ids[:5], [ev.RHO_STOP]) == (ids[:5], False)
+
+
+def test_stop_string_finishes_a_completion(tiny):
+    model, tokenizer = tiny
+    newline = tokenizer("\n")["input_ids"][0]
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, newline))
+    try:  # the model now writes only newlines, so the stop string "\n\n" ends it at once
+        [[c]] = ev.HFSampler(model, tokenizer).sample([[12]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\n\n"])
+    finally:
+        hook.remove()
+    assert c.finish_reason == "stop" and c.ids == []
+
+
+# ---- evaluation
+
+
+def test_pass_at_k():
+    assert ev.pass_at_k(4, 0, 4) == 0.0 and ev.pass_at_k(4, 1, 4) == 1.0
+    assert ev.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert ev.pass_at_k(5, 2, 2) == pytest.approx(1 - (3 / 5) * (2 / 4))
+
+
+def test_final_answer_for_votes():
+    assert ev.final_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert ev.final_answer("x\n#### 1,234") == "1234"
+    assert ev.final_answer("it is 3, then 7.") == "7"
+
+
+def test_evaluate_reports_accuracy_and_records(tiny, gsm8k_jsonl, monkeypatch):
+    model, tokenizer = tiny
+    result = ev.evaluate(model, tokenizer, str(gsm8k_jsonl), limit=3, samples=2, max_new_tokens=5)
+    assert result["examples"] == 3 and len(result["records"]) == 3
+    assert all(len(r["responses"]) == 2 and len(r["scores"]) == 2 for r in result["records"])
+    assert 0.0 <= result["accuracy"] <= result["pass@2"] <= 1.0
+    assert 0.0 <= result["truncation_rate"] <= 1.0 and 0 < result["response_tokens"] <= 5
+
+
+def test_evaluate_counts_graded_answers(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "7"}])
+    fixed = ev.Completion(ids=tokenizer("#### 7")["input_ids"] + [tokenizer.eos_token_id], finish_reason="stop")
+    wrong = ev.Completion(ids=tokenizer("#### 8")["input_ids"] + [tokenizer.eos_token_id], finish_reason="stop")
+    cut = ev.Completion(ids=tokenizer("#### 7")["input_ids"], finish_reason="length")
+
+    class Scripted:
+        def sample(self, prompts, n, **kwargs):
+            return [[fixed, wrong, fixed, cut]]
+
+    result = ev.evaluate(model, tokenizer, str(data), samples=4, sampler=Scripted())
+    assert result["records"][0]["scores"] == [1.0, 0.0, 1.0, 0.0]  # unfinished scores 0 even when right
+    assert result["accuracy"] == 0.5 and result["pass@4"] == 1.0 and result["majority_accuracy"] == 1.0
+    assert result["truncation_rate"] == 0.25
+
+
+# ---- CLI
+
+
+def run_eval_cli(*args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "error: cannot load model"),
+        (["--task", "gsm9k"], "error: unknown task"),
+        (["--task", "BAD_JSONL"], "error: "),
+    ],
+)
+def test_cli_errors_are_one_line(args, message, tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": 1}\n')
+    args = [str(bad) if a == "BAD_JSONL" else a for a in args]
+    if "--model" not in args:
+        args = ["--model", str(tiny_model_dir), *args]
+    result = run_eval_cli(*args, cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_writes_results_json(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    out = tmp_path / "result.json"
+    result = run_eval_cli("--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl), "--limit", "2", "--max-new-tokens", "4",
+                          "--backend", "hf", "--output", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["examples"] == 2 and "accuracy" in saved and len(saved["records"]) == 2
+    assert "accuracy" in result.stdout

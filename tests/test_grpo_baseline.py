@@ -1,0 +1,211 @@
+"""grpo_baseline.py: advantages, loss, micro-batch invariance, EOS in the loss, smoke run, resume, learning."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model, write_jsonl
+
+import eval as ev
+import grpo_baseline as grpo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_group_advantages_worked_example():
+    advantages = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), group_size=3)
+    # group 1: mean 1/3, population std sqrt(2)/3; group 2: all equal -> zeros, not NaN
+    expected = torch.tensor([2**0.5, -(2**0.5) / 2, -(2**0.5) / 2, 0.0, 0.0, 0.0])
+    assert torch.allclose(advantages, expected, atol=1e-5)
+
+
+def test_group_advantages_matches_definition_on_random_groups():
+    torch.manual_seed(0)
+    rewards = torch.rand(5 * 4)
+    advantages = grpo.group_advantages(rewards, 4)
+    for g in range(5):
+        r = rewards[g * 4 : (g + 1) * 4]
+        assert torch.allclose(advantages[g * 4 : (g + 1) * 4], (r - r.mean()) / (r.std(unbiased=False) + 1e-8), atol=1e-5)
+
+
+def test_policy_loss_at_ratio_one_is_minus_mean_advantage_plus_kl():
+    logps = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    ref = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
+    advantages = torch.tensor([[1.0, -2.0, 5.0]])
+    mask = torch.tensor([[True, True, False]])
+    loss, stats = grpo.policy_loss(logps, logps, ref, advantages, mask, 0.2, beta=0.5, batch_tokens=2, batch_sequences=1)
+    k3 = lambda d: torch.exp(d) - d - 1  # noqa: E731
+    kl = (k3(ref - logps)[0, :2]).sum()
+    assert stats["kl"] == pytest.approx(kl.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(-(1.0 - 2.0) / 2 + 0.5 * kl.item(), rel=1e-5)
+    assert stats["clip_count"] == 0
+
+
+def test_policy_loss_clips_the_ratio():
+    old = torch.zeros(1, 2)
+    logps = torch.tensor([[0.5, -0.5]])  # ratios e^0.5 = 1.65 and e^-0.5 = 0.61, both outside [0.8, 1.2]
+    loss, stats = grpo.policy_loss(logps, old, logps, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.0, 2, 1)
+    # positive advantage: min(1.65, 1.2) * 1 = 1.2; negative: min(0.61 * -1, 0.8 * -1) = -0.8
+    assert loss.item() == pytest.approx(-(1.2 - 0.8) / 2, rel=1e-5)
+    assert stats["clip_count"] == 2
+
+
+def test_prob_mask_and_fallback():
+    response = torch.tensor([True, True, True, False])
+    probs = torch.tensor([0.95, 0.5, 0.89, 0.1])
+    assert grpo.loss_mask(response, probs, 0.9, prob_mask=False).tolist() == [True, True, True, False]
+    assert grpo.loss_mask(response, probs, 0.9, prob_mask=True).tolist() == [False, True, True, False]
+    confident = torch.tensor([0.95, 0.99, 0.91, 0.1])
+    assert grpo.loss_mask(response, confident, 0.9, prob_mask=True).tolist() == [True, True, True, False]
+
+
+def test_whiten_uses_masked_tokens_only():
+    advantages = torch.tensor([1.0, 3.0, 100.0])
+    out = grpo.whiten(advantages, torch.tensor([True, True, False]))
+    assert out[:2].tolist() == pytest.approx([-1.0, 1.0], abs=1e-6)
+
+
+def _samples(tokenizer, n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt = tokenizer(f"question {i}:")["input_ids"]
+        response = torch.randint(4, len(tokenizer), (3 + i % 4,), generator=g).tolist() + [tokenizer.eos_token_id]
+        length = len(response)
+        samples.append({
+            "prompt_ids": prompt, "response_ids": response,
+            "old_logps": -torch.rand(length, generator=g) * 3, "ref_logps": -torch.rand(length, generator=g) * 3,
+            "advantages": torch.randn(length, generator=g), "loss_mask": torch.rand(length, generator=g) > 0.2,
+        })
+    return samples
+
+
+def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    samples = _samples(tokenizer)
+    grads = []
+    for micro in (1, 2, 6):
+        model.zero_grad()
+        args = grpo.Args(micro_batch_size=micro, batch_size=6, beta=0.1, temperature=0.7)
+        grpo.accumulate_gradients(model, samples, args, tokenizer.pad_token_id)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+
+
+def test_eos_is_in_the_loss_mask_even_when_pad_equals_eos(tiny_model_dir):
+    _, tokenizer = ev.load_model(str(tiny_model_dir))
+    eos = tokenizer.eos_token_id
+    samples = [{"prompt_ids": [5, 6], "response_ids": [7, eos]}, {"prompt_ids": [5], "response_ids": [8, 9, 10, eos]}]
+    batch = grpo.collate(samples, pad_id=eos, device="cpu")  # the trap: pad id == EOS id
+    assert batch["response_mask"].tolist() == [[True, True, False, False], [True, True, True, True]]
+    responses = batch["input_ids"][:, -4:]
+    assert responses[0, 1] == eos and responses[1, 3] == eos
+
+
+def test_response_logprobs_match_a_plain_forward(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23]}]
+    logps = grpo.response_logprobs(model, grpo.collate(samples, 0, "cpu"), temperature=0.5)
+    for row, s in enumerate(samples):
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        logits = model(ids).logits[0, :-1] / 0.5
+        expected = torch.log_softmax(logits, -1)[len(s["prompt_ids"]) - 1 :].gather(-1, ids[0, len(s["prompt_ids"]) :, None]).squeeze(-1)
+        assert torch.allclose(logps[row, : len(s["response_ids"])], expected, atol=1e-5)
+
+
+def test_impossible_batch_configuration_is_one_clear_error():
+    with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
+        grpo.validate(grpo.Args(batch_size=6, micro_batch_size=4))
+    with pytest.raises(ev.UsageError, match="group-size"):
+        grpo.validate(grpo.Args(group_size=1))
+
+
+def test_cli_bad_model_prints_one_error_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "grpo_baseline.py"), "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: cannot load model")
+    assert "Traceback" not in result.stderr
+
+
+def _args(model_dir, data, out, **overrides):
+    settings = dict(
+        model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6,
+        context=96, batch_size=6, micro_batch_size=3, epochs=1, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3,
+        save_every=1, output_dir=str(out), seed=3,
+    )
+    settings.update(overrides)
+    return grpo.Args(**settings)
+
+
+def _metrics(run_dir):
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
+
+
+def test_smoke_run_writes_finite_metrics_and_a_checkpoint_eval_reloads(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    summary = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path))
+    metrics = _metrics(summary["run_dir"])
+    train = [m for m in metrics if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1, 2]
+    assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
+    assert "losses/kl" in train[0] and "losses/grad_norm" in train[0]
+    model, tokenizer = ev.load_model(summary["checkpoint"])
+    result = ev.evaluate(model, tokenizer, str(gsm8k_jsonl), limit=2, max_new_tokens=4)
+    assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    assert state["iteration"] == 2
+
+
+def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+    full = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "full", iterations=3))
+
+    class Killed(Exception):
+        pass
+
+    calls, real_step = [], grpo.accumulate_gradients
+
+    def dies_in_iteration_3(*args, **kwargs):  # 2 optimizer steps per iteration: the 5th is iteration 3's first
+        calls.append(1)
+        if len(calls) == 5:
+            raise Killed
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "accumulate_gradients", dies_in_iteration_3)
+    with pytest.raises(Killed):
+        grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
+    monkeypatch.setattr(grpo, "accumulate_gradients", real_step)
+    run_dir = next((tmp_path / "killed").iterdir())
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
+
+    resumed = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    assert resumed["run_dir"] == str(run_dir)
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 3
+    assert _metrics(run_dir) == _metrics(full["run_dir"])  # same seed: same numbers with or without the kill
+
+
+def test_same_seed_gives_identical_metrics(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    one = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "a"))
+    two = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "b"))
+    assert _metrics(one["run_dir"]) == _metrics(two["run_dir"])
+
+
+def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
+    # Digits-only vocabulary; every answer is 7, so "7<eos>" is always right and GRPO must find it.
+    model_dir = make_tiny_model(tmp_path / "digits", alphabet="0123456789 ")
+    data = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
+    summary = grpo.main(grpo.Args(
+        model=str(model_dir), task=str(data), backend="hf", iterations=25, questions=8, group_size=8, max_new_tokens=3,
+        context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=1e-2, beta=0.0, warmup_ratio=0.0,
+        eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000, output_dir=str(tmp_path / "runs"),
+    ))
+    rewards = [m["charts/reward"] for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
+    assert sum(rewards[:3]) / 3 < 0.2
+    assert sum(rewards[-3:]) / 3 > 0.8
+    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.5

@@ -1,0 +1,401 @@
+"""Contract test for the vLLM glue in eval.py (VLLMSampler).
+
+vLLM cannot run here: it needs a GPU and is not installed. This test puts a small
+fake `vllm` module in sys.modules instead. The fake exposes only the names the glue
+uses. Its signatures are strict (no **kwargs) and reuse the parameter names and
+defaults of vllm==0.33.0:
+  LLM.__init__ / generate / collective_rpc / reset_prefix_cache / sleep / wake_up /
+      get_tokenizer                 vllm/entrypoints/llm.py
+  max_model_len, enable_prefix_caching, enable_sleep_mode
+                                    EngineArgs fields, vllm/engine/arg_utils.py
+  SamplingParams fields             vllm/sampling_params.py
+  TokensPrompt                      vllm/inputs/llm.py
+  CompletionOutput, RequestOutput   vllm/outputs.py
+  Worker.reload_weights             vllm/v1/worker/gpu_worker.py -> gpu_model_runner.py
+If the glue renames a keyword or drops one, a call here fails with TypeError.
+The fake also reproduces how 0.33 handles stop strings (v1/engine/detokenizer.py):
+token_ids keep the token(s) that complete the stop string, finish_reason is "stop",
+and stop_reason is the matched string.
+"""
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from eval import Completion, VLLMSampler, cut_at_stop
+
+# ----------------------------------------------------------------------------- tokenizer
+# Word-level vocab whose decoder simply concatenates token strings, so decoded text
+# positions are easy to reason about. No download.
+VOCAB = ["<eos>", "<unk>", "The", " answer", " is", " 42", ".", "\n\n", "Q", ":",
+         " 2", "+", "=", " 4", "</s", "olution>", "</solution>", "x"]
+T = {t: i for i, t in enumerate(VOCAB)}
+EOS = T["<eos>"]
+
+
+def make_tokenizer():
+    tk = Tokenizer(models.WordLevel(vocab=T, unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
+
+
+def ids(*tokens):
+    return [T[t] for t in tokens]
+
+
+# ----------------------------------------------------------------------------- fake vllm
+class FakeTokensPrompt(TypedDict):  # vllm/inputs/llm.py TokensPrompt (TypedDict)
+    prompt_token_ids: list[int]
+
+
+class FakeSamplingParams:
+    # Names and defaults match vllm 0.33.0 SamplingParams for the fields the glue sets.
+    # The checks are a subset of SamplingParams._verify_args.
+    def __init__(self, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int | None = 16, stop: str | list[str] | None = None):
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0.0 <= temperature <= 2.0:
+            raise ValueError("temperature must be in [0, 2]")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        if any(not s for s in stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if temperature == 0.0 and n > 1:
+            raise ValueError("n must be 1 when using greedy sampling")
+        self.n, self.temperature, self.top_p, self.max_tokens, self.stop = n, temperature, top_p, max_tokens, stop
+
+
+@dataclass
+class FakeCompletionOutput:  # vllm/outputs.py CompletionOutput
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: Any
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class FakeRequestOutput:  # vllm/outputs.py RequestOutput (the fields the glue may read)
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[FakeCompletionOutput]
+    finished: bool = True
+
+
+class FakeWorker:
+    def __init__(self, log):
+        self.log = log
+
+    # vllm/v1/worker/gpu_worker.py Worker.reload_weights forwards to
+    # GPUModelRunner.reload_weights(weights_iterator=None, weights_path=None, is_checkpoint_format=True)
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format: bool = True):
+        self.log.append(("reload_weights", list(weights_iterator), weights_path, is_checkpoint_format))
+
+
+@dataclass
+class FakeEngine:
+    """State shared by the fake module; `script(prompt_ids, index)` yields the tokens the
+    'model' would sample for sample `index` of that prompt."""
+    script: Any = None
+    reset_ok: bool = True  # what reset_prefix_cache returns (False: blocks still in use)
+    log: list = field(default_factory=list)
+    llm: Any = None
+
+
+def make_fake_vllm(engine: FakeEngine):
+    tok = make_tokenizer()
+
+    class FakeLLM:
+        def __init__(self, model: str, *, seed: int = 0, dtype: str = "auto",
+                     gpu_memory_utilization: float = 0.92, max_model_len: int | None = None,
+                     enable_prefix_caching: bool | None = None, enable_sleep_mode: bool = False):
+            # In-process engine core is required for passing tensors through collective_rpc.
+            assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+            engine.log.append(("LLM", model, dict(seed=seed, dtype=dtype,
+                                                  gpu_memory_utilization=gpu_memory_utilization,
+                                                  max_model_len=max_model_len,
+                                                  enable_prefix_caching=enable_prefix_caching,
+                                                  enable_sleep_mode=enable_sleep_mode)))
+            self.max_model_len = max_model_len
+            self.enable_sleep_mode = enable_sleep_mode
+            self.sleeping = False
+            self.worker = FakeWorker(engine.log)
+            engine.llm = self
+
+        def get_tokenizer(self):
+            return tok
+
+        def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None,
+                     priority=None, tokenization_kwargs=None, mm_processor_kwargs=None):
+            assert not self.sleeping, "generate while asleep"
+            engine.log.append(("generate", prompts, sampling_params, use_tqdm))
+            if not isinstance(sampling_params, list):
+                sampling_params = [sampling_params] * len(prompts)
+            assert len(sampling_params) == len(prompts)
+            results = []
+            for rid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+                assert isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}
+                p = prompt["prompt_token_ids"]
+                assert all(isinstance(t, int) for t in p)
+                assert len(p) < self.max_model_len
+                outs = [self._run(p, i, sp) for i in range(sp.n)]
+                results.append(FakeRequestOutput(str(rid), None, p, outs))
+            return results
+
+        def _run(self, p, index, sp):
+            # Step-by-step emulation of V1 stopping: EOS, stop string (checked on the
+            # decoded text; token ids are NOT trimmed), max_tokens / max_model_len.
+            out, finish, reason = [], None, None
+            for t in engine.script(p, index):
+                out.append(t)
+                text = tok.decode(out, skip_special_tokens=True)
+                if t == EOS:
+                    finish = "stop"
+                elif hits := [s for s in sp.stop if s in text]:
+                    finish, reason = "stop", min(hits, key=lambda s: text.find(s) + len(s))
+                    text = text[:text.find(reason)]
+                elif len(out) >= sp.max_tokens or len(p) + len(out) >= self.max_model_len:
+                    finish = "length"
+                if finish:
+                    return FakeCompletionOutput(index, text, list(out), None, None, finish, reason)
+            raise AssertionError("script ran out of tokens")
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            assert isinstance(method, str)
+            return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+        def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+            engine.log.append(("reset_prefix_cache",))
+            return engine.reset_ok
+
+        def sleep(self, level: int = 1, mode: str = "abort"):
+            assert self.enable_sleep_mode
+            engine.log.append(("sleep", level, mode))
+            self.sleeping = True
+
+        def wake_up(self, tags: list[str] | None = None) -> bool:
+            engine.log.append(("wake_up", tags))
+            self.sleeping = False
+            return True
+
+    mod = types.ModuleType("vllm")
+    mod.LLM, mod.SamplingParams, mod.TokensPrompt = FakeLLM, FakeSamplingParams, FakeTokensPrompt
+    mod.__version__ = "0.33.0"
+    return mod
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    eng = FakeEngine()
+    monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm(eng))
+    # the glue sets this; monkeypatch restores the original environment afterwards
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return eng
+
+
+def calls(eng, name):
+    return [c for c in eng.log if c[0] == name]
+
+
+def cycle(*tokens):
+    while True:
+        yield from tokens
+
+
+# ----------------------------------------------------------------------------- tests
+def test_constructor(engine):
+    s = VLLMSampler("/ckpt/model", seed=7, max_model_len=64, gpu_memory_utilization=0.3)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    [(_, model, kw)] = calls(engine, "LLM")
+    assert model == "/ckpt/model"
+    assert kw == dict(seed=7, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=64,
+                      enable_prefix_caching=True, enable_sleep_mode=True)
+    assert s.tokenizer is engine.llm.get_tokenizer()
+
+
+def test_token_id_prompts_n_and_context_clamp(engine):
+    engine.script = lambda p, i: cycle(T["x"])
+    s = VLLMSampler("m", max_model_len=64)
+    prompts = [[T["Q"]] * 5, [T["Q"]] * 14, [T["Q"]] * 18]
+    out = s.sample(prompts, 3, temperature=0.9, top_p=0.95, max_new_tokens=10, context=20,
+                   stop=["\n\nQ:"])
+    [(_, sent, params, use_tqdm)] = calls(engine, "generate")
+    assert sent == [{"prompt_token_ids": p} for p in prompts]
+    assert use_tqdm is False
+    assert [sp.max_tokens for sp in params] == [10, 6, 2]  # min(max_new_tokens, context - len)
+    assert all((sp.n, sp.temperature, sp.top_p, sp.stop) == (3, 0.9, 0.95, ["\n\nQ:"]) for sp in params)
+    assert [[len(c.ids) for c in row] for row in out] == [[10] * 3, [6] * 3, [2] * 3]
+    assert all(c.finish_reason == "length" for row in out for c in row)
+
+    s.sample(prompts[:1], 2, temperature=1.0, top_p=1.0, max_new_tokens=12)  # no context
+    assert [sp.max_tokens for sp in calls(engine, "generate")[-1][2]] == [12]
+
+
+def test_prompts_without_room_get_empty_length_completions(engine):
+    # Same as HFSampler: no room -> n empty "length" completions. Such prompts are
+    # never sent to vLLM, which needs max_tokens >= 1 and prompt length < max_model_len.
+    engine.script = lambda p, i: cycle(T["x"])
+    s = VLLMSampler("m", max_model_len=32)
+    prompts = [[T["Q"]] * 20, [T["Q"]] * 4, [T["Q"]] * 40]
+    out = s.sample(prompts, 2, temperature=1.0, top_p=1.0, max_new_tokens=8, context=20)
+    assert [[(c.ids, c.finish_reason) for c in row] for row in out] == [
+        [([], "length")] * 2, [([T["x"]] * 8, "length")] * 2, [([], "length")] * 2]
+    [(_, sent, params, _)] = calls(engine, "generate")
+    assert sent == [{"prompt_token_ids": prompts[1]}] and [sp.max_tokens for sp in params] == [8]
+
+    # without `context`, max_model_len is the limit
+    out = s.sample([[T["Q"]] * 28], 1, temperature=1.0, top_p=1.0, max_new_tokens=8)
+    assert [sp.max_tokens for sp in calls(engine, "generate")[-1][2]] == [4]
+    assert len(out[0][0].ids) == 4
+
+    n_calls = len(calls(engine, "generate"))
+    assert s.sample([[T["Q"]] * 32], 3, temperature=1.0, top_p=1.0, max_new_tokens=8) == [[Completion([], "length")] * 3]
+    assert s.sample([], 4, temperature=1.0, top_p=1.0, max_new_tokens=8) == []
+    assert len(calls(engine, "generate")) == n_calls  # nothing to do: vLLM not called
+
+
+def test_progress_turns_on_vllm_progress_bar(engine):
+    engine.script = lambda p, i: iter([EOS])
+    s = VLLMSampler("m", max_model_len=64)
+    s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4, progress="rollouts")
+    assert calls(engine, "generate")[-1][3] is True
+
+
+def test_completions_map_back_to_their_prompt_in_order(engine):
+    # sample i of the prompt starting with token a emits: a, then i copies of "x", then EOS
+    engine.script = lambda p, i: iter([p[0]] + [T["x"]] * i + [EOS])
+    s = VLLMSampler("m", max_model_len=64)
+    prompts = [ids("The", " is"), ids(" 2", "+"), ids("Q")]
+    out = s.sample(prompts, 4, temperature=1.0, top_p=1.0, max_new_tokens=16)
+    assert len(out) == 3 and all(len(row) == 4 for row in out)
+    for p, row in zip(prompts, out):
+        for i, c in enumerate(row):
+            assert isinstance(c, Completion)
+            assert c.ids == [p[0]] + [T["x"]] * i + [EOS]  # ends with EOS: model stopped itself
+            assert c.finish_reason == "stop"
+
+
+def test_stop_strings_are_cut_and_finish_reasons(engine):
+    answer = ids("The", " answer", " is", " 42", ".")
+    scripts = {
+        # stop string spread over three tokens; vLLM keeps all three in token_ids
+        0: answer + ids("\n\n", "Q", ":", "x", "x"),
+        # model ends itself: EOS is kept
+        1: answer + [EOS],
+        # never stops: cut by max_tokens
+        2: ids(" 2", "+", " 2", "=", " 4") * 10,
+        # stop string split across tokens "</s" + "olution>"
+        3: answer + ids("</s", "olution>", "x"),
+        # stop string as a single token
+        4: answer + ids("</solution>", "x"),
+    }
+    engine.script = lambda p, i: iter(scripts[i])
+    s = VLLMSampler("m", max_model_len=64)
+    stop = ["\n\nQ:", "</solution>"]
+    [row] = s.sample([ids("Q", ":")], 5, temperature=1.0, top_p=1.0, max_new_tokens=12, stop=stop)
+
+    assert (row[0].ids, row[0].finish_reason) == (answer, "stop")
+    assert (row[1].ids, row[1].finish_reason) == (answer + [EOS], "stop")
+    assert (row[2].ids, row[2].finish_reason) == (scripts[2][:12], "length")
+    assert (row[3].ids, row[3].finish_reason) == (answer, "stop")
+    assert (row[4].ids, row[4].finish_reason) == (answer, "stop")
+    tok = make_tokenizer()
+    for c in row:
+        text = tok.decode(c.ids, skip_special_tokens=True)
+        assert not any(s_ in text for s_ in stop)
+        # the glue's output agrees with eval.py's own cut rule
+        assert cut_at_stop(tok, c.ids, stop) == (c.ids, False)
+
+
+def test_stop_string_on_last_allowed_token_is_stop_not_length(engine):
+    engine.script = lambda p, i: iter(ids("The", "\n\n", "Q", ":", "x"))
+    s = VLLMSampler("m", max_model_len=64)
+    [[c]] = s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop=["\n\nQ:"])
+    assert (c.ids, c.finish_reason) == (ids("The"), "stop")
+
+
+def test_without_stop_strings_ids_are_returned_verbatim(engine):
+    engine.script = lambda p, i: iter(ids("The", "\n\n", "Q", ":") + [EOS])
+    s = VLLMSampler("m", max_model_len=64)
+    [[c]] = s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=8)
+    assert (c.ids, c.finish_reason) == (ids("The", "\n\n", "Q", ":") + [EOS], "stop")
+    assert calls(engine, "generate")[0][2][0].stop == []
+
+
+class TinyLM(torch.nn.Module):
+    """HF-like naming, with tied input/output embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(len(VOCAB), 8)
+        self.model.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.model.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, len(VOCAB), bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def test_load_weights_pushes_every_parameter_then_resets_prefix_cache(engine):
+    s = VLLMSampler("m", max_model_len=64)
+    lm = TinyLM()
+    s.load_weights(lm)
+    names = [c[0] for c in engine.log if c[0] in ("reload_weights", "reset_prefix_cache")]
+    assert names == ["reload_weights", "reset_prefix_cache"]
+    [(_, pushed, weights_path, is_ckpt)] = calls(engine, "reload_weights")
+    assert weights_path is None and is_ckpt is True
+    expected = dict(lm.named_parameters())
+    assert [n for n, _ in pushed] == list(expected)
+    assert "model.layers.1.weight" in expected and "model.norm.bias" in expected
+    for name, t in pushed:
+        assert torch.equal(t, expected[name])
+        assert t.data_ptr() == expected[name].data_ptr()  # no copy
+        assert not t.requires_grad
+
+    # a torch.compile'd model (OptimizedModule keeps the original as `_orig_mod`)
+    class Compiled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    s.load_weights(Compiled(lm))
+    assert [n for n, _ in calls(engine, "reload_weights")[-1][1]] == list(expected)
+    assert len(calls(engine, "reset_prefix_cache")) == 2
+
+    engine.reset_ok = False  # vLLM could not drop the stale KV blocks: fail loudly
+    with pytest.raises(RuntimeError):
+        s.load_weights(lm)
+
+
+def test_sleep_and_wake_up(engine):
+    engine.script = lambda p, i: iter([EOS])
+    s = VLLMSampler("m", max_model_len=64)
+    s.sleep()
+    s.sleep()  # idempotent
+    assert calls(engine, "sleep") == [("sleep", 1, "abort")]
+    with pytest.raises(RuntimeError):
+        s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)
+    with pytest.raises(RuntimeError):
+        s.load_weights(TinyLM())
+    s.wake_up()
+    s.wake_up()
+    assert calls(engine, "wake_up") == [("wake_up", None)]
+    [[c]] = s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)
+    assert c.ids == [EOS]
+
+
+def test_sleep_is_a_no_op_without_sleep_mode(engine):
+    s = VLLMSampler("m", max_model_len=64, enable_sleep_mode=False)
+    s.sleep()
+    s.wake_up()
+    assert not calls(engine, "sleep") and not calls(engine, "wake_up")
