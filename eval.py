@@ -141,6 +141,7 @@ RHO_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
 RHO_STOP = "\n\n\nProblem:"  # the SFT model may start a new problem instead of emitting EOS
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 RG_TEST_SEED_OFFSET = 1_000_003  # reasoning-gym: neighbouring seeds give shifted copies of the same items
+RG_TEST_SIZE = 200  # reasoning-gym test draws (fewer after deduplication)
 
 
 @dataclass
@@ -223,21 +224,23 @@ def _parse_rg_name(name: str) -> tuple[str, dict]:
 
 
 def _rg_rows(name: str, split: str, size: int, seed: int) -> list[dict]:
+    """reasoning-gym items. The test split is always the same RG_TEST_SIZE draws from a far seed, and
+    train drops every test question, so small task spaces (e.g. 1-digit sums) keep disjoint splits."""
     import reasoning_gym
 
     dataset, config = _parse_rg_name(name)
 
-    def generate(seed: int) -> list[dict]:
+    def generate(seed: int, size: int) -> list[dict]:
         try:
             return list(reasoning_gym.create_dataset(dataset, seed=seed, size=size, **config))
         except Exception as error:
             raise UsageError(f"reasoning-gym cannot build {dataset!r} with {config}: {error}") from None
 
-    test = generate(seed + RG_TEST_SEED_OFFSET)
+    test = generate(seed + RG_TEST_SEED_OFFSET, RG_TEST_SIZE)
     if split == "test":
         return test
-    held_out = {row["question"] for row in test}  # train never sees a test question
-    return [row for row in generate(seed) if row["question"] not in held_out]
+    held_out = {row["question"] for row in test}
+    return [row for row in generate(seed, size) if row["question"] not in held_out]
 
 
 def _jsonl_rows(path: str) -> list[dict]:
@@ -281,7 +284,7 @@ def load_task(
     elif name == "aime24":
         rows = [{"question": r["problem"], "answer": str(r["answer"])} for r in _hub_rows("HuggingFaceH4/aime_2024", None, "train")]
     elif name.startswith("rg:"):
-        rows = _rg_rows(name, split, size=limit or (200 if split == "test" else 10_000), seed=seed)
+        rows = _rg_rows(name, split, size=max(limit or 0, 10_000), seed=seed)
     elif name.endswith(".jsonl"):
         rows = _jsonl_rows(name)
     else:
@@ -602,8 +605,10 @@ class HFSampler:
         per_chunk = max(1, self.batch_size // n)
         results: list[list[Completion]] = []
         chunks = range(0, len(prompts), per_chunk)
-        for start in tqdm.tqdm(chunks, desc=progress, leave=False, disable=progress is None):
-            results += self._sample_chunk(prompts[start : start + per_chunk], n, temperature, top_p, max_new_tokens, stop, context)
+        device = self.model.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):  # training keeps fp32 weights
+            for start in tqdm.tqdm(chunks, desc=progress, leave=False, disable=progress is None):
+                results += self._sample_chunk(prompts[start : start + per_chunk], n, temperature, top_p, max_new_tokens, stop, context)
         return results
 
     @torch.no_grad()

@@ -212,10 +212,12 @@ def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     so that exp(logp) is the probability the sampler used."""
     response_len = batch["response_mask"].shape[1]
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
-        use_cache=False, logits_to_keep=response_len + 1,
-    ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
+    # fp32 weights (a 1e-6 step vanishes in bf16), bf16 compute on GPU.
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
+            use_cache=False, logits_to_keep=response_len + 1,
+        ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
     targets = batch["input_ids"][:, -response_len:]  # [rows, R]
     return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
 
@@ -313,13 +315,13 @@ def main(args: Args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
 
-    model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, device=device)
+    model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
     reference = None
     if args.beta > 0:  # parked on the CPU except while its log-probs are computed
         reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
         reference.requires_grad_(False)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     pad_id = tokenizer.pad_token_id
     train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
     eval_examples = ev.load_task(args.eval_task or args.task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)

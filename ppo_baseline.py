@@ -1,0 +1,643 @@
+"""PPO baseline: token-level advantages from a learned critic (value head) and GAE.
+
+For each question, sample G responses; the reward R = 1 if the graded final answer is right sits on the
+last response token. A critic, a copy of the policy's backbone with a scalar value head, predicts
+V(s_t) for the state before every response token; GAE turns rewards and values into per-token
+advantages (gamma = lambda = 1 in the paper, so A_t = R - V(s_t)) and returns (A_t + V(s_t), the
+critic's targets). The policy is updated with the PPO-clip surrogate plus a k3 KL penalty to the frozen
+reference model, the critic with the clipped value loss, each with its own AdamW. This is the
+token-level baseline of Segment Policy Optimization (Guo et al. 2025, arXiv 2505.23564); see README.md.
+
+Deliberate differences from the paper's released code (kept identical in every script here):
+- token-exact: the ids sampled are the ids trained, never decoded and re-tokenised; EOS is trained;
+- unfinished (length-limited) responses score 0 and end the episode (the value after them is 0, no bootstrap);
+- advantages are whitened over the whole iteration batch, not per micro-batch, and the gradients
+  of a batch (policy and critic) do not depend on how it is split into micro-batches.
+Choices the paper leaves open: the critic is a separate copy of the policy's backbone (no shared
+weights, so the value loss never moves the policy) with a zero-initialised value head, trained by its
+own AdamW (--critic-lr) on every response token; --prob-mask (off, as in the paper's PPO) restricts
+only the policy loss and the whitening, with the same semantics as grpo_baseline.py.
+
+  python ppo_baseline.py                                                   # paper GSM8K run (Rho-1B SFT)
+  python ppo_baseline.py --lam 0.96                                        # the common, lower-variance GAE lambda
+  python ppo_baseline.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 4 --group-size 4  # offline CPU
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import re
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import tqdm
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+from transformers import get_linear_schedule_with_warmup
+
+import eval as ev
+
+
+@dataclass
+class Args:
+    exp_name: str = "ppo"
+    """experiment name, part of the run name"""
+    seed: int = 1
+    """seed of question sampling, rollouts and initialisation (same seed on CPU gives identical metrics)"""
+    model: str = "rho-1b-sft-gsm8k"
+    """policy to start from (the critic starts from its weights too): model directory, Hugging Face id or alias (see eval.py)"""
+    task: str = "gsm8k"
+    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    eval_task: str | None = None
+    """held-out task (default: the training task's test split)"""
+    backend: str = "auto"
+    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
+    output_dir: str = "runs"
+    """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
+    resume: str | None = None
+    """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
+    track: bool = False
+    """also log to Weights & Biases"""
+
+    iterations: int = 1000
+    """training iterations (rollout + update)"""
+    questions: int = 64
+    """questions per iteration (sampled with replacement)"""
+    group_size: int = 8
+    """responses per question (PPO needs no groups; 8 keeps the paper's 64 x 8 samples per iteration)"""
+    temperature: float = 0.6
+    """sampling temperature; log-probs divide logits by it too"""
+    top_p: float = 0.9
+    """nucleus sampling threshold"""
+    max_new_tokens: int = 1024
+    """response token budget"""
+    context: int = 2047
+    """total context budget (prompt + response)"""
+    lr: float = 1e-6
+    """policy AdamW learning rate (3% linear warmup, then linear decay)"""
+    warmup_ratio: float = 0.03
+    """fraction of optimizer steps spent warming up (policy and critic)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (policy and critic)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (policy and critic, each on its own)"""
+    epochs: int = 2
+    """passes over each iteration's samples"""
+    batch_size: int = 64
+    """sequences per optimizer step"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (memory only: the gradient is the same for any split)"""
+    clip_eps: float = 0.2
+    """PPO ratio clipping"""
+    beta: float = 1e-4
+    """k3 KL penalty to the reference model (0 disables the reference model)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the update (policy and critic)"""
+    eval_every: int = 10
+    """evaluate every N iterations (and before the first and after the last)"""
+    eval_limit: int | None = None
+    """held-out questions to evaluate on (default: all)"""
+    eval_samples: int = 16
+    """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35)"""
+    eval_temperature: float = 0.35
+    """evaluation sampling temperature"""
+    eval_top_p: float = 1.0
+    """evaluation nucleus threshold"""
+    save_every: int = 10
+    """checkpoint every N iterations (and after the last)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU memory fraction for the vLLM engine"""
+
+    # Algorithm specific
+    gamma: float = 1.0
+    """GAE discount (paper: 1; the reward is terminal, so anything below 1 favours short responses)"""
+    lam: float = 1.0
+    """GAE lambda (paper: 1, i.e. A_t = R - V(s_t); 0.96 is a common, lower-variance choice)"""
+    critic_lr: float = 1e-6
+    """critic AdamW learning rate (same schedule as the policy; default: the policy's learning rate)"""
+    value_clip_eps: float = 0.2
+    """clipping of new values around the rollout's values in the value loss"""
+    prob_mask: bool = False
+    """train the policy only on tokens with p_t < prob_threshold (loss and whitening; the critic trains on every token)"""
+    prob_threshold: float = 0.9
+    """probability threshold of the mask"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Algorithm: advantages and losses (pure functions)
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over a right-padded batch; returns (advantages, returns), both [batch, T].
+
+    rewards[b, t]: reward received after response token t (here the graded reward on the last token);
+    values[b, t]: the critic's V(s_{t-1}), the state just before token t is sampled; mask[b, t]: response
+    tokens (a prefix of each row). The value after the last response token is 0 (the episode ends);
+    padding contributes nothing and gets advantage and return 0.
+      delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   return_t = A_t + V_t
+    With gamma = lam = 1 and a terminal reward R: A_t = R - V_t and return_t = R.
+
+    >>> gae_advantages(torch.tensor([[0., 0., 1.]]), torch.tensor([[.5, .6, .7]]), torch.ones(1, 3), gamma=.9, lam=.8)
+    (tensor([[0.2171, 0.2460, 0.3000]]), tensor([[0.7171, 0.8460, 1.0000]]))
+    """
+    mask = mask.to(values.dtype)
+    values, rewards = values * mask, rewards * mask  # [batch, T]; padding values are 0: the value after the end
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0]) if values.shape[1] else None  # [batch], A_{t+1}
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]  # padding stays 0, so A after the last token is 0
+        advantages[:, t] = running
+    return advantages, (advantages + values) * mask
+
+
+def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool) -> torch.Tensor:
+    """Tokens that count in the policy loss: response tokens, and with the probability mask only those with p_t < threshold.
+
+    Falls back to all response tokens when no token of the batch is below the threshold.
+    """
+    if not prob_mask:
+        return response_mask
+    masked = response_mask & (probs < threshold)
+    return masked if masked.any() else response_mask
+
+
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0)."""
+    count = mask.sum()
+    mean = (advantages * mask).sum() / count
+    std = (((advantages - mean) ** 2 * mask).sum() / count).sqrt()
+    return (advantages - mean) / (std + eps)
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    beta: float,
+    batch_tokens: int,
+    batch_sequences: int,
+) -> tuple[torch.Tensor, dict]:
+    """PPO-clip surrogate + beta * k3 KL to the reference model, for a micro-batch of [rows, T] token tensors.
+
+    Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
+    (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
+    KL: k3 = exp(ref - logp) - (ref - logp) - 1, summed over a sequence's masked tokens, mean over sequences.
+    """
+    mask = mask.float()
+    ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
+    pg_loss = -(surrogate * mask).sum() / batch_tokens
+    log_ref_ratio = ref_logps - logps
+    kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
+    kl_loss = (kl * mask).sum() / batch_sequences
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "clip_count": (clipped * mask).sum().item()}
+    return pg_loss + beta * kl_loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    batch_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Clipped value loss 0.5 * max((V - ret)^2, (clip(V, V_old - eps, V_old + eps) - ret)^2), masked, for [rows, T].
+
+    Like PPO's ratio clip, a new value may not move the loss down by leaving the eps-band around the
+    rollout's value. Normalised by the whole batch's masked-token count `batch_tokens` (default: this
+    call's), so summing micro-batch losses gives the batch loss whatever the split.
+
+    >>> value_loss(torch.tensor([[0.5, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))[0]  # 0.5 * (0.8^2 + 1^2) / 2
+    tensor(0.4100)
+    """
+    mask = mask.float()
+    batch_tokens = batch_tokens if batch_tokens is not None else max(1.0, mask.sum().item())
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)  # [rows, T]
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped_values - returns) ** 2
+    loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / batch_tokens
+    stats = {"value_loss": loss.item(), "value_clip_count": ((clipped_loss > unclipped_loss).float() * mask).sum().item()}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# The critic: the policy's backbone with a scalar value head
+
+
+class Critic(torch.nn.Module):
+    """V(s) for every position of a sequence: a transformer backbone (no LM head) and a linear value head.
+
+    The head starts at zero, so the untrained critic predicts 0 for every state: a neutral baseline
+    (with gamma = lambda = 1 the first advantages are the rewards themselves) instead of random values
+    that would add noise; the backbone gets gradients from the second step on, once the head is non-zero.
+    """
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids, values_to_keep: int = 0) -> torch.Tensor:
+        """Values [rows, values_to_keep] of the last `values_to_keep` positions (0: all), value i = V(tokens up to i)."""
+        device = input_ids.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):  # fp32 weights, bf16 compute on GPU
+            hidden = self.backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            ).last_hidden_state[:, -values_to_keep:]  # [rows, keep, hidden]
+        return self.value_head(hidden.float()).squeeze(-1)  # [rows, keep]
+
+
+def make_critic(policy) -> Critic:
+    """A critic initialised from the policy's weights: a separate copy of its backbone (the LM head is dropped)."""
+    return Critic(copy.deepcopy(policy.base_model), policy.config.hidden_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training helpers: batching, log-probs, values, one optimizer step
+
+
+def collate(samples: list[dict], pad_id: int, device) -> dict:
+    """Pad a list of samples into tensors: prompts left-padded, responses right-padded, so every
+    response starts at the same column and only the last R+1 positions are needed."""
+    prompt_len = max(len(s["prompt_ids"]) for s in samples)
+    response_len = max(1, max(len(s["response_ids"]) for s in samples))
+    input_ids, attention, response_mask = [], [], []
+    for s in samples:
+        p, r = s["prompt_ids"], s["response_ids"]
+        left, right = prompt_len - len(p), response_len - len(r)
+        input_ids.append([pad_id] * left + p + r + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
+        response_mask.append([True] * len(r) + [False] * right)
+    batch = {
+        "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
+        "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
+        "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
+    }
+    for key in ("old_logps", "ref_logps", "advantages", "loss_mask", "old_values", "returns"):
+        if key in samples[0]:
+            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[:, :response_len]
+    return batch
+
+
+def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
+    so that exp(logp) is the probability the sampler used."""
+    response_len = batch["response_mask"].shape[1]
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    # fp32 weights (a 1e-6 step vanishes in bf16), bf16 compute on GPU.
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
+            use_cache=False, logits_to_keep=response_len + 1,
+        ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
+    targets = batch["input_ids"][:, -response_len:]  # [rows, R]
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
+
+
+def response_values(critic: Critic, batch: dict) -> torch.Tensor:
+    """V(s_{t-1}) for every response token y_t: the value at the position of the token before it
+    (the prompt's last token for y_0), the same positions whose logits give log pi(y_t)."""
+    response_len = batch["response_mask"].shape[1]
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    values = critic(batch["input_ids"], batch["attention_mask"], positions, values_to_keep=response_len + 1)  # [rows, R + 1]
+    return values[:, :-1]  # [rows, R]; the value after the last column belongs to no token
+
+
+@torch.no_grad()
+def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int) -> list[torch.Tensor]:
+    """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        logps = response_logprobs(model, collate(chunk, pad_id, model.device), temperature).cpu()
+        out += [row[: len(s["response_ids"])] for row, s in zip(logps, chunk)]
+    model.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def sample_values(critic: Critic, samples: list[dict], micro_batch_size: int, pad_id: int) -> list[torch.Tensor]:
+    """Per-sample values of the states before each response token (1-D CPU tensors), in micro-batches."""
+    was_training = critic.training
+    critic.eval()
+    device = next(critic.parameters()).device
+    out = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        values = response_values(critic, collate(chunk, pad_id, device)).cpu()
+        out += [row[: len(s["response_ids"])] for row, s in zip(values, chunk)]
+    critic.train(was_training)
+    return out
+
+
+def accumulate_gradients(model, critic: Critic, batch_samples: list[dict], args: Args, pad_id: int) -> dict:
+    """Forward/backward one optimizer batch through policy and critic in micro-batches; each model's
+    gradients add up to its full-batch gradient."""
+    batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))  # policy: masked tokens
+    value_tokens = max(1, sum(len(s["response_ids"]) for s in batch_samples))  # critic: every response token
+    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0, "value_loss": 0.0, "value_clip_count": 0.0}
+    for start in range(0, len(batch_samples), args.micro_batch_size):
+        batch = collate(batch_samples[start : start + args.micro_batch_size], pad_id, model.device)
+        logps = response_logprobs(model, batch, args.temperature)
+        loss, micro = policy_loss(
+            logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
+            args.clip_eps, args.beta, batch_tokens, len(batch_samples),
+        )
+        loss.backward()
+        stats["loss"] += loss.item()
+        values = response_values(critic, batch)
+        critic_loss, critic_micro = value_loss(
+            values, batch["old_values"], batch["returns"], batch["response_mask"], args.value_clip_eps, value_tokens,
+        )
+        critic_loss.backward()
+        for key, value in {**micro, **critic_micro}.items():
+            stats[key] += value
+    stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
+    stats["value_clip_frac"] = stats.pop("value_clip_count") / value_tokens
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, critic: Critic, trainer_state: dict) -> Path:
+    """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact.
+
+    The policy is a plain save_pretrained directory (eval.py loads it); the critic (backbone + value head)
+    is one state dict, critic.pt; optimizers, schedulers and the iteration are in trainer_state.pt.
+    """
+    final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    torch.save(critic.state_dict(), staging / "critic.pt")
+    torch.save(trainer_state, staging / "trainer_state.pt")  # written last: its presence marks a complete checkpoint
+    if final.exists():
+        final.rename(previous)
+    staging.rename(final)
+    shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # .old: killed between the two renames
+        if (candidate / "trainer_state.pt").exists():
+            return candidate
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Main loop
+
+
+def validate(args: Args) -> None:
+    problems = []
+    if args.questions < 1 or args.group_size < 1 or args.iterations < 1 or args.epochs < 1:
+        problems.append("--questions, --group-size, --iterations and --epochs must be positive")
+    if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
+        problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
+    if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
+        problems.append("--context, --max-new-tokens and --temperature must be positive")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        problems.append(f"--gamma ({args.gamma}) and --lam ({args.lam}) must be in [0, 1]")
+    if args.critic_lr < 0 or args.value_clip_eps <= 0:
+        problems.append("--critic-lr must be non-negative and --value-clip-eps positive")
+    if problems:
+        raise ev.UsageError("; ".join(problems))
+
+
+def main(args: Args) -> dict:
+    validate(args)
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    # Run directory: new, or the one being resumed.
+    if args.resume:
+        run_dir = Path(args.resume)
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
+    else:
+        run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        run_dir, checkpoint = Path(args.output_dir) / run_name, None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+
+    model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
+    critic = make_critic(model)  # from the policy's weights; a resumed run overwrites them with its critic.pt
+    if checkpoint:
+        critic.load_state_dict(torch.load(checkpoint / "critic.pt", map_location=device, weights_only=True))
+    reference = None
+    if args.beta > 0:  # parked on the CPU except while its log-probs are computed
+        reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
+        reference.requires_grad_(False)
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
+        critic.backbone.activation_checkpointing_enable()
+    pad_id = tokenizer.pad_token_id
+    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
+    eval_examples = ev.load_task(args.eval_task or args.task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
+    stop = ev.stop_strings(tokenizer)
+    sampler = ev.make_sampler(
+        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
+        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
+
+    steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
+    total_steps = args.iterations * steps_per_iteration
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+    critic_scheduler = get_linear_schedule_with_warmup(critic_optimizer, int(args.warmup_ratio * total_steps), total_steps)
+    start_iteration = 1
+    if checkpoint:
+        state = torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        critic_optimizer.load_state_dict(state["critic_optimizer"])
+        critic_scheduler.load_state_dict(state["critic_scheduler"])
+        start_iteration = state["iteration"] + 1
+
+    # Metrics after the checkpoint belong to iterations that will be redone: drop them.
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    if args.track:
+        import wandb
+
+        wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+
+    def log(iteration: int, metrics: dict) -> None:
+        with metrics_path.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, iteration)
+        if args.track:
+            wandb.log(metrics, step=iteration)
+
+    def run_eval(iteration: int) -> float:
+        result = ev.evaluate(
+            model, tokenizer, args.eval_task or args.task, examples=eval_examples, samples=args.eval_samples,
+            temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
+            context=args.context, sampler=sampler, seed=args.seed,
+        )
+        log(iteration, {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+                        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]})
+        return result["accuracy"]
+
+    accuracy_before = run_eval(start_iteration - 1) if start_iteration == 1 else None
+    accuracy_after, non_finite_in_a_row = accuracy_before, 0
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
+    for iteration in progress:
+        # Reseeding from (seed, iteration) makes a resumed run sample exactly what the uninterrupted one would.
+        rng = random.Random(args.seed * 1_000_003 + iteration)
+        torch.manual_seed(args.seed * 1_000_003 + iteration)
+        if hasattr(sampler, "generator"):
+            sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
+
+        # 1. Rollout: G responses per question.
+        started = time.time()
+        questions = [rng.choice(train_examples) for _ in range(args.questions)]
+        groups = sampler.sample(
+            [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
+        )
+        rollout_seconds = time.time() - started
+
+        # 2. Rewards: graded final answer; unfinished responses score 0.
+        completions = [c for group in groups for c in group]
+        texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
+        references = [q.answer for q in questions for _ in range(args.group_size)]
+        scores = ev.grade(texts, references, args.task)
+        rewards = torch.tensor([s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)])
+
+        # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch.
+        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
+        for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
+            s["old_logps"] = s["ref_logps"] = logps
+        if reference is not None:
+            reference.to(device)
+            for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
+                s["ref_logps"] = logps
+            reference.to("cpu")
+        for s, values in zip(samples, sample_values(critic, samples, args.micro_batch_size, pad_id)):
+            s["old_values"] = values
+        lengths = torch.tensor([len(s["response_ids"]) for s in samples])
+        old_values = torch.nn.utils.rnn.pad_sequence([s["old_values"] for s in samples], batch_first=True)  # [N, T]
+        response_mask = torch.arange(old_values.shape[1])[None] < lengths[:, None]  # [N, T]
+        token_rewards = torch.zeros_like(old_values)  # [N, T]: the graded reward on each response's last token
+        nonempty = lengths > 0  # a prompt that filled the context gets an empty response: no token to reward
+        token_rewards[nonempty.nonzero().squeeze(-1), lengths[nonempty] - 1] = rewards[nonempty]
+        advantages, returns = gae_advantages(token_rewards, old_values, response_mask, args.gamma, args.lam)  # [N, T]
+        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+        flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
+        flat_advantages, flat_returns, flat_values = advantages[response_mask], returns[response_mask], old_values[response_mask]
+        if flat_mask.any():  # whitening statistics over the masked tokens of the whole iteration batch
+            flat_advantages = whiten(flat_advantages, flat_mask)
+        split = lengths.tolist()
+        for s, mask, advantage, target in zip(samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)):
+            s["loss_mask"], s["advantages"], s["returns"] = mask, advantage, target
+
+        # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches.
+        sampler.sleep()
+        started, model_stats = time.time(), []
+        model.train()
+        critic.train()
+        for _ in range(args.epochs):
+            order = torch.randperm(len(samples)).tolist()
+            for start in range(0, len(order), args.batch_size):
+                optimizer.zero_grad(set_to_none=True)
+                critic_optimizer.zero_grad(set_to_none=True)
+                stats = accumulate_gradients(model, critic, [samples[i] for i in order[start : start + args.batch_size]], args, pad_id)
+                if not (math.isfinite(stats["loss"]) and math.isfinite(stats["value_loss"])):
+                    non_finite_in_a_row += 1
+                    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+                    if non_finite_in_a_row >= 3:
+                        raise ev.UsageError("three non-finite losses in a row: lower --lr / --critic-lr, or check the model and data")
+                    scheduler.step()
+                    critic_scheduler.step()
+                    continue
+                non_finite_in_a_row = 0
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
+                optimizer.step()
+                critic_optimizer.step()
+                scheduler.step()
+                critic_scheduler.step()
+                model_stats.append(stats)
+        optimizer.zero_grad(set_to_none=True)
+        critic_optimizer.zero_grad(set_to_none=True)
+        update_seconds = time.time() - started
+        sampler.wake_up()
+        sampler.load_weights(model)
+
+        # 5. Log, evaluate, checkpoint.
+        generated = sum(len(c.ids) for c in completions)
+        metrics = {
+            "charts/reward": rewards.mean().item(),
+            "charts/response_tokens": generated / len(completions),
+            "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "charts/lr": scheduler.get_last_lr()[0],
+            "charts/critic_lr": critic_scheduler.get_last_lr()[0],
+            "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
+            "charts/loss_mask_fraction": flat_mask.float().mean().item(),
+            "charts/mean_value": flat_values.mean().item() if len(flat_values) else 0.0,
+            "time/rollout_seconds": rollout_seconds,
+            "time/update_seconds": update_seconds,
+        }
+        # Explained variance of the rollout's values against the returns: 1 = perfect critic, 0 = no better
+        # than a constant, undefined (not logged) when every return is the same.
+        if len(flat_returns) > 1 and flat_returns.var() > 0:
+            metrics["losses/explained_variance"] = (1 - (flat_returns - flat_values).var() / flat_returns.var()).item()
+        for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "value_loss", "value_clip_frac", "critic_grad_norm"):
+            if model_stats:
+                metrics[f"losses/{key}"] = sum(s[key] for s in model_stats) / len(model_stats)
+        log(iteration, metrics)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
+        tqdm.tqdm.write(
+            f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
+            f"kl {metrics.get('losses/kl', 0):.2e}  value loss {metrics.get('losses/value_loss', 0):.3f}  "
+            f"rollout {rollout_seconds:.1f}s  update {update_seconds:.1f}s"
+        )
+        if iteration % args.eval_every == 0 or iteration == args.iterations:
+            accuracy_after = run_eval(iteration)
+        if iteration % args.save_every == 0 or iteration == args.iterations:
+            trainer_state = {
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "critic_optimizer": critic_optimizer.state_dict(), "critic_scheduler": critic_scheduler.state_dict(),
+                "iteration": iteration,
+            }
+            save_checkpoint(run_dir, model, tokenizer, critic, trainer_state)
+
+    writer.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
+    print(f"accuracy {before} -> {accuracy_after:.3f} on {args.eval_task or args.task}; metrics {metrics_path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary
+
+
+if __name__ == "__main__":
+    ev.run_cli(main, tyro.cli(Args))

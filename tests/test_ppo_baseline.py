@@ -1,0 +1,344 @@
+"""ppo_baseline.py: GAE, clipped value loss, the critic (init, layout, shapes), micro-batch invariance, smoke run, resume."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model, write_jsonl
+
+import eval as ev
+import ppo_baseline as ppo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE
+
+
+def test_gae_with_gamma_and_lambda_one_is_reward_minus_value():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.2, 0.5, -0.1, 0.9]])
+    advantages, returns = ppo.gae_advantages(rewards, values, torch.ones(1, 4, dtype=torch.bool))
+    assert torch.allclose(advantages, 1.0 - values)
+    assert torch.allclose(returns, torch.ones(1, 4))  # every state's target is the final reward
+
+
+def test_gae_worked_by_hand_with_gamma_and_lambda_below_one():
+    # T = 3, gamma 0.9, lambda 0.8, reward 1 on the last token, V = (0.5, 0.6, 0.7), V after the end = 0:
+    # delta_2 = 1 + 0 - 0.7 = 0.3                 A_2 = 0.3
+    # delta_1 = 0 + 0.9 * 0.7 - 0.6 = 0.03        A_1 = 0.03 + 0.72 * 0.3 = 0.246
+    # delta_0 = 0 + 0.9 * 0.6 - 0.5 = 0.04        A_0 = 0.04 + 0.72 * 0.246 = 0.21712
+    advantages, returns = ppo.gae_advantages(
+        torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]]), torch.ones(1, 3), gamma=0.9, lam=0.8
+    )
+    assert advantages[0].tolist() == pytest.approx([0.21712, 0.246, 0.3], abs=1e-6)
+    assert returns[0].tolist() == pytest.approx([0.71712, 0.846, 1.0], abs=1e-6)
+
+
+def test_gae_lambda_zero_is_one_step_td():
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]])
+    advantages, _ = ppo.gae_advantages(rewards, values, torch.ones(1, 3), gamma=0.9, lam=0.0)
+    assert advantages[0].tolist() == pytest.approx([0.9 * 0.6 - 0.5, 0.9 * 0.7 - 0.6, 1.0 - 0.7], abs=1e-6)
+
+
+def test_gae_padding_is_ignored_and_gives_the_unpadded_result():
+    torch.manual_seed(0)
+    lengths = [5, 2, 3]
+    rows = [(torch.rand(n), torch.rand(n)) for n in lengths]
+    for rewards, _ in rows:
+        rewards[:-1] = 0.0  # terminal reward only, as in training
+    padded_rewards = torch.full((3, 5), 7.0)  # garbage in the padding must not leak in
+    padded_values = torch.full((3, 5), -3.0)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    for i, (rewards, values) in enumerate(rows):
+        padded_rewards[i, : lengths[i]], padded_values[i, : lengths[i]], mask[i, : lengths[i]] = rewards, values, True
+    advantages, returns = ppo.gae_advantages(padded_rewards, padded_values, mask, gamma=0.95, lam=0.9)
+    assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
+    for i, (rewards, values) in enumerate(rows):
+        alone_advantages, alone_returns = ppo.gae_advantages(rewards[None], values[None], torch.ones(1, lengths[i]), 0.95, 0.9)
+        assert torch.allclose(advantages[i, : lengths[i]], alone_advantages[0], atol=1e-6)
+        assert torch.allclose(returns[i, : lengths[i]], alone_returns[0], atol=1e-6)
+
+
+def test_gae_returns_are_advantages_plus_values():
+    torch.manual_seed(1)
+    rewards, values = torch.randn(4, 6), torch.randn(4, 6)
+    mask = torch.arange(6)[None] < torch.tensor([6, 4, 1, 3])[:, None]
+    advantages, returns = ppo.gae_advantages(rewards, values, mask, gamma=0.99, lam=0.96)
+    assert torch.allclose(returns[mask], (advantages + values)[mask], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+
+
+def test_value_loss_clips_around_the_old_values():
+    old = torch.zeros(1, 3)
+    returns = torch.ones(1, 3)
+    values = torch.tensor([[0.5, 0.1, 1.5]])
+    loss, stats = ppo.value_loss(values, old, returns, torch.ones(1, 3, dtype=torch.bool), clip_eps=0.2, batch_tokens=3)
+    # token 0: unclipped (0.5-1)^2 = 0.25, clipped to 0.2: (0.2-1)^2 = 0.64 -> 0.64 (the clipped term binds)
+    # token 1: inside the band: (0.1-1)^2 = 0.81 both ways
+    # token 2: unclipped (1.5-1)^2 = 0.25, clipped to 0.2: 0.64 -> 0.64
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.81 + 0.64) / 3, rel=1e-5)
+    assert stats["value_clip_count"] == 2
+
+
+def test_value_loss_is_normalised_by_the_batch_token_count_and_masks_padding():
+    values, returns = torch.tensor([[0.0, 5.0]]), torch.tensor([[1.0, -5.0]])
+    mask = torch.tensor([[True, False]])
+    loss, _ = ppo.value_loss(values, values, returns, mask, clip_eps=0.2, batch_tokens=4)
+    assert loss.item() == pytest.approx(0.5 * 1.0 / 4)  # padding's huge error is ignored; 4 tokens in the whole batch
+    default, _ = ppo.value_loss(values, values, returns, mask)
+    assert default.item() == pytest.approx(0.5)
+
+
+def test_policy_loss_at_ratio_one_is_minus_mean_advantage_plus_kl():
+    logps = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    ref = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
+    advantages = torch.tensor([[1.0, -2.0, 5.0]])
+    mask = torch.tensor([[True, True, False]])
+    loss, stats = ppo.policy_loss(logps, logps, ref, advantages, mask, 0.2, beta=0.5, batch_tokens=2, batch_sequences=1)
+    k3 = lambda d: torch.exp(d) - d - 1  # noqa: E731
+    kl = k3(ref - logps)[0, :2].sum()
+    assert loss.item() == pytest.approx(-(1.0 - 2.0) / 2 + 0.5 * kl.item(), rel=1e-5)
+
+
+def test_prob_mask_off_masks_nothing():
+    response = torch.tensor([True, True, True])
+    probs = torch.tensor([0.95, 0.5, 0.99])
+    assert ppo.loss_mask(response, probs, 0.9, prob_mask=False).tolist() == [True, True, True]
+    assert ppo.loss_mask(response, probs, 0.9, prob_mask=True).tolist() == [False, True, False]
+
+
+# ----------------------------------------------------------------------------------------------
+# The critic
+
+
+def _samples(tokenizer, n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt = tokenizer(f"question {i}:")["input_ids"]
+        response = torch.randint(4, len(tokenizer), (3 + i % 4,), generator=g).tolist() + [tokenizer.eos_token_id]
+        length = len(response)
+        samples.append({
+            "prompt_ids": prompt, "response_ids": response,
+            "old_logps": -torch.rand(length, generator=g) * 3, "ref_logps": -torch.rand(length, generator=g) * 3,
+            "advantages": torch.randn(length, generator=g), "loss_mask": torch.rand(length, generator=g) > 0.2,
+            "old_values": torch.randn(length, generator=g) * 0.1, "returns": torch.rand(length, generator=g),
+        })
+    return samples
+
+
+def _critic_with_random_head(model, seed=0):
+    critic = ppo.make_critic(model)
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)  # the zero init would hide layout mistakes
+    return critic
+
+
+def test_critic_starts_from_the_policy_weights_with_a_zero_head(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    critic = ppo.make_critic(model)
+    policy_backbone = dict(model.base_model.named_parameters())
+    critic_backbone = dict(critic.backbone.named_parameters())
+    assert critic_backbone.keys() == policy_backbone.keys()
+    for name, param in critic_backbone.items():
+        assert torch.equal(param, policy_backbone[name])
+        assert param.data_ptr() != policy_backbone[name].data_ptr()  # a copy: training the critic leaves the policy alone
+    assert critic.value_head.weight.abs().sum() == 0 and critic.value_head.bias.abs().sum() == 0
+    values = ppo.sample_values(critic, _samples(tokenizer, 3), 2, tokenizer.pad_token_id)
+    assert all((v == 0).all() for v in values)
+
+
+def test_value_shapes_and_positions_match_a_plain_forward(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    critic = _critic_with_random_head(model)
+    samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23]}]
+    batch = ppo.collate(samples, 0, "cpu")
+    values = ppo.response_values(critic, batch)
+    assert values.shape == (2, 3)  # [batch, R]
+    for row, s in enumerate(samples):
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        hidden = critic.backbone(ids).last_hidden_state[0]  # [P + R, hidden]
+        # value of the state before y_t is read at the position of the token preceding y_t
+        expected = critic.value_head(hidden[len(s["prompt_ids"]) - 1 : -1]).squeeze(-1)
+        assert torch.allclose(values[row, : len(s["response_ids"])], expected, atol=1e-5)
+
+
+def test_gradients_do_not_depend_on_micro_batch_split(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    critic = _critic_with_random_head(model)
+    samples = _samples(tokenizer)
+    policy_grads, critic_grads = [], []
+    for micro in (1, 2, 6):
+        model.zero_grad()
+        critic.zero_grad()
+        args = ppo.Args(micro_batch_size=micro, batch_size=6, beta=0.1, temperature=0.7, value_clip_eps=0.05)
+        stats = ppo.accumulate_gradients(model, critic, samples, args, tokenizer.pad_token_id)
+        assert stats["value_clip_frac"] > 0  # the clipped branch is exercised
+        policy_grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        critic_grads.append(torch.cat([p.grad.flatten() for p in critic.parameters()]))
+    for grads in (policy_grads, critic_grads):
+        assert grads[0].abs().sum() > 0
+        assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+
+
+def test_critic_fits_its_returns(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    critic = ppo.make_critic(model)
+    samples = _samples(tokenizer)
+    for s in samples:
+        s["returns"] = torch.full_like(s["returns"], 0.3)
+        s["old_values"] = torch.zeros_like(s["old_values"])
+    optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    batch = ppo.collate(samples, tokenizer.pad_token_id, "cpu")
+    losses = []
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss, _ = ppo.value_loss(ppo.response_values(critic, batch), batch["old_values"], batch["returns"], batch["response_mask"], clip_eps=1.0)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_configuration_is_one_clear_error():
+    with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
+        ppo.validate(ppo.Args(batch_size=6, micro_batch_size=4))
+    with pytest.raises(ev.UsageError, match="--lam"):
+        ppo.validate(ppo.Args(lam=1.5))
+
+
+def test_cli_bad_input_prints_one_error_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ppo_baseline.py"), "--gamma", "2", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --gamma (2.0) and --lam (1.0) must be in [0, 1]")
+    assert "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Smoke run, checkpoint, resume
+
+
+@pytest.fixture(scope="module")
+def sevens(tmp_path_factory):
+    """A tiny model over the alphabet "7 " and questions whose answer is 7: even the random model earns some
+    reward, so the critic has non-zero returns to learn and the resume test compares a critic that moved."""
+    directory = tmp_path_factory.mktemp("sevens")
+    model_dir = make_tiny_model(directory / "model", alphabet="7 ")
+    return model_dir, write_jsonl(directory / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
+
+
+def _args(model_dir, data, out, **overrides):
+    settings = dict(
+        model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6,
+        context=96, batch_size=6, micro_batch_size=3, epochs=1, lr=1e-3, critic_lr=1e-3, eval_every=1, eval_samples=1,
+        eval_limit=3, save_every=1, output_dir=str(out), seed=3, lam=0.9,
+    )
+    settings.update(overrides)
+    return ppo.Args(**settings)
+
+
+def _metrics(run_dir):
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
+
+
+def _critic_state(checkpoint):
+    return torch.load(Path(checkpoint) / "critic.pt", weights_only=True)
+
+
+def test_smoke_run_writes_finite_metrics_and_a_checkpoint_with_the_critic(sevens, tmp_path):
+    summary = ppo.main(_args(*sevens, tmp_path))
+    metrics = _metrics(summary["run_dir"])
+    train = [m for m in metrics if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1, 2]
+    assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
+    for key in ("losses/value_loss", "losses/value_clip_frac", "charts/mean_value", "losses/critic_grad_norm", "losses/kl"):
+        assert key in train[0]
+    assert train[0]["charts/reward"] > 0  # the critic has something to learn
+    assert train[0]["charts/mean_value"] == 0.0 and train[1]["charts/mean_value"] != 0.0  # zero head at first, then trained
+    assert -10 < train[0]["losses/explained_variance"] <= 1
+    # The policy is a plain save_pretrained directory that eval.py loads.
+    model, tokenizer = ev.load_model(summary["checkpoint"])
+    result = ev.evaluate(model, tokenizer, str(sevens[1]), limit=2, max_new_tokens=4)
+    assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
+    # The critic: the policy's backbone layout plus a value head, trained away from its zero init.
+    critic = ppo.make_critic(model)
+    critic.load_state_dict(_critic_state(summary["checkpoint"]))
+    assert critic.value_head.weight.abs().sum() > 0
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    assert state["iteration"] == 2 and state["critic_optimizer"]["state"]
+
+
+def test_resume_after_a_kill_restores_policy_and_critic_exactly(sevens, tmp_path, monkeypatch):
+    full = ppo.main(_args(*sevens, tmp_path / "full", iterations=3))
+
+    class Killed(Exception):
+        pass
+
+    calls, real_step = [], ppo.accumulate_gradients
+
+    def dies_in_iteration_3(*args, **kwargs):  # 2 optimizer steps per iteration: the 5th is iteration 3's first
+        calls.append(1)
+        if len(calls) == 5:
+            raise Killed
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(ppo, "accumulate_gradients", dies_in_iteration_3)
+    with pytest.raises(Killed):
+        ppo.main(_args(*sevens, tmp_path / "killed", iterations=3))
+    monkeypatch.setattr(ppo, "accumulate_gradients", real_step)
+    run_dir = next((tmp_path / "killed").iterdir())
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
+
+    resumed = ppo.main(_args(*sevens, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    assert resumed["run_dir"] == str(run_dir)
+    assert _metrics(run_dir) == _metrics(full["run_dir"])  # same seed: same numbers with or without the kill
+    killed_critic, full_critic = _critic_state(resumed["checkpoint"]), _critic_state(full["checkpoint"])
+    assert full_critic["value_head.weight"].abs().sum() > 0  # the critic did train: comparing it means something
+    assert killed_critic.keys() == full_critic.keys()
+    assert all(torch.equal(killed_critic[k], full_critic[k]) for k in full_critic)
+
+
+def test_prob_mask_gradient_checkpointing_and_no_reference_model_run(sevens, tmp_path):
+    summary = ppo.main(_args(*sevens, tmp_path, iterations=1, prob_mask=True, prob_threshold=0.17, gradient_checkpointing=True, beta=0.0))
+    train = [m for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
+    assert 0 < train[0]["charts/loss_mask_fraction"] < 1  # the mask drops the confident tokens from the policy loss
+    assert train[0]["losses/loss"] == pytest.approx(train[0]["losses/pg_loss"])  # beta 0: no KL term in the loss
+    assert train[0]["losses/critic_grad_norm"] > 0
+
+
+def test_resume_from_a_directory_without_checkpoint_is_one_clear_error(tmp_path):
+    with pytest.raises(ev.UsageError, match="no checkpoint found"):
+        ppo.main(ppo.Args(resume=str(tmp_path)))
+
+
+def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
+    # Digits-only vocabulary; every answer is 7, so "7<eos>" is always right and PPO must find it.
+    model_dir = make_tiny_model(tmp_path / "digits", alphabet="0123456789 ")
+    data = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
+    summary = ppo.main(ppo.Args(
+        model=str(model_dir), task=str(data), backend="hf", iterations=25, questions=8, group_size=8, max_new_tokens=3,
+        context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=1e-2, critic_lr=1e-2, beta=0.0, warmup_ratio=0.0,
+        eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000, output_dir=str(tmp_path / "runs"),
+    ))
+    train = [m for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
+    rewards = [m["charts/reward"] for m in train]
+    assert sum(rewards[:3]) / 3 < 0.2
+    assert sum(rewards[-3:]) / 3 > 0.8
+    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.5
+    assert train[-1]["charts/mean_value"] > 0.5  # the critic followed the reward up
