@@ -596,27 +596,32 @@ class HFSampler:
         *,
         temperature: float,
         top_p: float,
-        max_new_tokens: int,
+        max_new_tokens: int | list[int],
         stop: Sequence[str] = (),
         context: int | None = None,
         progress: str | None = None,
     ) -> list[list[Completion]]:
-        """n completions for each prompt (token ids); max new tokens = min(max_new_tokens, context - prompt length)."""
+        """n completions for each prompt (token ids).
+
+        max_new_tokens: one budget, or one per prompt; each is capped at context - prompt length.
+        """
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        limits = [min(b, context - len(p)) if context else b for p, b in zip(prompts, budgets)]
         per_chunk = max(1, self.batch_size // n)
         results: list[list[Completion]] = []
         chunks = range(0, len(prompts), per_chunk)
         device = self.model.device.type
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):  # training keeps fp32 weights
             for start in tqdm.tqdm(chunks, desc=progress, leave=False, disable=progress is None):
-                results += self._sample_chunk(prompts[start : start + per_chunk], n, temperature, top_p, max_new_tokens, stop, context)
+                end = start + per_chunk
+                results += self._sample_chunk(prompts[start:end], limits[start:end], n, temperature, top_p, stop)
         return results
 
     @torch.no_grad()
-    def _sample_chunk(self, prompts, n, temperature, top_p, max_new_tokens, stop, context) -> list[list[Completion]]:
+    def _sample_chunk(self, prompts, limits, n, temperature, top_p, stop) -> list[list[Completion]]:
         model, device = self.model, self.model.device
         was_training = model.training
         model.eval()
-        limits = [min(max_new_tokens, context - len(p)) if context else max_new_tokens for p in prompts]
         limits = torch.tensor(limits, device=device).clamp(min=0).repeat_interleave(n)  # [rows]
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
@@ -705,17 +710,18 @@ class VLLMSampler:
         self.asleep = False
 
     def sample(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-               max_new_tokens: int, stop: Sequence[str] = (), context: int | None = None,
+               max_new_tokens: int | list[int], stop: Sequence[str] = (), context: int | None = None,
                progress: str | None = None) -> list[list[Completion]]:
         """n completions per prompt, in prompt order.
-        Max new tokens = min(max_new_tokens, context - len(prompt))."""
+        Max new tokens = min(max_new_tokens (one, or one per prompt), context - len(prompt))."""
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:
             raise RuntimeError("VLLMSampler.sample() called while asleep; call wake_up() first")
         stop = list(stop)
         limit = self.max_model_len if context is None else min(context, self.max_model_len)
-        budgets = [min(max_new_tokens, limit - len(p)) for p in prompts]
+        wanted = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        budgets = [min(w, limit - len(p)) for p, w in zip(prompts, wanted)]
         # Like HFSampler, a prompt with no room left gets n empty "length"
         # completions. vLLM would reject it instead: it needs max_tokens >= 1 and
         # prompt length < max_model_len.

@@ -234,3 +234,14 @@ def test_cli_writes_results_json(tiny_model_dir, gsm8k_jsonl, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["examples"] == 2 and "accuracy" in saved and len(saved["records"]) == 2
     assert "accuracy" in result.stdout
+
+
+def test_per_prompt_token_budgets(tiny):
+    model, tokenizer = tiny
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, 20))  # never EOS
+    try:
+        groups = ev.HFSampler(model, tokenizer).sample([[5, 6], [7, 8, 9]], 2, temperature=1.0, top_p=1.0, max_new_tokens=[4, 9], context=10)
+    finally:
+        hook.remove()
+    assert [[len(c.ids) for c in g] for g in groups] == [[4, 4], [7, 7]]  # the second is capped by the context
+    assert all(c.finish_reason == "length" for g in groups for c in g)

@@ -241,6 +241,9 @@ def test_token_id_prompts_n_and_context_clamp(engine):
     s.sample(prompts[:1], 2, temperature=1.0, top_p=1.0, max_new_tokens=12)  # no context
     assert [sp.max_tokens for sp in calls(engine, "generate")[-1][2]] == [12]
 
+    s.sample(prompts, 1, temperature=1.0, top_p=1.0, max_new_tokens=[3, 9, 9], context=20)  # one budget per prompt
+    assert [sp.max_tokens for sp in calls(engine, "generate")[-1][2]] == [3, 6, 2]
+
 
 def test_prompts_without_room_get_empty_length_completions(engine):
     # Same as HFSampler: no room -> n empty "length" completions. Such prompts are
