@@ -1,0 +1,722 @@
+"""SPO-tree: segment advantages from a tree of Monte-Carlo rollouts (Segment Policy Optimization, long CoT).
+
+For each question, grow a tree: the prompt (root) samples b_0 segments of at most M tokens; every
+segment that did not finish samples b_1 continuations of M tokens, and so on; at the last level the
+continuations run to completion. Leaves are graded (1 if the final answer is right, 0 if wrong or
+unfinished); an inner node's value is the mean of its children's values. Every non-root node is one
+training sample: query = prompt + the segments above it, response = its own segment, constant
+advantage V(node) - V(parent) (the siblings are each other's baseline). The policy is updated with the
+PPO-clip surrogate on tokens with p_t < 0.9 (probability mask) plus a k3 KL penalty to the frozen
+reference model. Guo et al. 2025, "Segment Policy Optimization", arXiv 2505.23564 (section 4, SPO-tree);
+see README.md for the paper's settings and results.
+
+Deliberate differences from the paper's released code (kept identical in every script here):
+- token-exact: a child continues from its parent's exact token ids; nothing is decoded and re-tokenised;
+  EOS is trained;
+- unfinished (length-limited) leaves score 0;
+- advantages are whitened over the whole iteration batch, not per micro-batch, and the gradient of a
+  batch does not depend on how it is split into micro-batches;
+- --no-prob-mask removes the mask everywhere (loss and whitening statistics).
+Choices the paper leaves open, made here:
+- a stop string that straddles a segment boundary ends the response there (the sampler only sees one segment);
+- edges wait in the replay buffer for at most --buffer-max-age iterations; an edge taken for training
+  leaves the buffer (as in the paper's code), so each edge is trained on once, with the old log-probs
+  of the policy that generated it;
+- the learning rate schedule advances once per iteration, since the number of edges per iteration varies.
+
+  python spo_tree.py                                       # paper long-CoT run: R1-Distill-Qwen-1.5B on MATH, 6-6-6, M=600, 2K context
+  python spo_tree.py --model rho-1b-sft-gsm8k --task gsm8k --segment-tokens 30 --questions 16 --context 2047 \\
+      --max-new-tokens 1024 --top-p 0.9 --eval-samples 16 --eval-temperature 0.35 --eval-top-p 1.0   # paper GSM8K run
+  python spo_tree.py --model smollm2-135m --task rg:chain_sum:min_terms=2,max_terms=2,max_digits=1 --tree 3,3 \\
+      --segment-tokens 16 --iterations 2 --questions 2 --batch-size 8 --micro-batch-size 4 --max-new-tokens 64 \\
+      --context 512 --eval-limit 10 --eval-samples 1                                   # offline CPU
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import tqdm
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+from transformers import get_linear_schedule_with_warmup
+
+import eval as ev
+
+
+@dataclass
+class Args:
+    exp_name: str = "spo_tree"
+    """experiment name, part of the run name"""
+    seed: int = 1
+    """seed of question sampling, rollouts, buffer sampling and initialisation (same seed on CPU gives identical metrics)"""
+    model: str = "deepseek-r1-distill-qwen-1.5b"
+    """policy to start from: model directory, Hugging Face id or alias (see eval.py)"""
+    task: str = "math"
+    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    eval_task: str | None = None
+    """held-out task (default: math500 for --task math, else the training task's test split)"""
+    backend: str = "auto"
+    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
+    output_dir: str = "runs"
+    """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
+    resume: str | None = None
+    """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
+    track: bool = False
+    """also log to Weights & Biases"""
+    dry_run: bool = False
+    """print the resolved configuration as JSON and exit without loading any model or data"""
+
+    iterations: int = 1000
+    """training iterations (tree rollout + update)"""
+    questions: int = 32
+    """questions per iteration, one tree each (sampled with replacement)"""
+    temperature: float = 0.6
+    """sampling temperature; log-probs divide logits by it too"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    max_new_tokens: int = 2048
+    """response token budget of a whole root-to-leaf path (the context budget usually binds first)"""
+    context: int = 2048
+    """total context budget (prompt + response)"""
+    lr: float = 1e-6
+    """AdamW learning rate (3% linear warmup, then linear decay, stepped once per iteration)"""
+    warmup_ratio: float = 0.03
+    """fraction of iterations spent warming up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    epochs: int = 1
+    """passes over each iteration's edges"""
+    batch_size: int = 128
+    """sequences (edges) per optimizer step"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (memory only: the gradient is the same for any split)"""
+    clip_eps: float = 0.2
+    """PPO ratio clipping"""
+    beta: float = 1e-4
+    """k3 KL penalty to the reference model (0 disables the reference model)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the update"""
+    eval_every: int = 10
+    """evaluate every N iterations (and before the first and after the last)"""
+    eval_limit: int | None = None
+    """held-out questions to evaluate on (default: all)"""
+    eval_samples: int = 1
+    """samples per held-out question (paper long-CoT protocol: 1 at temperature 0.6, top_p 0.95)"""
+    eval_temperature: float = 0.6
+    """evaluation sampling temperature"""
+    eval_top_p: float = 0.95
+    """evaluation nucleus threshold"""
+    save_every: int = 10
+    """checkpoint every N iterations (and after the last)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU memory fraction for the vLLM engine"""
+
+    # Algorithm specific
+    tree: str = "6,6,6"
+    """branch factor per depth, b_0,b_1,...: depth = number of entries (paper: 6,6,6)"""
+    segment_tokens: int = 600
+    """M: new tokens per segment above the last level (paper: 600 long CoT, 30 GSM8K)"""
+    advantage: str = "rloo"
+    """edge advantage: rloo = V(child) - V(parent); grpo = that / (std of the siblings' values + 1e-8)"""
+    prob_mask: bool = True
+    """train only on tokens with p_t < prob_threshold (--no-prob-mask: every response token)"""
+    prob_threshold: float = 0.9
+    """probability threshold of the mask"""
+    buffer_max_age: int = 8
+    """iterations an edge may wait in the replay buffer (1: only this iteration's edges are used)"""
+    edges_per_question: int = 32
+    """edges taken from the buffer per question per iteration, at random; the rest wait"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Algorithm: the tree, values, segment advantages, loss (pure functions)
+
+ADVANTAGES = ("rloo", "grpo")
+
+
+def parse_tree(spec: str) -> list[int]:
+    """Branch factors per depth from "b0,b1,...": each a positive integer, whitespace allowed.
+
+    >>> parse_tree("6, 6,6")
+    [6, 6, 6]
+    """
+    if not spec.strip():
+        raise ValueError(f"{spec!r}: no branch factors (write one per depth, e.g. 6,6,6)")
+    branches = []
+    for depth, part in enumerate(spec.split(",")):
+        part = part.strip()
+        if not re.fullmatch(r"[0-9]+", part) or int(part) < 1:
+            raise ValueError(f"{spec!r}: branch factor {part!r} at depth {depth} is not a positive integer (write one per depth, e.g. 6,6,6)")
+        branches.append(int(part))
+    return branches
+
+
+@dataclass
+class Node:
+    """One node of a rollout tree: the root holds the prompt ids, every other node its own segment's ids."""
+
+    tokens: list[int]
+    children: list[Node] = field(default_factory=list)
+    reward: float | None = None  # leaves only: graded reward of the full response (0 when unfinished)
+    value: float | None = None  # filled by backup_values
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"; None for the root
+    depth: int = 0  # 0 for the root, d for a segment sampled at level d-1
+
+
+def backup_values(root: Node) -> float:
+    """Fill every node's value: a leaf's is its reward, an inner node's the mean of its children's values
+    (recursive, not leaf-weighted); return the root's value.
+
+    >>> backup_values(Node([0], [Node([1], reward=1.0), Node([2], [Node([3], reward=0.0), Node([4], reward=1.0)])]))
+    0.75
+    """
+    if not root.children:
+        if root.reward is None:
+            raise ValueError(f"leaf at depth {root.depth} has no reward")
+        root.value = float(root.reward)
+    else:
+        root.value = sum(backup_values(child) for child in root.children) / len(root.children)
+    return root.value
+
+
+def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], list[int], float]]:
+    """Training samples of a tree: (query ids, segment ids, advantage) per non-root node, depth-first pre-order
+    (a node, then its subtree, then its next sibling). Calls backup_values.
+
+    query = root.tokens + the ancestors' segments; advantage "rloo" = V(node) - V(parent), "grpo" = that
+    / (population std of the node and its siblings' values + 1e-8). Edges with advantage exactly 0 are
+    dropped: siblings that agree carry no signal.
+
+    >>> root = Node([9], [Node([1], reward=1.0), Node([2], [Node([3], reward=0.0), Node([4], reward=1.0)])])
+    >>> tree_segments(root)
+    [([9], [1], 0.25), ([9], [2], -0.25), ([9, 2], [3], -0.5), ([9, 2], [4], 0.5)]
+    """
+    if advantage not in ADVANTAGES:
+        raise ValueError(f"unknown advantage {advantage!r}: use {' or '.join(ADVANTAGES)}")
+    backup_values(root)
+    segments = []
+
+    def visit(node: Node, query: list[int]) -> None:
+        if not node.children:
+            return
+        scale = 1.0
+        if advantage == "grpo":
+            scale = statistics.pstdev([child.value for child in node.children]) + 1e-8
+        for child in node.children:
+            edge_advantage = (child.value - node.value) / scale
+            if edge_advantage != 0:
+                segments.append((list(query), list(child.tokens), edge_advantage))
+            visit(child, query + child.tokens)
+
+    visit(root, list(root.tokens))
+    return segments
+
+
+def walk(root: Node) -> Iterator[tuple[Node, list[int]]]:
+    """Every non-root node with the ids generated before it (its ancestors' segments), depth-first pre-order.
+    The node's full response is `before + node.tokens`; its query is `root.tokens + before`."""
+    stack = [(child, []) for child in reversed(root.children)]
+    while stack:
+        node, before = stack.pop()
+        yield node, before
+        stack += [(child, before + node.tokens) for child in reversed(node.children)]
+
+
+def sample_buffer(
+    buffer: list[dict], iteration: int, max_age: int, per_question: int, rng: random.Random
+) -> tuple[list[dict], list[dict]]:
+    """Replay buffer step: drop edges older than `max_age` iterations, then take at most `per_question`
+    random edges per question. Returns (taken, remaining); taken edges leave the buffer.
+
+    An edge born in iteration i (edge["born"]) can be taken in iterations i .. i + max_age - 1.
+    Edges are grouped by edge["question"]; both lists keep the buffer's order.
+    """
+    alive = [edge for edge in buffer if iteration - edge["born"] < max_age]
+    by_question: dict = {}
+    for index, edge in enumerate(alive):
+        by_question.setdefault(edge["question"], []).append(index)
+    chosen = set()
+    for indices in by_question.values():
+        chosen.update(rng.sample(indices, min(per_question, len(indices))))
+    taken = [edge for i, edge in enumerate(alive) if i in chosen]
+    remaining = [edge for i, edge in enumerate(alive) if i not in chosen]
+    return taken, remaining
+
+
+def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool) -> torch.Tensor:
+    """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
+
+    Falls back to all response tokens when no token of the batch is below the threshold.
+    """
+    if not prob_mask:
+        return response_mask
+    masked = response_mask & (probs < threshold)
+    return masked if masked.any() else response_mask
+
+
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0)."""
+    count = mask.sum()
+    mean = (advantages * mask).sum() / count
+    std = (((advantages - mean) ** 2 * mask).sum() / count).sqrt()
+    return (advantages - mean) / (std + eps)
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    beta: float,
+    batch_tokens: int,
+    batch_sequences: int,
+) -> tuple[torch.Tensor, dict]:
+    """PPO-clip surrogate + beta * k3 KL to the reference model, for a micro-batch of [rows, T] token tensors.
+
+    Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
+    (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
+    KL: k3 = exp(ref - logp) - (ref - logp) - 1, summed over a sequence's masked tokens, mean over sequences.
+    """
+    mask = mask.float()
+    ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
+    pg_loss = -(surrogate * mask).sum() / batch_tokens
+    log_ref_ratio = ref_logps - logps
+    kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
+    kl_loss = (kl * mask).sum() / batch_sequences
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "clip_count": (clipped * mask).sum().item()}
+    return pg_loss + beta * kl_loss, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout: grow the trees level by level, grade the leaves
+
+
+def grow_trees(
+    sampler, tokenizer, prompts: list[list[int]], branches: list[int], *, segment_tokens: int, max_new_tokens: int,
+    context: int, temperature: float, top_p: float, stop: list[str],
+) -> tuple[list[Node], list[float]]:
+    """One tree per prompt, grown level by level with one batched sampler call per level across all trees.
+
+    Level d: every open node samples branches[d] children of at most `segment_tokens` new tokens (the sampler
+    prefills each prefix once); at the last level children run to completion, up to `max_new_tokens` minus
+    the tokens already on the path and the context budget. A child that stopped (EOS or stop string) is a
+    leaf to grade. A child that filled its M tokens is expanded at the next level; one cut short by the
+    context limit, or with no room left, cannot be: it stays an unfinished leaf (reward 0), as does a
+    last-level child that did not stop. Returns the roots (rewards not set yet) and the seconds per level.
+    """
+    roots = [Node(tokens=list(prompt)) for prompt in prompts]
+    frontier = [(root, root.tokens, []) for root in roots]  # (open node, prompt ids, ids generated on its path)
+    tail = max((len(s) for s in stop), default=0) + 2  # path tokens enough to hold the start of a stop string
+    seconds = []
+    for depth, branch in enumerate(branches):
+        started, last = time.time(), depth == len(branches) - 1
+        generated = depth * segment_tokens  # every open node's path holds exactly `depth` full segments
+        groups = sampler.sample(
+            [prompt + path for _, prompt, path in frontier], branch, temperature=temperature, top_p=top_p,
+            max_new_tokens=max_new_tokens - generated if last else segment_tokens, stop=stop, context=context,
+            progress=f"level {depth + 1}/{len(branches)}",
+        )
+        next_frontier = []
+        for (parent, prompt, path), completions in zip(frontier, groups):
+            for completion in completions:
+                ids, finish = completion.ids, completion.finish_reason
+                if stop and path:  # the sampler sees one segment: look for a stop string straddling the boundary
+                    window = path[-tail:]
+                    cut, found = ev.cut_at_stop(tokenizer, window + ids, stop)
+                    if found:  # it may begin in the parent's segment: then this segment is empty
+                        ids, finish = cut[len(window) :], "stop"
+                child = Node(tokens=list(ids), finish_reason=finish, depth=depth + 1)
+                parent.children.append(child)
+                room = context - len(prompt) - len(path) - len(ids)
+                if not last and finish == "length" and len(ids) == segment_tokens and room > 0:
+                    next_frontier.append((child, prompt, path + child.tokens))
+        frontier = next_frontier
+        seconds.append(time.time() - started)
+    return roots, seconds
+
+
+def grade_trees(trees: list[Node], answers: list[str], tokenizer, task: str) -> None:
+    """Set every leaf's reward: a leaf that stopped is graded on its full response (all segments on its path,
+    special tokens skipped), an unfinished one scores 0. One grading call for all trees."""
+    finished = []  # (leaf, response text, reference answer)
+    for tree, answer in zip(trees, answers):
+        for node, before in walk(tree):
+            if not node.children:
+                node.reward = 0.0
+                if node.finish_reason == "stop":
+                    finished.append((node, tokenizer.decode(before + node.tokens, skip_special_tokens=True), answer))
+    if finished:
+        scores = ev.grade([text for _, text, _ in finished], [answer for _, _, answer in finished], task)
+        for (node, _, _), score in zip(finished, scores):
+            node.reward = score
+
+
+# ----------------------------------------------------------------------------------------------
+# Training helpers: batching, log-probs, one optimizer step
+
+
+def collate(samples: list[dict], pad_id: int, device) -> dict:
+    """Pad a list of samples into tensors: prompts left-padded, responses right-padded, so every
+    response starts at the same column and only the last R+1 logits are needed."""
+    prompt_len = max(len(s["prompt_ids"]) for s in samples)
+    response_len = max(1, max(len(s["response_ids"]) for s in samples))
+    input_ids, attention, response_mask = [], [], []
+    for s in samples:
+        p, r = s["prompt_ids"], s["response_ids"]
+        left, right = prompt_len - len(p), response_len - len(r)
+        input_ids.append([pad_id] * left + p + r + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
+        response_mask.append([True] * len(r) + [False] * right)
+    batch = {
+        "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
+        "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
+        "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
+    }
+    for key in ("old_logps", "ref_logps", "advantages", "loss_mask"):
+        if key in samples[0]:
+            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[:, :response_len]
+    return batch
+
+
+def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
+    so that exp(logp) is the probability the sampler used."""
+    response_len = batch["response_mask"].shape[1]
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    # fp32 weights (a 1e-6 step vanishes in bf16), bf16 compute on GPU.
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
+            use_cache=False, logits_to_keep=response_len + 1,
+        ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
+    targets = batch["input_ids"][:, -response_len:]  # [rows, R]
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
+
+
+@torch.no_grad()
+def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int) -> list[torch.Tensor]:
+    """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        logps = response_logprobs(model, collate(chunk, pad_id, model.device), temperature).cpu()
+        out += [row[: len(s["response_ids"])] for row, s in zip(logps, chunk)]
+    model.train(was_training)
+    return out
+
+
+def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: int) -> dict:
+    """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient."""
+    batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
+    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
+    for start in range(0, len(batch_samples), args.micro_batch_size):
+        batch = collate(batch_samples[start : start + args.micro_batch_size], pad_id, model.device)
+        logps = response_logprobs(model, batch, args.temperature)
+        loss, micro = policy_loss(
+            logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
+            args.clip_eps, args.beta, batch_tokens, len(batch_samples),
+        )
+        loss.backward()
+        stats["loss"] += loss.item()
+        for key in micro:
+            stats[key] += micro[key]
+    stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, iteration: int, buffer: list[dict]) -> Path:
+    """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact.
+    The replay buffer is saved with the optimizer: a resumed run trains on the same edges."""
+    final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration, "buffer": buffer},
+        staging / "trainer_state.pt",
+    )
+    if final.exists():
+        final.rename(previous)
+    staging.rename(final)
+    shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # .old: killed between the two renames
+        if (candidate / "trainer_state.pt").exists():
+            return candidate
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Main loop
+
+
+def validate(args: Args) -> list[int]:
+    """Check the configuration; return the branch factors of --tree."""
+    problems, branches = [], []
+    try:
+        branches = parse_tree(args.tree)
+    except ValueError as error:
+        problems.append(f"--tree {error}")
+    if args.questions < 1 or args.iterations < 1 or args.epochs < 1:
+        problems.append("--questions, --iterations and --epochs must be positive")
+    if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
+        problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
+    if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
+        problems.append("--context, --max-new-tokens and --temperature must be positive")
+    if args.segment_tokens < 1:
+        problems.append("--segment-tokens must be positive")
+    elif branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
+        problems.append(
+            f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates {(len(branches) - 1) * args.segment_tokens} tokens "
+            f"before its last level, leaving no room within --max-new-tokens and --context: raise them or lower --segment-tokens"
+        )
+    if args.advantage not in ADVANTAGES:
+        problems.append(f"--advantage must be {' or '.join(ADVANTAGES)}, not {args.advantage!r}")
+    if args.buffer_max_age < 1 or args.edges_per_question < 1:
+        problems.append("--buffer-max-age and --edges-per-question must be positive")
+    if problems:
+        raise ev.UsageError("; ".join(problems))
+    return branches
+
+
+def main(args: Args) -> dict:
+    branches = validate(args)
+    eval_task = args.eval_task or ("math500" if args.task == "math" else args.task)
+    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
+        full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]
+        config = {**asdict(args), "resolved": {
+            "model_id": ev.ALIASES.get(args.model, args.model), "eval_task": eval_task, "branches": branches,
+            "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1],
+        }}
+        print(json.dumps(config, indent=1))
+        return config
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    # Run directory: new, or the one being resumed.
+    if args.resume:
+        run_dir = Path(args.resume)
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
+    else:
+        run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        run_dir, checkpoint = Path(args.output_dir) / run_name, None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+
+    model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
+    reference = None
+    if args.beta > 0:  # parked on the CPU except while its log-probs are computed
+        reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
+        reference.requires_grad_(False)
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    pad_id = tokenizer.pad_token_id
+    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
+    eval_examples = ev.load_task(eval_task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
+    stop = ev.stop_strings(tokenizer)
+    sampler = ev.make_sampler(
+        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
+        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * args.iterations), args.iterations)
+    start_iteration, buffer = 1, []  # buffer: edges waiting to be trained on, oldest first
+    if checkpoint:
+        # On the CPU: the buffer's log-probs stay there with the new edges'; the optimizer moves its state to the parameters.
+        state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_iteration, buffer = state["iteration"] + 1, state["buffer"]
+
+    # Metrics after the checkpoint belong to iterations that will be redone: drop them.
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    if args.track:
+        import wandb
+
+        wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+
+    def log(iteration: int, metrics: dict) -> None:
+        with metrics_path.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, iteration)
+        if args.track:
+            wandb.log(metrics, step=iteration)
+
+    def run_eval(iteration: int) -> float:
+        result = ev.evaluate(
+            model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples,
+            temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
+            context=args.context, sampler=sampler, seed=args.seed,
+        )
+        log(iteration, {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+                        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]})
+        return result["accuracy"]
+
+    accuracy_before = run_eval(start_iteration - 1) if start_iteration == 1 else None
+    accuracy_after, non_finite_in_a_row = accuracy_before, 0
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
+    for iteration in progress:
+        # Reseeding from (seed, iteration) makes a resumed run sample exactly what the uninterrupted one would.
+        rng = random.Random(args.seed * 1_000_003 + iteration)
+        torch.manual_seed(args.seed * 1_000_003 + iteration)
+        if hasattr(sampler, "generator"):
+            sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
+
+        # 1. Rollout: one tree per question, grown level by level across all trees.
+        started = iteration_started = time.time()
+        question_ids = [rng.randrange(len(train_examples)) for _ in range(args.questions)]
+        questions = [train_examples[i] for i in question_ids]
+        trees, level_seconds = grow_trees(
+            sampler, tokenizer, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
+            max_new_tokens=args.max_new_tokens, context=args.context, temperature=args.temperature, top_p=args.top_p, stop=stop,
+        )
+        rollout_seconds = time.time() - started
+
+        # 2. Rewards: every finished leaf graded on its full response; unfinished leaves score 0.
+        grade_trees(trees, [q.answer for q in questions], tokenizer, args.task)
+
+        # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
+        new_edges, nonzero_edges = [], 0
+        for question_id, tree in zip(question_ids, trees):
+            segments = tree_segments(tree, args.advantage)
+            nonzero_edges += len(segments)
+            for query, segment, advantage in segments:
+                if segment:  # an empty segment (cut by a straddling stop string) has no token to train
+                    new_edges.append({"question": question_id, "born": iteration, "prompt_ids": query, "response_ids": segment,
+                                      "advantage": advantage})
+        for edge, logps in zip(new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id)):
+            edge["old_logps"] = logps
+
+        # 4. Replay buffer: take at most --edges-per-question edges per question; reference log-probs, mask, whitening.
+        samples, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
+        flat_mask = torch.zeros(0, dtype=torch.bool)
+        if samples:
+            for s in samples:
+                s["ref_logps"] = s["old_logps"]
+            if reference is not None:
+                reference.to(device)
+                for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
+                    s["ref_logps"] = logps
+                reference.to("cpu")
+            lengths = [len(s["response_ids"]) for s in samples]
+            flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+            flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
+            flat_advantages = torch.repeat_interleave(torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths))
+            flat_advantages = whiten(flat_advantages, flat_mask)  # statistics over the masked tokens of the whole iteration batch
+            for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
+                s["loss_mask"], s["advantages"] = mask, advantage
+
+        # 5. Update: epochs x shuffled batches x micro-batches.
+        sampler.sleep()
+        started, model_stats, lr = time.time(), [], scheduler.get_last_lr()[0]
+        model.train()
+        for _ in range(args.epochs if samples else 0):
+            order = torch.randperm(len(samples)).tolist()
+            for start in range(0, len(order), args.batch_size):
+                optimizer.zero_grad(set_to_none=True)
+                stats = accumulate_gradients(model, [samples[i] for i in order[start : start + args.batch_size]], args, pad_id)
+                if not math.isfinite(stats["loss"]):
+                    non_finite_in_a_row += 1
+                    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+                    if non_finite_in_a_row >= 3:
+                        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
+                    continue
+                non_finite_in_a_row = 0
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                optimizer.step()
+                model_stats.append(stats)
+        optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # an iteration without edges makes no optimizer step; the schedule still advances
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            scheduler.step()
+        update_seconds = time.time() - started
+        sampler.wake_up()
+        sampler.load_weights(model)
+
+        # 6. Log, evaluate, checkpoint.
+        nodes = [node for tree in trees for node, _ in walk(tree)]
+        leaves = [node for node in nodes if not node.children]
+        generated = sum(len(node.tokens) for node in nodes)
+        metrics = {
+            "charts/reward": sum(leaf.reward for leaf in leaves) / len(leaves),  # mean over leaves
+            "charts/root_value": sum(tree.value for tree in trees) / len(trees),  # the trees' accuracy (values backed up)
+            "charts/truncation_rate": sum(leaf.finish_reason != "stop" for leaf in leaves) / len(leaves),
+            "charts/generated_tokens_per_question": generated / len(trees),
+            "charts/segment_tokens": sum(len(s["response_ids"]) for s in samples) / max(1, len(samples)),
+            "charts/samples": len(samples),
+            "charts/zero_advantage_fraction": 1 - nonzero_edges / len(nodes),
+            "charts/lr": lr,
+            "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
+            "charts/loss_mask_fraction": flat_mask.float().mean().item() if samples else 0.0,
+            "tree/nodes": len(nodes) / len(trees),
+            "tree/leaves": len(leaves) / len(trees),
+            "buffer/size": len(buffer),
+            "buffer/mean_age": sum(iteration - edge["born"] for edge in buffer) / max(1, len(buffer)),
+            "buffer/taken_mean_age": sum(iteration - s["born"] for s in samples) / max(1, len(samples)),
+            "time/rollout_seconds": rollout_seconds,
+            "time/update_seconds": update_seconds,
+            "time/iteration_seconds": time.time() - iteration_started,  # without evaluation and checkpoint
+        }
+        for depth in range(1, len(branches)):
+            metrics[f"tree/early_leaves_depth{depth}"] = sum(leaf.depth == depth and leaf.finish_reason == "stop" for leaf in leaves) / len(trees)
+        for depth, seconds in enumerate(level_seconds, 1):
+            metrics[f"time/level{depth}_seconds"] = seconds
+        for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
+            if model_stats:
+                metrics[f"losses/{key}"] = sum(s[key] for s in model_stats) / len(model_stats)
+        log(iteration, metrics)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
+        tqdm.tqdm.write(
+            f"iter {iteration}: reward {metrics['charts/reward']:.3f}  root value {metrics['charts/root_value']:.3f}  "
+            f"edges {len(samples)}  kl {metrics.get('losses/kl', 0):.2e}  rollout {rollout_seconds:.1f}s "
+            f"({' / '.join(f'{s:.1f}' for s in level_seconds)})  update {update_seconds:.1f}s"
+        )
+        if iteration % args.eval_every == 0 or iteration == args.iterations:
+            accuracy_after = run_eval(iteration)
+        if iteration % args.save_every == 0 or iteration == args.iterations:
+            save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration, buffer)
+
+    writer.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
+    print(f"accuracy {before} -> {accuracy_after:.3f} on {eval_task}; metrics {metrics_path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary
+
+
+if __name__ == "__main__":
+    ev.run_cli(main, tyro.cli(Args))

@@ -1,0 +1,454 @@
+"""spo_tree.py: tree parsing, value backup, segment advantages, tree rollout, replay buffer, loss, smoke run, resume."""
+
+import json
+import math
+import os
+import random
+import statistics
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tokenizer, write_jsonl
+
+import eval as ev
+import spo_tree as spo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# parse_tree
+
+
+@pytest.mark.parametrize("spec, expected", [("6,6,6", [6, 6, 6]), (" 6 , 6,6 ", [6, 6, 6]), ("3", [3]), ("2,1,4", [2, 1, 4])])
+def test_parse_tree_accepts_positive_branch_factors(spec, expected):
+    assert spo.parse_tree(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", " ", "6,0,6", "a,b", "6,,6", "-1,2", "1.5,2", "6,6,", "+6"])
+def test_parse_tree_rejects_bad_specs_with_a_readable_message(spec):
+    with pytest.raises(ValueError, match="positive integer|no branch factors") as error:
+        spo.parse_tree(spec)
+    assert repr(spec) in str(error.value) and "e.g. 6,6,6" in str(error.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# backup_values and tree_segments on hand-built trees
+
+
+def irregular_tree() -> spo.Node:
+    """Prompt [1, 2]; A is a leaf at depth 1 (finished early), B has three leaf children, C two."""
+    return spo.Node([1, 2], [
+        spo.Node([3], reward=1.0),  # A
+        spo.Node([4], [spo.Node([5], reward=0.0), spo.Node([6], reward=1.0), spo.Node([7], reward=0.0)]),  # B
+        spo.Node([8], [spo.Node([9], reward=0.0), spo.Node([10], reward=0.0)]),  # C
+    ])
+
+
+def test_backup_values_is_recursive_mean_not_leaf_weighted():
+    root = irregular_tree()
+    assert spo.backup_values(root) == pytest.approx(4 / 9)  # (1 + 1/3 + 0) / 3; the leaf mean would be 2/6
+    a, b, c = root.children
+    assert (a.value, c.value) == (1.0, 0.0) and b.value == pytest.approx(1 / 3)
+    assert [leaf.value for leaf in b.children] == [0.0, 1.0, 0.0]
+    assert root.value == pytest.approx(4 / 9)
+
+
+def test_tree_segments_rloo_on_an_irregular_tree():
+    segments = spo.tree_segments(irregular_tree())  # depth-first pre-order; C's children agree (both 0): dropped
+    expected = [
+        ([1, 2], [3], 5 / 9), ([1, 2], [4], -1 / 9),
+        ([1, 2, 4], [5], -1 / 3), ([1, 2, 4], [6], 2 / 3), ([1, 2, 4], [7], -1 / 3),
+        ([1, 2], [8], -4 / 9),
+    ]
+    assert [(q, s) for q, s, _ in segments] == [(q, s) for q, s, _ in expected]
+    assert [a for _, _, a in segments] == pytest.approx([a for _, _, a in expected])
+
+
+def test_tree_segments_grpo_divides_by_the_siblings_population_std():
+    segments = spo.tree_segments(irregular_tree(), advantage="grpo")
+    top = statistics.pstdev([1.0, 1 / 3, 0.0])
+    b_children = statistics.pstdev([0.0, 1.0, 0.0])
+    expected = [5 / 9 / (top + 1e-8), -1 / 9 / (top + 1e-8), -1 / 3 / (b_children + 1e-8), 2 / 3 / (b_children + 1e-8),
+                -1 / 3 / (b_children + 1e-8), -4 / 9 / (top + 1e-8)]
+    assert [a for _, _, a in segments] == pytest.approx(expected)
+
+
+def test_query_ids_concatenate_the_prompt_and_every_ancestor_segment():
+    root = spo.Node([100], [
+        spo.Node([1, 2], [spo.Node([3], [spo.Node([4, 5], reward=1.0), spo.Node([6], reward=0.0)]), spo.Node([7], reward=0.0)]),
+        spo.Node([8], reward=0.0),
+    ])
+    by_segment = {tuple(s): q for q, s, _ in spo.tree_segments(root)}
+    assert by_segment[(4, 5)] == [100, 1, 2, 3] and by_segment[(6,)] == [100, 1, 2, 3]
+    assert by_segment[(3,)] == [100, 1, 2] and by_segment[(1, 2)] == [100]
+
+
+def test_siblings_that_agree_give_no_segments():
+    def subtree(token):  # value 0.5: one right answer out of two
+        return spo.Node([token], [spo.Node([token * 10 + i], reward=float(i == 0)) for i in range(2)])
+
+    root = spo.Node([0], [subtree(1), subtree(2), subtree(3)])
+    segments = spo.tree_segments(root)
+    assert root.value == 0.5 and all(child.value == 0.5 for child in root.children)
+    assert len(segments) == 6 and all(len(q) == 2 for q, _, _ in segments)  # only the leaves' edges remain
+    assert spo.tree_segments(spo.Node([0], [spo.Node([1], reward=1.0), spo.Node([2], reward=1.0)]), "grpo") == []
+    assert spo.tree_segments(spo.Node([0], [spo.Node([1], reward=0.0)])) == []
+
+
+def test_bad_advantage_name_and_leaf_without_reward_raise():
+    with pytest.raises(ValueError, match="rloo or grpo"):
+        spo.tree_segments(irregular_tree(), advantage="gae")
+    with pytest.raises(ValueError, match="no reward"):
+        spo.backup_values(spo.Node([0], [spo.Node([1])]))
+
+
+def random_tree(rng: random.Random) -> spo.Node:
+    depth, branching = rng.randint(1, 3), rng.randint(1, 5)
+
+    def build(level: int) -> spo.Node:
+        tokens = [rng.randrange(50) for _ in range(rng.randint(1, 3))]
+        if level == depth or (level > 0 and rng.random() < 0.25):  # early leaves above the last level
+            # 0/1 as in training, sometimes quarters: exact in binary, so the exact reference below is the SPEC's
+            return spo.Node(tokens, reward=rng.choice([0.0, 1.0, 1.0, 0.0, rng.randint(0, 4) / 4]))
+        return spo.Node(tokens, [build(level + 1) for _ in range(rng.randint(1, branching))])
+
+    return build(0)
+
+
+def reference_segments(root: spo.Node, advantage: str) -> tuple[float, list]:
+    """SPEC.md's definitions, brute force: each edge looks its parent and siblings up again."""
+
+    def value(node):
+        return node.reward if not node.children else sum(map(value, node.children)) / len(node.children)
+
+    edges = []
+
+    def visit(node, query):
+        for child in node.children:
+            difference = value(child) - value(node)
+            siblings = [value(c) for c in node.children]
+            mean = sum(siblings) / len(siblings)
+            std = math.sqrt(sum((v - mean) ** 2 for v in siblings) / len(siblings))
+            if difference != 0:
+                edges.append((query, child.tokens, difference if advantage == "rloo" else difference / (std + 1e-8)))
+            visit(child, query + child.tokens)
+
+    visit(root, root.tokens)
+    return value(root), edges
+
+
+@pytest.mark.parametrize("advantage", ["rloo", "grpo"])
+def test_random_trees_match_a_brute_force_reference(advantage):
+    rng = random.Random(7)
+    for _ in range(300):
+        root = random_tree(rng)
+        root_value, expected = reference_segments(root, advantage)
+        segments = spo.tree_segments(root, advantage)
+        assert root.value == root_value
+        assert [(q, s) for q, s, _ in segments] == [(q, s) for q, s, _ in expected]
+        assert [a for _, _, a in segments] == pytest.approx([a for _, _, a in expected], rel=1e-9, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree rollout
+
+
+def nodes_by_depth(tree: spo.Node) -> dict[int, list[spo.Node]]:
+    out = {}
+    for node, _ in spo.walk(tree):
+        out.setdefault(node.depth, []).append(node)
+    return out
+
+
+def test_rollout_on_the_tiny_model_builds_the_tree_shape_2_2(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    sampler = ev.HFSampler(model, tokenizer, seed=0)
+    prompts = [tokenizer("question 1:")["input_ids"], tokenizer("another question:")["input_ids"], tokenizer("q3")["input_ids"]]
+    trees, seconds = spo.grow_trees(
+        sampler, tokenizer, prompts, [2, 2], segment_tokens=4, max_new_tokens=10, context=96, temperature=1.0, top_p=1.0, stop=[],
+    )
+    assert len(trees) == 3 and len(seconds) == 2
+    for prompt, tree in zip(prompts, trees):
+        assert tree.tokens == prompt
+        levels = nodes_by_depth(tree)
+        assert len(levels[1]) == 2
+        expanded = [node for node in levels[1] if node.children]
+        for node in levels[1]:  # a depth-1 node is expanded iff it filled its M tokens without stopping
+            assert bool(node.children) == (node.finish_reason == "length" and len(node.tokens) == 4)
+            assert node.finish_reason == "length" or node.tokens[-1] == tokenizer.eos_token_id
+        assert len(levels.get(2, [])) == 2 * len(expanded) and 3 not in levels
+        for leaf in levels.get(2, []):  # last level: the rest of the 10-token budget
+            assert not leaf.children and 1 <= len(leaf.tokens) <= 10 - 4
+            assert leaf.finish_reason == "stop" or len(leaf.tokens) == 10 - 4  # unfinished only at the budget
+    assert sum(len(nodes_by_depth(t).get(2, [])) for t in trees) > 0  # a random model rarely stops within 4 tokens
+
+
+class ScriptedSampler:
+    """A fake rollout engine: `script(prefix, max_new_tokens)` returns the n completions (ids, finish reason)."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None):
+        self.calls.append({"prompts": prompts, "n": n, "max_new_tokens": max_new_tokens, "context": context})
+        groups = [[ev.Completion(list(ids), finish) for ids, finish in self.script(p, max_new_tokens)] for p in prompts]
+        assert all(len(group) == n for group in groups)
+        return groups
+
+
+EOS = 1
+
+
+def test_scripted_rollout_early_leaves_context_limits_and_unfinished_last_level():
+    script = {
+        (50, 51): [([10, 11, EOS], "stop"), ([12, 13, 14], "length")],  # an early leaf, an open node
+        (50, 51, 12, 13, 14): [([15, EOS], "stop"), ([16, 17, 18, 19, 20, 21, 22], "length")],  # last level: one unfinished
+        (60,) * 8: [([30, 31], "length"), ([32, EOS], "stop")],  # context 10: cut after 2 tokens, cannot be expanded
+        (70,) * 7: [([40, 41, 42], "length"), ([43, 44, 45], "length")],  # full M tokens, but no room left in the context
+    }
+    sampler = ScriptedSampler(lambda prefix, budget: script[tuple(prefix)])
+    prompts = [[50, 51], [60] * 8, [70] * 7]
+    trees, _ = spo.grow_trees(
+        sampler, None, prompts, [2, 2], segment_tokens=3, max_new_tokens=10, context=10, temperature=0.6, top_p=1.0, stop=[],
+    )
+    first, second, third = trees
+    assert [(c.tokens, c.finish_reason, len(c.children)) for c in first.children] == [([10, 11, EOS], "stop", 0), ([12, 13, 14], "length", 2)]
+    assert [(c.tokens, c.finish_reason, c.depth) for c in first.children[1].children] == [
+        ([15, EOS], "stop", 2), ([16, 17, 18, 19, 20, 21, 22], "length", 2)]
+    assert all(not c.children for c in second.children + third.children)
+    # One call per level across all trees: level 0 has M = 3 new tokens, the last level the rest of the budget.
+    assert [(c["prompts"], c["n"], c["max_new_tokens"], c["context"]) for c in sampler.calls] == [
+        (prompts, 2, 3, 10), ([[50, 51, 12, 13, 14]], 2, 7, 10)]
+
+
+def test_grade_trees_scores_full_paths_and_zero_for_unfinished_leaves():
+    tokenizer = make_tokenizer(string.printable)
+    ids = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+    eos = tokenizer.eos_token_id
+    right = spo.Node(ids("2"), finish_reason="stop")  # full response "4" + "2" = 42
+    wrong = spo.Node(ids("3") + [eos], finish_reason="stop")
+    unfinished = spo.Node(ids("2 and"), finish_reason="length")  # would be right, but never finished
+    early = spo.Node(ids("42") + [eos], finish_reason="stop", depth=1)
+    tree = spo.Node(ids("Q:"), [spo.Node(ids("4"), [right, wrong, unfinished], finish_reason="length", depth=1), early])
+    spo.grade_trees([tree], ["42"], tokenizer, "data.jsonl")
+    assert [right.reward, wrong.reward, unfinished.reward, early.reward] == [1.0, 0.0, 0.0, 1.0]
+    assert spo.backup_values(tree) == pytest.approx((1 / 3 + 1) / 2)
+
+
+def test_stop_string_straddling_a_segment_boundary_ends_the_response():
+    tokenizer = make_tokenizer(string.printable)
+    ids = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+    stop = [ev.RHO_STOP]  # "\n\n\nProblem:"
+    script = {
+        "Q": [(ids("1 + 1 = 2\n\n"), "length"), (ids("1 + 1 is 2."), "length")],
+        "Q1 + 1 = 2\n\n": [(ids("\nProblem: 5 +"), "length"), (ids("#### 2"), "length")],
+        "Q1 + 1 is 2.": [(ids("\n\n"), "length"), (ids("... 3\n\n\n"), "length")],
+    }
+    sampler = ScriptedSampler(lambda prefix, budget: script[tokenizer.decode(prefix)])
+    (tree,), _ = spo.grow_trees(
+        sampler, tokenizer, [ids("Q")], [2, 2], segment_tokens=len(ids("1 + 1 = 2\n\n")), max_new_tokens=40, context=100,
+        temperature=0.6, top_p=1.0, stop=stop,
+    )
+    straddled, unfinished = tree.children[0].children
+    assert (straddled.tokens, straddled.finish_reason) == ([], "stop")  # the stop string began in the parent's segment
+    assert unfinished.finish_reason == "length"
+    assert [c.finish_reason for c in tree.children[1].children] == ["length", "length"]
+    spo.grade_trees([tree], ["2"], tokenizer, "data.jsonl")
+    assert straddled.reward == 1.0  # graded on "1 + 1 = 2\n\n", without the next problem
+
+
+# ----------------------------------------------------------------------------------------------
+# Replay buffer
+
+
+def test_sample_buffer_ages_edges_out_and_caps_each_question():
+    buffer = [{"question": q, "born": born, "id": i} for i, (q, born) in enumerate(
+        [("a", 7), ("a", 8), ("a", 9), ("a", 10), ("a", 10), ("a", 10), ("b", 7), ("b", 10), ("c", 8)])]
+    taken, remaining = spo.sample_buffer(buffer, iteration=10, max_age=3, per_question=2, rng=random.Random(0))
+    ids = lambda edges: [e["id"] for e in edges]  # noqa: E731
+    assert 0 not in ids(taken + remaining) and 6 not in ids(taken + remaining)  # born 7: age 3 = max_age, gone
+    assert sorted(ids(taken + remaining)) == [1, 2, 3, 4, 5, 7, 8]
+    assert [e["question"] for e in taken].count("a") == 2 and ids(taken).count(7) == 1 and 8 in ids(taken)
+    assert ids(taken) == sorted(ids(taken)) and ids(remaining) == sorted(ids(remaining))  # buffer order kept
+    again, _ = spo.sample_buffer(buffer, iteration=10, max_age=3, per_question=2, rng=random.Random(0))
+    assert ids(again) == ids(taken)  # same seed, same draw
+
+
+def test_buffer_loop_trains_each_edge_at_most_once_and_never_too_old():
+    rng, buffer, seen = random.Random(1), [], []
+    for iteration in range(1, 30):
+        new = [{"question": (iteration + k) % 5, "born": iteration, "id": (iteration, k)} for k in range(rng.randint(0, 12))]
+        taken, buffer = spo.sample_buffer(buffer + new, iteration, max_age=4, per_question=3, rng=rng)
+        assert all(iteration - e["born"] < 4 for e in taken + buffer)
+        assert all(sum(e["question"] == q for e in taken) <= 3 for q in range(5))
+        seen += [e["id"] for e in taken]
+    assert len(seen) == len(set(seen)) > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+
+
+def test_prob_mask_and_fallback():
+    response = torch.tensor([True, True, True, False])
+    probs = torch.tensor([0.95, 0.5, 0.89, 0.1])
+    assert spo.loss_mask(response, probs, 0.9, prob_mask=False).tolist() == [True, True, True, False]
+    assert spo.loss_mask(response, probs, 0.9, prob_mask=True).tolist() == [False, True, True, False]
+    assert spo.loss_mask(response, torch.tensor([0.95, 0.99, 0.91, 0.1]), 0.9, prob_mask=True).tolist() == [True, True, True, False]
+
+
+def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(6):  # edges: queries of different depths, constant advantage per edge
+        response = torch.randint(4, len(tokenizer), (2 + i % 3,), generator=g).tolist() + ([tokenizer.eos_token_id] if i % 2 else [])
+        n = len(response)
+        samples.append({
+            "prompt_ids": tokenizer(f"question {i}:" + "x" * i)["input_ids"], "response_ids": response,
+            "old_logps": -torch.rand(n, generator=g) * 3, "ref_logps": -torch.rand(n, generator=g) * 3,
+            "advantages": torch.full((n,), float(torch.randn(1, generator=g))), "loss_mask": torch.rand(n, generator=g) > 0.2,
+        })
+    grads = []
+    for micro in (1, 2, 6):
+        model.zero_grad()
+        spo.accumulate_gradients(model, samples, spo.Args(micro_batch_size=micro, batch_size=6, beta=0.1, temperature=0.7), tokenizer.pad_token_id)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# main(): smoke run, resume, CLI
+
+
+@pytest.fixture(scope="module")
+def sevens(tmp_path_factory):
+    """A digits-only model (EOS is 1 token in 15, so trees have finished leaves) and a task whose answer is always 7."""
+    directory = tmp_path_factory.mktemp("sevens")
+    model_dir = make_tiny_model(directory / "model", alphabet="0123456789 ")
+    data = write_jsonl(directory / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
+    return model_dir, data
+
+
+def _args(model_dir, data, out, **overrides):
+    settings = dict(
+        model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, tree="4,3", segment_tokens=2,
+        max_new_tokens=5, context=64, batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1,
+        eval_limit=3, save_every=1, output_dir=str(out), seed=1, edges_per_question=4, buffer_max_age=2,
+    )
+    settings.update(overrides)
+    return spo.Args(**settings)
+
+
+def _metrics(run_dir):
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
+
+
+def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(sevens, tmp_path):
+    model_dir, data = sevens
+    summary = spo.main(_args(model_dir, data, tmp_path))
+    metrics = _metrics(summary["run_dir"])
+    train = [m for m in metrics if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1, 2]
+    assert all(isinstance(v, (int, float)) and math.isfinite(v) for m in metrics for v in m.values())
+    assert all("losses/kl" in m and "losses/grad_norm" in m and m["charts/samples"] > 0 for m in train)
+    for m in train:  # tree 4,3: every depth-1 node that did not stop has 3 children (the context never binds here)
+        open_nodes = 4 - m["tree/early_leaves_depth1"]
+        assert m["tree/nodes"] == pytest.approx(4 + 3 * open_nodes) and m["tree/leaves"] == pytest.approx(4 - open_nodes + 3 * open_nodes)
+        assert m["charts/samples"] <= 3 * 4 * 2 and 0 <= m["charts/zero_advantage_fraction"] <= 1
+    assert train[0]["charts/zero_advantage_fraction"] < 1  # iteration 2 may train on iteration 1's leftover edges only
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    assert state["iteration"] == 2 and isinstance(state["buffer"], list)
+    assert len(state["buffer"]) == train[-1]["buffer/size"]
+    assert all(2 - edge["born"] < 2 and len(edge["old_logps"]) == len(edge["response_ids"]) for edge in state["buffer"])
+    model, tokenizer = ev.load_model(summary["checkpoint"])
+    result = ev.evaluate(model, tokenizer, str(data), limit=2, max_new_tokens=4)
+    assert result["examples"] == 2
+
+
+def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path, monkeypatch):
+    model_dir, data = sevens
+    full = spo.main(_args(model_dir, data, tmp_path / "full", iterations=3))
+
+    class Killed(Exception):
+        pass
+
+    sleeps, real_sleep = [], ev.HFSampler.sleep
+
+    def dies_in_iteration_3(self):  # called once per iteration: after the buffer step, before the update
+        sleeps.append(1)
+        if len(sleeps) == 3:
+            raise Killed
+        return real_sleep(self)
+
+    monkeypatch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
+    with pytest.raises(Killed):
+        spo.main(_args(model_dir, data, tmp_path / "killed", iterations=3))
+    monkeypatch.undo()
+    run_dir = next((tmp_path / "killed").iterdir())
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
+
+    resumed = spo.main(_args(model_dir, data, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    assert resumed["run_dir"] == str(run_dir)
+    expected = _metrics(full["run_dir"])
+    assert _metrics(run_dir) == expected  # same seed: same numbers with or without the kill
+    last = [m for m in expected if m["iteration"] == 3 and "charts/samples" in m][0]
+    assert last["charts/samples"] > 0 and last["buffer/taken_mean_age"] > 0  # iteration 3 trained on edges the checkpoint kept
+
+
+def test_reward_rises_on_a_trivially_learnable_task(sevens, tmp_path):
+    # Every answer is 7 and the vocabulary is digits: "7<eos>" (or "7" then <eos> one level down) is always right.
+    model_dir, data = sevens
+    summary = spo.main(spo.Args(
+        model=str(model_dir), task=str(data), backend="hf", iterations=14, questions=8, tree="4,4", segment_tokens=1,
+        max_new_tokens=3, context=64, batch_size=64, micro_batch_size=64, lr=1e-2, beta=0.0, warmup_ratio=0.0,
+        edges_per_question=8, buffer_max_age=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6,
+        save_every=1000, output_dir=str(tmp_path / "runs"),
+    ))
+    values = [m["charts/root_value"] for m in _metrics(summary["run_dir"]) if "charts/root_value" in m]
+    assert sum(values[:3]) / 3 < 0.15
+    assert sum(values[-3:]) / 3 > 0.5
+    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.5
+
+
+def test_dry_run_resolves_the_paper_config_and_loads_nothing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "spo_tree.py"), "--model", "deepseek-r1-distill-qwen-1.5b", "--tree", "6,6,6", "--dry-run",
+         "--output-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    assert config["resolved"]["model_id"] == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    assert config["resolved"]["branches"] == [6, 6, 6] and config["resolved"]["nodes_per_full_tree"] == 6 + 36 + 216
+    assert config["resolved"]["eval_task"] == "math500"
+    assert (config["task"], config["segment_tokens"], config["context"], config["questions"]) == ("math", 600, 2048, 32)
+    assert (config["batch_size"], config["epochs"], config["temperature"], config["top_p"]) == (128, 1, 0.6, 1.0)
+    assert (config["lr"], config["beta"], config["prob_mask"]) == (1e-6, 1e-4, True)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_tree_on_the_command_line_is_one_clear_error_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "spo_tree.py"), "--tree", "6,0,6", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: --tree '6,0,6': branch factor '0' at depth 1 is not a positive integer (write one per depth, e.g. 6,6,6)"]
+
+
+def test_impossible_configurations_are_one_clear_error():
+    with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
+        spo.validate(spo.Args(batch_size=6, micro_batch_size=4))
+    with pytest.raises(ev.UsageError, match="leaving no room within --max-new-tokens"):
+        spo.validate(spo.Args(tree="2,2,2", segment_tokens=600, max_new_tokens=1024))
+    with pytest.raises(ev.UsageError, match="--advantage"):
+        spo.validate(spo.Args(advantage="ppo"))
