@@ -1,0 +1,610 @@
+"""SPO-chain: Segment Policy Optimization with cutpoint segments and Monte-Carlo segment advantages.
+
+Segment Policy Optimization (Guo et al. 2025, arXiv 2505.23564), short chain-of-thought variant.
+For each question, sample G responses and score them (reward R). Every response is cut into
+segments at low-probability tokens: a cutpoint c is the state s_c = prompt + y_0..y_c just before a
+token with p_t < threshold is sampled, keeping every `interval`-th one. The value V(s_c) of each
+cutpoint state is the mean reward of K continuations sampled from it with the current policy (no
+critic). A segment's tokens get the value difference across it (V(s_next) - V(s_c); R - V(s_c_last)
+for the last). With the probability mask, only low-probability tokens (p_t < threshold) keep an
+advantage and count in the loss: the confident tokens in between decided nothing. The policy is
+updated with the PPO-clip surrogate plus a k3 KL penalty to the frozen reference model.
+
+Deliberate differences from the paper's released code (kept identical in every script here):
+- token-exact: the ids sampled are the ids trained and the MC prefixes, never decoded and re-tokenised; EOS is trained;
+- unfinished (length-limited) responses and MC continuations score 0; a continuation from s_c keeps the
+  rollout's response budget (it may add at most max_new_tokens - (c+1) tokens, and must fit the context);
+- advantages are whitened over the whole iteration batch, not per micro-batch, and the gradient
+  of a batch does not depend on how it is split into micro-batches;
+- --no-prob-mask is a true ablation: no advantage zeroing, no loss mask, whitening over all tokens.
+
+  python spo_chain.py                                                      # paper GSM8K run (Rho-1B SFT, int5, K=9)
+  python spo_chain.py --interval 2 --no-prob-mask                          # int2 ablation without the probability mask
+  python spo_chain.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 2 --group-size 4 \
+      --batch-size 8 --micro-batch-size 4 --max-new-tokens 64 --context 512 --mc-samples 4  # offline CPU
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import tqdm
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+from transformers import get_linear_schedule_with_warmup
+
+import eval as ev
+
+
+@dataclass
+class Args:
+    exp_name: str = "spo_chain"
+    """experiment name, part of the run name"""
+    seed: int = 1
+    """seed of question sampling, rollouts and initialisation (same seed on CPU gives identical metrics)"""
+    model: str = "rho-1b-sft-gsm8k"
+    """policy to start from: model directory, Hugging Face id or alias (see eval.py)"""
+    task: str = "gsm8k"
+    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    eval_task: str | None = None
+    """held-out task (default: the training task's test split)"""
+    backend: str = "auto"
+    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
+    output_dir: str = "runs"
+    """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
+    resume: str | None = None
+    """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
+    track: bool = False
+    """also log to Weights & Biases"""
+
+    iterations: int = 1000
+    """training iterations (rollout + MC values + update)"""
+    questions: int = 64
+    """questions per iteration (sampled with replacement)"""
+    group_size: int = 8
+    """responses per question (G)"""
+    temperature: float = 0.6
+    """sampling temperature of rollouts and MC continuations; log-probs divide logits by it too"""
+    top_p: float = 0.9
+    """nucleus sampling threshold of rollouts and MC continuations"""
+    max_new_tokens: int = 1024
+    """response token budget (an MC continuation from s_c may add max_new_tokens - (c+1) tokens)"""
+    context: int = 2047
+    """total context budget (prompt + response)"""
+    lr: float = 1e-6
+    """AdamW learning rate (3% linear warmup, then linear decay)"""
+    warmup_ratio: float = 0.03
+    """fraction of optimizer steps spent warming up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    epochs: int = 2
+    """passes over each iteration's samples"""
+    batch_size: int = 64
+    """sequences per optimizer step"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (memory only: the gradient is the same for any split)"""
+    clip_eps: float = 0.2
+    """PPO ratio clipping"""
+    beta: float = 1e-4
+    """k3 KL penalty to the reference model (0 disables the reference model)"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the update"""
+    eval_every: int = 10
+    """evaluate every N iterations (and before the first and after the last)"""
+    eval_limit: int | None = None
+    """held-out questions to evaluate on (default: all)"""
+    eval_samples: int = 16
+    """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35)"""
+    eval_temperature: float = 0.35
+    """evaluation sampling temperature"""
+    eval_top_p: float = 1.0
+    """evaluation nucleus threshold"""
+    save_every: int = 10
+    """checkpoint every N iterations (and after the last)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU memory fraction for the vLLM engine"""
+
+    # Algorithm specific
+    mc_samples: int = 9
+    """K: Monte-Carlo continuations per cutpoint state; V(s_c) is their mean reward"""
+    interval: int = 5
+    """keep every interval-th low-probability cutpoint (the paper's int2 / int5 / int100 ablations)"""
+    prob_mask: bool = True
+    """probability mask: only tokens with p_t < prob_threshold keep an advantage, count in the loss and in whitening"""
+    prob_threshold: float = 0.9
+    """tokens with p_t < prob_threshold are low-probability: they make cutpoints and (with the mask) are trained"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Algorithm: partition, advantages and loss (pure functions)
+
+
+def find_cutpoints(probs: Sequence[float], threshold: float = 0.9, interval: int = 5) -> list[int]:
+    """Cutpoints of a response: the state just before every `interval`-th low-probability token.
+
+    probs[t] = p_t, the old policy's probability of response token t. Token t is low-probability when
+    p_t < threshold; its cutpoint is t - 1 (state s_{t-1} = prompt + y_0..y_{t-1}; -1 is the prompt alone).
+    Cutpoints are strictly increasing and at most T - 2; there is no cap on their number.
+
+    >>> find_cutpoints([.99, .72, 1, .85, 1, .56, .92, .23, .98, .11, 1, .5, .99], interval=2)  # low: 1,3,5,7,9,11
+    [0, 4, 8]
+    >>> find_cutpoints([.5, .95, .3], interval=1)  # a low first token cuts at the prompt
+    [-1, 1]
+    """
+    if interval < 1:
+        raise ValueError(f"interval must be at least 1, got {interval}")
+    low = [t for t, p in enumerate(probs) if p < threshold]
+    return [t - 1 for t in low][::interval]
+
+
+def chain_advantages(
+    probs: Sequence[float],
+    cutpoints: Sequence[int],
+    values: Sequence[float],
+    reward: float,
+    threshold: float = 0.9,
+    prob_mask: bool = True,
+) -> list[float]:
+    """Token advantages of one response from its cutpoint values (values[i] = V(s_{cutpoints[i]})) and its reward R.
+
+    Value positions, left to right: each cutpoint c >= 0 carries V(s_c), the last token T-1 carries R.
+    A value position's advantage is its value minus the previous one's; the first gets 0, unless
+    cutpoints[0] == -1, whose V(prompt) is then the starting baseline. Every other token takes the
+    advantage of the next value position to its right, so tokens c_{k-1}+1 .. c_k get
+    V(s_{c_k}) - V(s_{c_{k-1}}) and the last segment gets R - V(s_{c_last}). No cutpoints: all 0.
+    With prob_mask, tokens with p_t > threshold get 0.
+    A cutpoint at T-1 (never produced by find_cutpoints) is the finished response: it carries R, not its V.
+
+    >>> probs = [.99, .72, 1, .85, 1, .56, .92, .23, .98, .11, 1, .5, .99]
+    >>> chain_advantages(probs, [0, 4, 8], [.5, .25, .75], reward=1.0, prob_mask=False)
+    [0.0, -0.25, -0.25, -0.25, -0.25, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.25]
+    >>> chain_advantages(probs, [0, 4, 8], [.5, .25, .75], reward=1.0)
+    [0.0, -0.25, 0.0, -0.25, 0.0, 0.5, 0.0, 0.5, 0.0, 0.25, 0.0, 0.25, 0.0]
+    >>> chain_advantages([.5, .95, .3], [-1, 1], [.5, .75], reward=0.0, prob_mask=False)  # V(prompt) is the baseline
+    [0.25, 0.25, -0.75]
+    """
+    T, cutpoints, values = len(probs), [int(c) for c in cutpoints], [float(v) for v in values]
+    if len(values) != len(cutpoints):
+        raise ValueError(f"{len(cutpoints)} cutpoints but {len(values)} values")
+    if any(b <= a for a, b in zip(cutpoints, cutpoints[1:])) or (cutpoints and not -1 <= cutpoints[0] <= cutpoints[-1] <= T - 1):
+        raise ValueError(f"cutpoints must be strictly increasing within -1..{T - 1}, got {cutpoints}")
+    if T == 0 or not cutpoints:
+        return [0.0] * T
+    positions = [(c, v) for c, v in zip(cutpoints, values) if 0 <= c < T - 1]
+    positions.append((T - 1, float(reward)))
+    previous = values[0] if cutpoints[0] == -1 else None
+    advantages: list[float] = []
+    for position, value in positions:
+        advantage = 0.0 if previous is None else value - previous
+        advantages += [advantage] * (position + 1 - len(advantages))  # the tokens up to and including this position
+        previous = value
+    if prob_mask:
+        advantages = [0.0 if p > threshold else a for p, a in zip(probs, advantages)]
+    return advantages
+
+
+def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool) -> torch.Tensor:
+    """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
+
+    Falls back to all response tokens when no token of the batch is below the threshold.
+    """
+    if not prob_mask:
+        return response_mask
+    masked = response_mask & (probs < threshold)
+    return masked if masked.any() else response_mask
+
+
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0)."""
+    count = mask.sum()
+    mean = (advantages * mask).sum() / count
+    std = (((advantages - mean) ** 2 * mask).sum() / count).sqrt()
+    return (advantages - mean) / (std + eps)
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    beta: float,
+    batch_tokens: int,
+    batch_sequences: int,
+) -> tuple[torch.Tensor, dict]:
+    """PPO-clip surrogate + beta * k3 KL to the reference model, for a micro-batch of [rows, T] token tensors.
+
+    Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
+    (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
+    KL: k3 = exp(ref - logp) - (ref - logp) - 1, summed over a sequence's masked tokens, mean over sequences.
+    """
+    mask = mask.float()
+    ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
+    pg_loss = -(surrogate * mask).sum() / batch_tokens
+    log_ref_ratio = ref_logps - logps
+    kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
+    kl_loss = (kl * mask).sum() / batch_sequences
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "clip_count": (clipped * mask).sum().item()}
+    return pg_loss + beta * kl_loss, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Monte-Carlo value estimation
+
+
+def mc_values(sampler, tokenizer, states: list[tuple[list[int], list[int], str]], args: Args, stop: list[str]) -> tuple[list[float], dict]:
+    """V(s) of each state (prompt_ids, response_prefix_ids, reference): mean reward of args.mc_samples continuations.
+
+    Identical states (same token ids, same question) are estimated once: for instance c = -1, the prompt
+    itself, is shared by every response of a question whose first token is low-probability. All states go
+    to the sampler in one call; HFSampler prefills each prefix once and repeats its KV cache K times.
+    A continuation keeps the rollout's budget, min(max_new_tokens - len(response prefix), context - len(prefix))
+    new tokens (the sampler takes one budget per prefix); an unfinished continuation scores 0.
+    The reward grades the whole response: the response prefix's ids + the continuation's ids, decoded once.
+    """
+    unique = list(dict.fromkeys((tuple(prompt), tuple(prefix), reference) for prompt, prefix, reference in states))
+    stats = {"mc_states": len(unique), "mc_rollouts": len(unique) * args.mc_samples, "mc_tokens": 0}
+    if not unique:
+        return [], stats
+    groups = sampler.sample(
+        [list(prompt + prefix) for prompt, prefix, _ in unique], args.mc_samples, temperature=args.temperature,
+        top_p=args.top_p, max_new_tokens=[args.max_new_tokens - len(prefix) for _, prefix, _ in unique],
+        stop=stop, context=args.context, progress="mc",
+    )
+    texts, references, finished = [], [], []
+    for (_, prefix, reference), group in zip(unique, groups):
+        for continuation in group:
+            texts.append(tokenizer.decode(list(prefix) + continuation.ids, skip_special_tokens=True))
+            references.append(reference)
+            finished.append(continuation.finish_reason == "stop")
+            stats["mc_tokens"] += len(continuation.ids)
+    scores = [s if done else 0.0 for s, done in zip(ev.grade(texts, references, args.task), finished)]
+    K = args.mc_samples
+    value_of = {state: sum(scores[i * K : (i + 1) * K]) / K for i, state in enumerate(unique)}
+    return [value_of[(tuple(prompt), tuple(prefix), reference)] for prompt, prefix, reference in states], stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Training helpers: batching, log-probs, one optimizer step
+
+
+def collate(samples: list[dict], pad_id: int, device) -> dict:
+    """Pad a list of samples into tensors: prompts left-padded, responses right-padded, so every
+    response starts at the same column and only the last R+1 logits are needed."""
+    prompt_len = max(len(s["prompt_ids"]) for s in samples)
+    response_len = max(1, max(len(s["response_ids"]) for s in samples))
+    input_ids, attention, response_mask = [], [], []
+    for s in samples:
+        p, r = s["prompt_ids"], s["response_ids"]
+        left, right = prompt_len - len(p), response_len - len(r)
+        input_ids.append([pad_id] * left + p + r + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
+        response_mask.append([True] * len(r) + [False] * right)
+    batch = {
+        "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
+        "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
+        "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
+    }
+    for key in ("old_logps", "ref_logps", "advantages", "loss_mask"):
+        if key in samples[0]:
+            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[:, :response_len]
+    return batch
+
+
+def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
+    so that exp(logp) is the probability the sampler used (p_t of the cutpoints and the mask)."""
+    response_len = batch["response_mask"].shape[1]
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    # fp32 weights (a 1e-6 step vanishes in bf16), bf16 compute on GPU.
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
+            use_cache=False, logits_to_keep=response_len + 1,
+        ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
+    targets = batch["input_ids"][:, -response_len:]  # [rows, R]
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
+
+
+@torch.no_grad()
+def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int) -> list[torch.Tensor]:
+    """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        logps = response_logprobs(model, collate(chunk, pad_id, model.device), temperature).cpu()
+        out += [row[: len(s["response_ids"])] for row, s in zip(logps, chunk)]
+    model.train(was_training)
+    return out
+
+
+def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: int) -> dict:
+    """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient."""
+    batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
+    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
+    for start in range(0, len(batch_samples), args.micro_batch_size):
+        batch = collate(batch_samples[start : start + args.micro_batch_size], pad_id, model.device)
+        logps = response_logprobs(model, batch, args.temperature)
+        loss, micro = policy_loss(
+            logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
+            args.clip_eps, args.beta, batch_tokens, len(batch_samples),
+        )
+        loss.backward()
+        stats["loss"] += loss.item()
+        for key in micro:
+            stats[key] += micro[key]
+    stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, iteration: int) -> Path:
+    """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact."""
+    final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration}, staging / "trainer_state.pt")
+    if final.exists():
+        final.rename(previous)
+    staging.rename(final)
+    shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # .old: killed between the two renames
+        if (candidate / "trainer_state.pt").exists():
+            return candidate
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Main loop
+
+
+def validate(args: Args) -> None:
+    problems = []
+    if args.group_size < 1 or args.questions < 1 or args.iterations < 1 or args.epochs < 1:
+        problems.append("--group-size, --questions, --iterations and --epochs must be positive")
+    if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
+        problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
+    if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
+        problems.append("--context, --max-new-tokens and --temperature must be positive")
+    if args.mc_samples < 1:
+        problems.append(f"--mc-samples ({args.mc_samples}) must be at least 1 (continuations per cutpoint state)")
+    if args.interval < 1:
+        problems.append(f"--interval ({args.interval}) must be at least 1 (1 keeps every low-probability cutpoint)")
+    if not 0 < args.prob_threshold <= 1:
+        problems.append(f"--prob-threshold ({args.prob_threshold}) must be in (0, 1]")
+    if problems:
+        raise ev.UsageError("; ".join(problems))
+
+
+def main(args: Args) -> dict:
+    validate(args)
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    # Run directory: new, or the one being resumed.
+    if args.resume:
+        run_dir = Path(args.resume)
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
+    else:
+        run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        run_dir, checkpoint = Path(args.output_dir) / run_name, None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+
+    model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
+    reference = None
+    if args.beta > 0:  # parked on the CPU except while its log-probs are computed
+        reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
+        reference.requires_grad_(False)
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    pad_id = tokenizer.pad_token_id
+    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
+    eval_examples = ev.load_task(args.eval_task or args.task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
+    stop = ev.stop_strings(tokenizer)
+    sampler = ev.make_sampler(
+        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
+        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
+
+    steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
+    total_steps = args.iterations * steps_per_iteration
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
+    start_iteration = 1
+    if checkpoint:
+        state = torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_iteration = state["iteration"] + 1
+
+    # Metrics after the checkpoint belong to iterations that will be redone: drop them.
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    if args.track:
+        import wandb
+
+        wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+
+    def log(iteration: int, metrics: dict) -> None:
+        with metrics_path.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, iteration)
+        if args.track:
+            wandb.log(metrics, step=iteration)
+
+    def run_eval(iteration: int) -> float:
+        result = ev.evaluate(
+            model, tokenizer, args.eval_task or args.task, examples=eval_examples, samples=args.eval_samples,
+            temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
+            context=args.context, sampler=sampler, seed=args.seed,
+        )
+        log(iteration, {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+                        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]})
+        return result["accuracy"]
+
+    accuracy_before = run_eval(start_iteration - 1) if start_iteration == 1 else None
+    accuracy_after, non_finite_in_a_row = accuracy_before, 0
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
+    for iteration in progress:
+        # Reseeding from (seed, iteration) makes a resumed run sample exactly what the uninterrupted one would.
+        rng = random.Random(args.seed * 1_000_003 + iteration)
+        torch.manual_seed(args.seed * 1_000_003 + iteration)
+        if hasattr(sampler, "generator"):
+            sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
+
+        # 1. Rollout: G responses per question.
+        started = time.time()
+        questions = [rng.choice(train_examples) for _ in range(args.questions)]
+        groups = sampler.sample(
+            [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
+        )
+        rollout_seconds = time.time() - started
+
+        # 2. Rewards: graded final answer; unfinished responses score 0.
+        completions = [c for group in groups for c in group]
+        texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
+        references = [q.answer for q in questions for _ in range(args.group_size)]
+        scores = ev.grade(texts, references, args.task)
+        rewards = [s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)]
+
+        # 3. Old and reference log-probs, once; p_t = exp(old log-prob) comes from the same forward pass.
+        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
+        for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
+            s["old_logps"] = s["ref_logps"] = logps
+        if reference is not None:
+            reference.to(device)
+            for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
+                s["ref_logps"] = logps
+            reference.to("cpu")
+        lengths = [len(s["response_ids"]) for s in samples]
+        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+        probs = [p.tolist() for p in flat_probs.split(lengths)]
+
+        # 4. Partition: cutpoints before every interval-th low-probability token.
+        cutpoints = [find_cutpoints(p, args.prob_threshold, args.interval) for p in probs]
+
+        # 5. Segment values: V(s_c) from K MC continuations of every cutpoint state, all states in one sampler call.
+        started = time.time()
+        states = [(s["prompt_ids"], s["response_ids"][: c + 1], ref) for s, cuts, ref in zip(samples, cutpoints, references) for c in cuts]
+        flat_values, mc_stats = mc_values(sampler, tokenizer, states, args, stop)
+        mc_seconds = time.time() - started
+
+        # 6. Chain advantages (prob-masked), whitened over the loss-masked tokens of the whole iteration batch.
+        values = iter(flat_values)
+        flat_advantages = torch.tensor([
+            a for p, cuts, reward in zip(probs, cutpoints, rewards)
+            for a in chain_advantages(p, cuts, [next(values) for _ in cuts], reward, args.prob_threshold, args.prob_mask)
+        ])  # [all response tokens]
+        flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
+        if flat_mask.any():
+            flat_advantages = whiten(flat_advantages, flat_mask)
+        for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
+            s["loss_mask"], s["advantages"] = mask, advantage
+
+        # 7. Update: epochs x shuffled batches x micro-batches.
+        sampler.sleep()
+        started, model_stats = time.time(), []
+        model.train()
+        for _ in range(args.epochs):
+            order = torch.randperm(len(samples)).tolist()
+            for start in range(0, len(order), args.batch_size):
+                optimizer.zero_grad(set_to_none=True)
+                stats = accumulate_gradients(model, [samples[i] for i in order[start : start + args.batch_size]], args, pad_id)
+                if not math.isfinite(stats["loss"]):
+                    non_finite_in_a_row += 1
+                    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+                    if non_finite_in_a_row >= 3:
+                        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
+                    scheduler.step()
+                    continue
+                non_finite_in_a_row = 0
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                optimizer.step()
+                scheduler.step()
+                model_stats.append(stats)
+        optimizer.zero_grad(set_to_none=True)
+        update_seconds = time.time() - started
+        sampler.wake_up()
+        sampler.load_weights(model)
+
+        # 8. Log, evaluate, checkpoint.
+        generated = sum(lengths)
+        # A response's segments: the runs of tokens between value positions (one segment if it has no cutpoint).
+        segments = sum(len(cuts) + (not cuts or cuts[0] >= 0) for cuts in cutpoints)
+        metrics = {
+            "charts/reward": sum(rewards) / len(rewards),
+            "charts/response_tokens": generated / len(completions),
+            "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "charts/lr": scheduler.get_last_lr()[0],
+            "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
+            "charts/loss_mask_fraction": flat_mask.float().mean().item() if generated else 0.0,
+            "charts/cutpoints_per_response": sum(map(len, cutpoints)) / len(cutpoints),
+            "charts/segment_tokens": generated / segments,
+            "charts/no_cutpoint_fraction": sum(not cuts for cuts in cutpoints) / len(cutpoints),
+            "charts/mc_states": mc_stats["mc_states"],
+            "charts/mc_rollouts": mc_stats["mc_rollouts"],
+            "charts/mc_tokens": mc_stats["mc_tokens"],
+            "time/rollout_seconds": rollout_seconds,
+            "time/mc_seconds": mc_seconds,
+            "time/update_seconds": update_seconds,
+        }
+        if flat_values:
+            metrics["charts/mc_value_mean"] = torch.tensor(flat_values).mean().item()
+            metrics["charts/mc_value_std"] = torch.tensor(flat_values).std(unbiased=False).item()
+        for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
+            if model_stats:
+                metrics[f"losses/{key}"] = sum(s[key] for s in model_stats) / len(model_stats)
+        log(iteration, metrics)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
+        tqdm.tqdm.write(
+            f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
+            f"cutpoints {metrics['charts/cutpoints_per_response']:.1f}  kl {metrics.get('losses/kl', 0):.2e}  "
+            f"rollout {rollout_seconds:.1f}s  mc {mc_seconds:.1f}s ({mc_stats['mc_rollouts']} rollouts)  update {update_seconds:.1f}s"
+        )
+        if iteration % args.eval_every == 0 or iteration == args.iterations:
+            accuracy_after = run_eval(iteration)
+        if iteration % args.save_every == 0 or iteration == args.iterations:
+            save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
+
+    writer.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
+    print(f"accuracy {before} -> {accuracy_after:.3f} on {args.eval_task or args.task}; metrics {metrics_path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary
+
+
+if __name__ == "__main__":
+    ev.run_cli(main, tyro.cli(Args))
