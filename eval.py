@@ -637,23 +637,36 @@ class HFSampler:
 
         rows = len(prompts) * n
         eos = torch.tensor(sorted(eos_ids(model, self.tokenizer)), device=device)
-        tokens = torch.zeros(rows, 0, dtype=torch.long, device=device)  # [rows, steps]
-        lengths = torch.zeros(rows, dtype=torch.long, device=device)  # real (non-pad) tokens per row
-        done = limits == 0
+        tokens = torch.full((rows, max(1, int(limits.max()))), pad, dtype=torch.long, device=device)  # [rows, steps]
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens sampled per row
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)  # ended by EOS or a stop string
+        active = torch.arange(rows, device=device)  # rows still in the model's batch (and in its KV cache)
         tail = max((len(s) for s in stop), default=0) + 2  # decoded tokens enough to contain a stop string
+
+        def keep_rows(keep: torch.Tensor) -> None:
+            # Finished rows leave the batch: one long response no longer makes every row pay for it.
+            nonlocal active, attention, next_position, logits
+            index = keep.nonzero().flatten()
+            cache.batch_select_indices(index)
+            active, attention, next_position, logits = active[index], attention[index], next_position[index], logits[index]
+
+        if not bool((limits > 0).all()):
+            keep_rows(limits > 0)
         for step in range(int(limits.max())):
-            chosen = _next_tokens(logits, temperature, top_p, self.generator).masked_fill(done, pad)  # [rows]
-            tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-            lengths += ~done
-            finished_now = ~done & torch.isin(chosen, eos)
-            for row in (~done & ~finished_now).nonzero().flatten().tolist() if stop else []:
-                if any(s in self.tokenizer.decode(tokens[row, -tail:]) for s in stop):
-                    finished_now[row] = True
-            stopped |= finished_now
-            done |= finished_now | (lengths >= limits)
-            if bool(done.all()):
+            chosen = _next_tokens(logits, temperature, top_p, self.generator)  # [active]
+            tokens[active, step] = chosen
+            lengths[active] += 1
+            finished = torch.isin(chosen, eos)  # [active]
+            for i in (~finished).nonzero().flatten().tolist() if stop else []:
+                if any(s in self.tokenizer.decode(tokens[active[i], max(0, step + 1 - tail) : step + 1]) for s in stop):
+                    finished[i] = True
+            stopped[active] = finished
+            keep = ~finished & (lengths[active] < limits[active])
+            if not bool(keep.any()):
                 break
+            if not bool(keep.all()):
+                chosen = chosen[keep]
+                keep_rows(keep)
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             out = model(input_ids=chosen[:, None], attention_mask=attention, position_ids=next_position, cache=cache, use_cache=True)
             cache, logits, next_position = out.cache, out.logits[:, -1], next_position + 1

@@ -245,3 +245,24 @@ def test_per_prompt_token_budgets(tiny):
         hook.remove()
     assert [[len(c.ids) for c in g] for g in groups] == [[4, 4], [7, 7]]  # the second is capped by the context
     assert all(c.finish_reason == "length" for g in groups for c in g)
+
+
+def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    prompts = [tokenizer(text)["input_ids"] for text in ["a", "bb b", "12+3=", "xyz?", "Q: 7", "hello there"]]
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost_by(logits, eos, 0.5))  # some rows end early
+    try:
+        sampler = ev.HFSampler(model, tokenizer)
+        batched = sampler.sample(prompts, 1, temperature=0, top_p=1.0, max_new_tokens=12)
+        alone = [sampler.sample([p], 1, temperature=0, top_p=1.0, max_new_tokens=12)[0] for p in prompts]
+    finally:
+        hook.remove()
+    lengths = [len(g[0].ids) for g in batched]
+    assert min(lengths) < 12 and max(lengths) == 12  # rows did finish at different steps
+    assert [[c.ids for c in g] for g in batched] == [[c.ids for c in g] for g in alone]
+
+
+def boost_by(logits, token, amount):
+    logits[..., token] += amount
+    return logits

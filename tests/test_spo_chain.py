@@ -342,12 +342,12 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     model_dir = make_tiny_model(tmp_path / "digits", alphabet="0123456789 ")
     data = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
     summary = spo.main(spo.Args(
-        model=str(model_dir), task=str(data), backend="hf", iterations=10, questions=8, group_size=8, max_new_tokens=3,
-        context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=2e-2, beta=0.0, warmup_ratio=0.0, mc_samples=4,
+        model=str(model_dir), task=str(data), backend="hf", iterations=12, questions=8, group_size=8, max_new_tokens=3,
+        context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=1e-2, beta=0.0, warmup_ratio=0.0, mc_samples=4,
         interval=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000,
         output_dir=str(tmp_path / "runs"),
     ))
     rewards = [m["charts/reward"] for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
-    assert sum(rewards[:3]) / 3 < 0.1
+    assert rewards[0] < 0.1
     assert sum(rewards[-3:]) / 3 > 0.4
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.3

@@ -375,7 +375,7 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
 
 def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path, monkeypatch):
     model_dir, data = sevens
-    full = spo.main(_args(model_dir, data, tmp_path / "full", iterations=3))
+    full = spo.main(_args(model_dir, data, tmp_path / "full", iterations=3, seed=3))  # seed 3: iteration 3 trains on kept edges
 
     class Killed(Exception):
         pass
@@ -390,12 +390,12 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
 
     monkeypatch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
     with pytest.raises(Killed):
-        spo.main(_args(model_dir, data, tmp_path / "killed", iterations=3))
+        spo.main(_args(model_dir, data, tmp_path / "killed", iterations=3, seed=3))
     monkeypatch.undo()
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = spo.main(_args(model_dir, data, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    resumed = spo.main(_args(model_dir, data, tmp_path / "unused", iterations=3, seed=3, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)
     expected = _metrics(full["run_dir"])
     assert _metrics(run_dir) == expected  # same seed: same numbers with or without the kill
