@@ -579,6 +579,19 @@ class HFSampler:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0, batch_size: int = 64):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self._stop_enders: dict[tuple, torch.Tensor] = {}
+
+    def _can_end_stop(self, stop: Sequence[str], vocab: int) -> torch.Tensor:
+        """[vocab] bool: tokens whose text holds the last character of a stop string. A stop string can only
+        be complete right after one of them, so only those rows pay for a decode (once per stop set)."""
+        key = (tuple(stop), vocab)
+        if key not in self._stop_enders:
+            last = {s[-1] for s in stop if s}
+            known = min(vocab, len(self.tokenizer))
+            texts = self.tokenizer.batch_decode([[i] for i in range(known)])
+            enders = [any(c in text for c in last) for text in texts] + [True] * (vocab - known)
+            self._stop_enders[key] = torch.tensor(enders, device=self.model.device)
+        return self._stop_enders[key]
 
     def load_weights(self, model: PreTrainedModel) -> None:
         self.model = model  # sampling uses the training model itself: nothing to copy
@@ -657,9 +670,11 @@ class HFSampler:
             tokens[active, step] = chosen
             lengths[active] += 1
             finished = torch.isin(chosen, eos)  # [active]
-            for i in (~finished).nonzero().flatten().tolist() if stop else []:
-                if any(s in self.tokenizer.decode(tokens[active[i], max(0, step + 1 - tail) : step + 1]) for s in stop):
-                    finished[i] = True
+            if stop:
+                candidates = ~finished & self._can_end_stop(stop, logits.shape[-1])[chosen]  # [active]
+                for i in candidates.nonzero().flatten().tolist():
+                    if any(s in self.tokenizer.decode(tokens[active[i], max(0, step + 1 - tail) : step + 1]) for s in stop):
+                        finished[i] = True
             stopped[active] = finished
             keep = ~finished & (lengths[active] < limits[active])
             if not bool(keep.any()):

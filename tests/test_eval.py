@@ -266,3 +266,11 @@ def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny
 def boost_by(logits, token, amount):
     logits[..., token] += amount
     return logits
+
+
+def test_only_tokens_that_can_complete_a_stop_string_are_checked(tiny):
+    model, tokenizer = tiny
+    enders = ev.HFSampler(model, tokenizer)._can_end_stop([ev.RHO_STOP], len(tokenizer) + 2)
+    colon, letter = tokenizer(":")["input_ids"][0], tokenizer("P")["input_ids"][0]
+    assert enders[colon] and not enders[letter]  # "...Problem:" can only be complete after a ":"
+    assert enders[-2:].all()  # ids the tokenizer does not know are always checked
