@@ -106,6 +106,12 @@ class Args:
     """evaluation nucleus threshold"""
     save_every: int = 10
     """checkpoint every N iterations (and after the last)"""
+    max_minutes: float | None = None
+    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
+    save_samples: int = 0
+    """every N iterations write the first --save-questions groups to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
+    save_questions: int = 2
+    """questions whose responses --save-samples writes"""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU memory fraction for the vLLM engine"""
 
@@ -256,7 +262,22 @@ def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: i
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints and saved samples
+
+
+def write_samples(path: Path, records: list[dict]) -> None:
+    """One JSON record per line (the format viewer.py reads); floats rounded to keep the files small."""
+    def rounded(value):
+        if isinstance(value, float):
+            return round(value, 5)
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        if isinstance(value, dict):
+            return {key: rounded(v) for key, v in value.items()}
+        return value
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(rounded(r)) + "\n" for r in records))
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, iteration: int) -> Path:
@@ -294,6 +315,8 @@ def validate(args: Args) -> None:
         problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
     if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
         problems.append("--context, --max-new-tokens and --temperature must be positive")
+    if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
+        problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     if problems:
         raise ev.UsageError("; ".join(problems))
 
@@ -346,6 +369,7 @@ def main(args: Args) -> dict:
     metrics_path = run_dir / "metrics.jsonl"
     kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
     metrics_path.write_text("".join(line + "\n" for line in kept))
+    train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
     writer = SummaryWriter(str(run_dir / "tensorboard"))
     if args.track:
         import wandb
@@ -381,7 +405,7 @@ def main(args: Args) -> dict:
             sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
 
         # 1. Rollout: G responses per question.
-        started = time.time()
+        started = iteration_started = time.time()
         questions = [rng.choice(train_examples) for _ in range(args.questions)]
         groups = sampler.sample(
             [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
@@ -440,8 +464,11 @@ def main(args: Args) -> dict:
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
+        iteration_seconds = time.time() - iteration_started
+        train_seconds += iteration_seconds
+        last = iteration == args.iterations or (args.max_minutes is not None and train_seconds >= 60 * args.max_minutes)
 
-        # 5. Log, evaluate, checkpoint.
+        # 5. Log, save samples, evaluate, checkpoint.
         generated = sum(len(c.ids) for c in completions)
         metrics = {
             "charts/reward": rewards.mean().item(),
@@ -450,9 +477,12 @@ def main(args: Args) -> dict:
             "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
+            "charts/generated_tokens": generated,
             "charts/loss_mask_fraction": flat_mask.float().mean().item(),
             "time/rollout_seconds": rollout_seconds,
             "time/update_seconds": update_seconds,
+            "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
+            "time/train_seconds": train_seconds,
         }
         for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
             if model_stats:
@@ -463,10 +493,26 @@ def main(args: Args) -> dict:
             f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
             f"kl {metrics.get('losses/kl', 0):.2e}  rollout {rollout_seconds:.1f}s  update {update_seconds:.1f}s"
         )
-        if iteration % args.eval_every == 0 or iteration == args.iterations:
+        if args.save_samples and iteration % args.save_samples == 0:
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", [
+                {
+                    "algorithm": "grpo", "iteration": iteration, "question_index": i // args.group_size,
+                    "question": questions[i // args.group_size].question, "reference": questions[i // args.group_size].answer,
+                    "prompt": questions[i // args.group_size].prompt, "reward": rewards[i].item(),
+                    "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
+                    "tokens": [tokenizer.decode([t]) for t in completions[i].ids], "probs": samples[i]["old_logps"].exp().tolist(),
+                    "advantages": [advantages[i].item()] * lengths[i],  # before whitening
+                    "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
+                    "cutpoints": None, "cutpoint_values": None, "values": None,
+                }
+                for i in range(min(args.save_questions, args.questions) * args.group_size)
+            ])
+        if iteration % args.eval_every == 0 or last:
             accuracy_after = run_eval(iteration)
-        if iteration % args.save_every == 0 or iteration == args.iterations:
+        if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
+        if last:
+            break
 
     writer.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}

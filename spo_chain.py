@@ -113,6 +113,12 @@ class Args:
     """evaluation nucleus threshold"""
     save_every: int = 10
     """checkpoint every N iterations (and after the last)"""
+    max_minutes: float | None = None
+    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
+    save_samples: int = 0
+    """every N iterations write the first --save-questions questions' responses to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
+    save_questions: int = 2
+    """questions whose responses --save-samples writes"""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU memory fraction for the vLLM engine"""
 
@@ -355,7 +361,22 @@ def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: i
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints and saved samples
+
+
+def write_samples(path: Path, records: list[dict]) -> None:
+    """One JSON record per line (the format viewer.py reads); floats rounded to keep the files small."""
+    def rounded(value):
+        if isinstance(value, float):
+            return round(value, 5)
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        if isinstance(value, dict):
+            return {key: rounded(v) for key, v in value.items()}
+        return value
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(rounded(r)) + "\n" for r in records))
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, iteration: int) -> Path:
@@ -397,6 +418,8 @@ def validate(args: Args) -> None:
         problems.append(f"--interval ({args.interval}) must be at least 1 (1 keeps every low-probability cutpoint)")
     if not 0 < args.prob_threshold <= 1:
         problems.append(f"--prob-threshold ({args.prob_threshold}) must be in (0, 1]")
+    if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
+        problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     if problems:
         raise ev.UsageError("; ".join(problems))
 
@@ -449,6 +472,7 @@ def main(args: Args) -> dict:
     metrics_path = run_dir / "metrics.jsonl"
     kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
     metrics_path.write_text("".join(line + "\n" for line in kept))
+    train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
     writer = SummaryWriter(str(run_dir / "tensorboard"))
     if args.track:
         import wandb
@@ -484,7 +508,7 @@ def main(args: Args) -> dict:
             sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
 
         # 1. Rollout: G responses per question.
-        started = time.time()
+        started = iteration_started = time.time()
         questions = [rng.choice(train_examples) for _ in range(args.questions)]
         groups = sampler.sample(
             [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
@@ -523,10 +547,12 @@ def main(args: Args) -> dict:
 
         # 6. Chain advantages (prob-masked), whitened over the loss-masked tokens of the whole iteration batch.
         values = iter(flat_values)
-        flat_advantages = torch.tensor([
-            a for p, cuts, reward in zip(probs, cutpoints, rewards)
-            for a in chain_advantages(p, cuts, [next(values) for _ in cuts], reward, args.prob_threshold, args.prob_mask)
-        ])  # [all response tokens]
+        cutpoint_values = [[next(values) for _ in cuts] for cuts in cutpoints]
+        advantages = [
+            chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
+            for p, cuts, v, reward in zip(probs, cutpoints, cutpoint_values, rewards)
+        ]
+        flat_advantages = torch.tensor([a for response in advantages for a in response])  # [all response tokens]
         flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
         if flat_mask.any():
             flat_advantages = whiten(flat_advantages, flat_mask)
@@ -558,8 +584,11 @@ def main(args: Args) -> dict:
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
+        iteration_seconds = time.time() - iteration_started
+        train_seconds += iteration_seconds
+        last = iteration == args.iterations or (args.max_minutes is not None and train_seconds >= 60 * args.max_minutes)
 
-        # 8. Log, evaluate, checkpoint.
+        # 8. Log, save samples, evaluate, checkpoint.
         generated = sum(lengths)
         # A response's segments: the runs of tokens between value positions (one segment if it has no cutpoint).
         segments = sum(len(cuts) + (not cuts or cuts[0] >= 0) for cuts in cutpoints)
@@ -576,9 +605,12 @@ def main(args: Args) -> dict:
             "charts/mc_states": mc_stats["mc_states"],
             "charts/mc_rollouts": mc_stats["mc_rollouts"],
             "charts/mc_tokens": mc_stats["mc_tokens"],
+            "charts/generated_tokens": generated + mc_stats["mc_tokens"],  # responses and MC continuations
             "time/rollout_seconds": rollout_seconds,
             "time/mc_seconds": mc_seconds,
             "time/update_seconds": update_seconds,
+            "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
+            "time/train_seconds": train_seconds,
         }
         if flat_values:
             metrics["charts/mc_value_mean"] = torch.tensor(flat_values).mean().item()
@@ -593,10 +625,26 @@ def main(args: Args) -> dict:
             f"cutpoints {metrics['charts/cutpoints_per_response']:.1f}  kl {metrics.get('losses/kl', 0):.2e}  "
             f"rollout {rollout_seconds:.1f}s  mc {mc_seconds:.1f}s ({mc_stats['mc_rollouts']} rollouts)  update {update_seconds:.1f}s"
         )
-        if iteration % args.eval_every == 0 or iteration == args.iterations:
+        if args.save_samples and iteration % args.save_samples == 0:
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", [
+                {
+                    "algorithm": "spo_chain", "iteration": iteration, "question_index": i // args.group_size,
+                    "question": questions[i // args.group_size].question, "reference": references[i],
+                    "prompt": questions[i // args.group_size].prompt, "reward": rewards[i],
+                    "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
+                    "tokens": [tokenizer.decode([t]) for t in completions[i].ids], "probs": probs[i],
+                    "advantages": advantages[i],  # before whitening, prob mask applied
+                    "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
+                    "cutpoints": cutpoints[i], "cutpoint_values": cutpoint_values[i], "values": None,
+                }
+                for i in range(min(args.save_questions, args.questions) * args.group_size)
+            ])
+        if iteration % args.eval_every == 0 or last:
             accuracy_after = run_eval(iteration)
-        if iteration % args.save_every == 0 or iteration == args.iterations:
+        if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
+        if last:
+            break
 
     writer.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}

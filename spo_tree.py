@@ -122,6 +122,12 @@ class Args:
     """evaluation nucleus threshold"""
     save_every: int = 10
     """checkpoint every N iterations (and after the last)"""
+    max_minutes: float | None = None
+    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
+    save_samples: int = 0
+    """every N iterations write the first --save-questions questions' trees to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
+    save_questions: int = 2
+    """questions whose trees --save-samples writes"""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU memory fraction for the vLLM engine"""
 
@@ -193,6 +199,17 @@ def backup_values(root: Node) -> float:
     return root.value
 
 
+def edge_advantages(parent: Node, advantage: str = "rloo") -> list[float]:
+    """Advantage of each child of `parent` (values already backed up): "rloo" V(child) - V(parent),
+    "grpo" that / (population std of the children's values + 1e-8).
+
+    >>> edge_advantages(Node([0], [Node([1], value=1.0), Node([2], value=0.0)], value=0.5))
+    [0.5, -0.5]
+    """
+    scale = statistics.pstdev([child.value for child in parent.children]) + 1e-8 if advantage == "grpo" and parent.children else 1.0
+    return [(child.value - parent.value) / scale for child in parent.children]
+
+
 def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], list[int], float]]:
     """Training samples of a tree: (query ids, segment ids, advantage) per non-root node, depth-first pre-order
     (a node, then its subtree, then its next sibling). Calls backup_values.
@@ -211,13 +228,7 @@ def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], 
     segments = []
 
     def visit(node: Node, query: list[int]) -> None:
-        if not node.children:
-            return
-        scale = 1.0
-        if advantage == "grpo":
-            scale = statistics.pstdev([child.value for child in node.children]) + 1e-8
-        for child in node.children:
-            edge_advantage = (child.value - node.value) / scale
+        for child, edge_advantage in zip(node.children, edge_advantages(node, advantage)):
             if edge_advantage != 0:
                 segments.append((list(query), list(child.tokens), edge_advantage))
             visit(child, query + child.tokens)
@@ -445,7 +456,22 @@ def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: i
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints and saved samples
+
+
+def write_samples(path: Path, records: list[dict]) -> None:
+    """One JSON record per line (the format viewer.py reads); floats rounded to keep the files small."""
+    def rounded(value):
+        if isinstance(value, float):
+            return round(value, 5)
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        if isinstance(value, dict):
+            return {key: rounded(v) for key, v in value.items()}
+        return value
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(rounded(r)) + "\n" for r in records))
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, iteration: int, buffer: list[dict]) -> Path:
@@ -501,6 +527,8 @@ def validate(args: Args) -> list[int]:
         problems.append(f"--advantage must be {' or '.join(ADVANTAGES)}, not {args.advantage!r}")
     if args.buffer_max_age < 1 or args.edges_per_question < 1:
         problems.append("--buffer-max-age and --edges-per-question must be positive")
+    if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
+        problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     if problems:
         raise ev.UsageError("; ".join(problems))
     return branches
@@ -562,6 +590,7 @@ def main(args: Args) -> dict:
     metrics_path = run_dir / "metrics.jsonl"
     kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
     metrics_path.write_text("".join(line + "\n" for line in kept))
+    train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
     writer = SummaryWriter(str(run_dir / "tensorboard"))
     if args.track:
         import wandb
@@ -620,6 +649,14 @@ def main(args: Args) -> dict:
                                       "advantage": advantage})
         for edge, logps in zip(new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id)):
             edge["old_logps"] = logps
+        saving = args.save_samples and iteration % args.save_samples == 0
+        if saving:  # p_t of every node of the saved trees (zero-advantage ones too), before the update
+            saved_nodes = [(tree, node, before) for tree in trees[: args.save_questions] for node, before in walk(tree)]
+            saved_logps = sample_logprobs(
+                model, [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in saved_nodes],
+                args.micro_batch_size, args.temperature, pad_id,
+            )
+            saved_probs = {id(node): logps.exp().tolist() for (_, node, _), logps in zip(saved_nodes, saved_logps)}
 
         # 4. Replay buffer: take at most --edges-per-question edges per question; reference log-probs, mask, whitening.
         samples, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
@@ -666,8 +703,11 @@ def main(args: Args) -> dict:
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
+        iteration_seconds = time.time() - iteration_started
+        train_seconds += iteration_seconds
+        last = iteration == args.iterations or (args.max_minutes is not None and train_seconds >= 60 * args.max_minutes)
 
-        # 6. Log, evaluate, checkpoint.
+        # 6. Log, save samples, evaluate, checkpoint.
         nodes = [node for tree in trees for node, _ in walk(tree)]
         leaves = [node for node in nodes if not node.children]
         generated = sum(len(node.tokens) for node in nodes)
@@ -676,6 +716,7 @@ def main(args: Args) -> dict:
             "charts/root_value": sum(tree.value for tree in trees) / len(trees),  # the trees' accuracy (values backed up)
             "charts/truncation_rate": sum(leaf.finish_reason != "stop" for leaf in leaves) / len(leaves),
             "charts/generated_tokens_per_question": generated / len(trees),
+            "charts/generated_tokens": generated,
             "charts/segment_tokens": sum(len(s["response_ids"]) for s in samples) / max(1, len(samples)),
             "charts/samples": len(samples),
             "charts/zero_advantage_fraction": 1 - nonzero_edges / len(nodes),
@@ -689,7 +730,8 @@ def main(args: Args) -> dict:
             "buffer/taken_mean_age": sum(iteration - s["born"] for s in samples) / max(1, len(samples)),
             "time/rollout_seconds": rollout_seconds,
             "time/update_seconds": update_seconds,
-            "time/iteration_seconds": time.time() - iteration_started,  # without evaluation and checkpoint
+            "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
+            "time/train_seconds": train_seconds,
         }
         for depth in range(1, len(branches)):
             metrics[f"tree/early_leaves_depth{depth}"] = sum(leaf.depth == depth and leaf.finish_reason == "stop" for leaf in leaves) / len(trees)
@@ -705,10 +747,31 @@ def main(args: Args) -> dict:
             f"edges {len(samples)}  kl {metrics.get('losses/kl', 0):.2e}  rollout {rollout_seconds:.1f}s "
             f"({' / '.join(f'{s:.1f}' for s in level_seconds)})  update {update_seconds:.1f}s"
         )
-        if iteration % args.eval_every == 0 or iteration == args.iterations:
+        if saving:
+
+            def node_record(node: Node, advantage: float | None) -> dict:
+                ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
+                return {
+                    "token_ids": ids, "tokens": [tokenizer.decode([t]) for t in ids],
+                    "probs": saved_probs[id(node)] if node.depth else [], "value": node.value, "advantage": advantage,
+                    "reward": node.reward, "finish_reason": node.finish_reason,
+                    "children": [node_record(child, a) for child, a in zip(node.children, edge_advantages(node, args.advantage))],
+                }
+
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", [
+                {
+                    "algorithm": "spo_tree", "iteration": iteration, "question_index": i, "question": questions[i].question,
+                    "reference": questions[i].answer, "prompt": questions[i].prompt, "prob_threshold": args.prob_threshold,
+                    "tree": node_record(tree, None),
+                }
+                for i, tree in enumerate(trees[: args.save_questions])
+            ])
+        if iteration % args.eval_every == 0 or last:
             accuracy_after = run_eval(iteration)
-        if iteration % args.save_every == 0 or iteration == args.iterations:
+        if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration, buffer)
+        if last:
+            break
 
     writer.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}

@@ -209,3 +209,29 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     assert sum(rewards[:3]) / 3 < 0.2
     assert sum(rewards[-3:]) / 3 > 0.8
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.5
+
+
+def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    summary = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
+    run_dir = Path(summary["run_dir"])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1]  # the budget ran out in iteration 1: it became the last one
+    assert [m["iteration"] for m in lines if "eval/accuracy" in m] == [0, 1]
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
+    assert train[0]["time/train_seconds"] == train[0]["time/iteration_seconds"] > 0
+    assert train[0]["charts/generated_tokens"] == train[0]["charts/response_tokens"] * 3 * 4
+
+    records = [json.loads(line) for line in (run_dir / "samples" / "iter_1.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4 and [r["question_index"] for r in records] == [0] * 4 + [1] * 4
+    tokenizer = ev.load_model(str(tiny_model_dir))[1]
+    for r in records:
+        n = len(r["token_ids"])
+        assert len(r["tokens"]) == len(r["probs"]) == len(r["advantages"]) == len(r["loss_mask"]) == n
+        assert "".join(r["tokens"]) == tokenizer.decode(r["token_ids"])
+        assert all(0 < p <= 1 for p in r["probs"]) and r["reward"] in (0.0, 1.0) and r["cutpoints"] is None
+    for q in range(2):
+        group = [r for r in records if r["question_index"] == q]
+        expected = grpo.group_advantages(torch.tensor([r["reward"] for r in group]), 4)
+        for a, r in zip(expected.tolist(), group):
+            assert r["advantages"] == pytest.approx([a] * len(r["token_ids"]), abs=1e-4)  # one advantage per response

@@ -342,3 +342,24 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     assert sum(rewards[-3:]) / 3 > 0.8
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.5
     assert train[-1]["charts/mean_value"] > 0.5  # the critic followed the reward up
+
+
+def test_max_minutes_stops_early_and_save_samples_writes_values_and_advantages(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    summary = ppo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=1))
+    run_dir = Path(summary["run_dir"])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1] and [m["iteration"] for m in lines if "eval/accuracy" in m] == [0, 1]
+    assert train[0]["time/train_seconds"] == train[0]["time/iteration_seconds"] > 0
+    assert train[0]["charts/generated_tokens"] == train[0]["charts/response_tokens"] * 3 * 4
+
+    records = [json.loads(line) for line in (run_dir / "samples" / "iter_1.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["algorithm"] == "ppo" for r in records)
+    for r in records:
+        n = len(r["token_ids"])
+        assert len(r["tokens"]) == len(r["probs"]) == len(r["advantages"]) == len(r["values"]) == len(r["loss_mask"]) == n
+        if n:  # GAE with gamma 1 and the reward on the last token: A_t = lam-weighted; lam 0.9 here, so recompute it
+            rewards = torch.zeros(1, n)
+            rewards[0, -1] = r["reward"]
+            expected, _ = ppo.gae_advantages(rewards, torch.tensor([r["values"]]), torch.ones(1, n, dtype=torch.bool), 1.0, 0.9)
+            assert r["advantages"] == pytest.approx(expected[0].tolist(), abs=1e-3)

@@ -351,3 +351,26 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     assert rewards[0] < 0.1
     assert sum(rewards[-3:]) / 3 > 0.4
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.3
+
+
+def test_max_minutes_stops_early_and_save_samples_writes_cutpoints_values_and_advantages(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    summary = spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1,
+                             save_questions=1, max_new_tokens=12, context=128))
+    run_dir = Path(summary["run_dir"])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1] and [m["iteration"] for m in lines if "eval/accuracy" in m] == [0, 1]
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
+    assert train[0]["time/train_seconds"] == train[0]["time/iteration_seconds"] > 0
+    assert train[0]["charts/generated_tokens"] == train[0]["charts/response_tokens"] * 3 * 4 + train[0]["charts/mc_tokens"]
+
+    records = [json.loads(line) for line in (run_dir / "samples" / "iter_1.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["algorithm"] == "spo_chain" and r["question_index"] == 0 for r in records)
+    assert sum(len(r["cutpoints"]) for r in records) > 0  # random tiny model: many low-probability tokens
+    for r in records:
+        n = len(r["token_ids"])
+        assert len(r["tokens"]) == len(r["probs"]) == len(r["advantages"]) == len(r["loss_mask"]) == n
+        assert r["cutpoints"] == spo.find_cutpoints(r["probs"], 0.9, 2)
+        assert len(r["cutpoint_values"]) == len(r["cutpoints"]) and all(0 <= v <= 1 for v in r["cutpoint_values"])
+        expected = spo.chain_advantages(r["probs"], r["cutpoints"], r["cutpoint_values"], r["reward"], 0.9, True)
+        assert r["advantages"] == pytest.approx(expected, abs=1e-4)

@@ -452,3 +452,32 @@ def test_impossible_configurations_are_one_clear_error():
         spo.validate(spo.Args(tree="2,2,2", segment_tokens=600, max_new_tokens=1024))
     with pytest.raises(ev.UsageError, match="--advantage"):
         spo.validate(spo.Args(advantage="ppo"))
+
+
+def test_max_minutes_stops_early_and_save_samples_writes_the_trees(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    summary = spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
+    run_dir = Path(summary["run_dir"])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1] and [m["iteration"] for m in lines if "eval/accuracy" in m] == [0, 1]
+    assert train[0]["time/train_seconds"] == train[0]["time/iteration_seconds"] > 0
+    assert train[0]["charts/generated_tokens"] == pytest.approx(train[0]["charts/generated_tokens_per_question"] * 3)
+
+    records = [json.loads(line) for line in (run_dir / "samples" / "iter_1.jsonl").read_text().splitlines()]
+    assert [r["question_index"] for r in records] == [0, 1] and all(r["algorithm"] == "spo_tree" for r in records)
+
+    def check(node, parent_value, depth):
+        assert len(node["tokens"]) == len(node["token_ids"]) == len(node["probs"])
+        if depth:
+            assert node["advantage"] == pytest.approx(node["value"] - parent_value, abs=1e-4)  # rloo
+        if node["children"]:
+            assert node["value"] == pytest.approx(sum(c["value"] for c in node["children"]) / len(node["children"]), abs=1e-4)
+            assert len(node["children"]) == (4 if depth == 0 else 3) and node["reward"] is None
+        else:
+            assert node["value"] == node["reward"] and node["finish_reason"] in ("stop", "length")
+        for child in node["children"]:
+            check(child, node["value"], depth + 1)
+
+    for r in records:
+        assert r["tree"]["token_ids"] == [] and r["tree"]["advantage"] is None
+        check(r["tree"], None, 0)
