@@ -557,6 +557,24 @@ def cut_at_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: Sequen
     return ids[:keep], True
 
 
+def stop_histories(prompts: list[list[int]], generated: int | Sequence[int], stop: Sequence[str]) -> list[list[int]]:
+    """Per prompt, its last generated tokens that a stop string could begin in (at most its longest length + 2:
+    a token spells at least one character)."""
+    counts = [generated] * len(prompts) if isinstance(generated, int) else list(generated)
+    tail = max((len(s) for s in stop), default=0) + 2 if stop else 0
+    return [list(p[len(p) - min(c, tail, len(p)) :]) if c and tail else [] for p, c in zip(prompts, counts)]
+
+
+def token_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
+    """Each token's share of the decoded text, so that "".join(pieces) == decode(ids) (byte-level BPE splits a
+    character across tokens: its piece goes to the token that completes it). For viewers and sample files."""
+    pieces = []
+    for i in range(len(ids)):
+        start = max(0, i - 8)  # a few tokens of left context are enough to complete any character
+        pieces.append(tokenizer.decode(ids[start : i + 1])[len(tokenizer.decode(ids[start:i])) :])
+    return pieces
+
+
 def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
     """Sample one token per row from logits [rows, vocab] with temperature and nucleus (top-p) filtering."""
     if temperature <= 0:
@@ -613,13 +631,18 @@ class HFSampler:
         stop: Sequence[str] = (),
         context: int | None = None,
         progress: str | None = None,
+        generated: int | list[int] = 0,
     ) -> list[list[Completion]]:
         """n completions for each prompt (token ids).
 
         max_new_tokens: one budget, or one per prompt; each is capped at context - prompt length.
+        generated: how many of each prompt's last tokens the policy sampled itself (the response so far,
+        one count or one per prompt). A stop string that begins there and ends in the new tokens stops the
+        completion too, which is then cut where it begins: to nothing when it begins before the new tokens.
         """
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         limits = [min(b, context - len(p)) if context else b for p, b in zip(prompts, budgets)]
+        histories = stop_histories(prompts, generated, stop)
         per_chunk = max(1, self.batch_size // n)
         results: list[list[Completion]] = []
         chunks = range(0, len(prompts), per_chunk)
@@ -627,11 +650,11 @@ class HFSampler:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):  # training keeps fp32 weights
             for start in tqdm.tqdm(chunks, desc=progress, leave=False, disable=progress is None):
                 end = start + per_chunk
-                results += self._sample_chunk(prompts[start:end], limits[start:end], n, temperature, top_p, stop)
+                results += self._sample_chunk(prompts[start:end], limits[start:end], histories[start:end], n, temperature, top_p, stop)
         return results
 
     @torch.no_grad()
-    def _sample_chunk(self, prompts, limits, n, temperature, top_p, stop) -> list[list[Completion]]:
+    def _sample_chunk(self, prompts, limits, histories, n, temperature, top_p, stop) -> list[list[Completion]]:
         model, device = self.model, self.model.device
         was_training = model.training
         model.eval()
@@ -673,7 +696,9 @@ class HFSampler:
             if stop:
                 candidates = ~finished & self._can_end_stop(stop, logits.shape[-1])[chosen]  # [active]
                 for i in candidates.nonzero().flatten().tolist():
-                    if any(s in self.tokenizer.decode(tokens[active[i], max(0, step + 1 - tail) : step + 1]) for s in stop):
+                    row, first = int(active[i]), step + 1 - tail
+                    window = (histories[row // n][first:] if first < 0 else []) + tokens[row, max(0, first) : step + 1].tolist()
+                    if any(s in self.tokenizer.decode(window) for s in stop):
                         finished[i] = True
             stopped[active] = finished
             keep = ~finished & (lengths[active] < limits[active])
@@ -692,7 +717,8 @@ class HFSampler:
         for row in range(rows):
             ids = tokens[row, : int(lengths[row])].tolist()
             if stopped[row] and ids[-1] not in eos_set:  # a stop string: train up to where it begins
-                ids, _ = cut_at_stop(self.tokenizer, ids, stop)
+                history = histories[row // n]
+                ids = cut_at_stop(self.tokenizer, history + ids, stop)[0][len(history) :]
             completions.append(Completion(ids=ids, finish_reason="stop" if stopped[row] else "length"))
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -739,14 +765,17 @@ class VLLMSampler:
 
     def sample(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int | list[int], stop: Sequence[str] = (), context: int | None = None,
-               progress: str | None = None) -> list[list[Completion]]:
+               progress: str | None = None, generated: int | list[int] = 0) -> list[list[Completion]]:
         """n completions per prompt, in prompt order.
-        Max new tokens = min(max_new_tokens (one, or one per prompt), context - len(prompt))."""
+        Max new tokens = min(max_new_tokens (one, or one per prompt), context - len(prompt)).
+        generated: as in HFSampler.sample (vLLM only looks for stop strings in the new text, so a stop string
+        that begins in the response so far is found and cut here, after generation)."""
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:
             raise RuntimeError("VLLMSampler.sample() called while asleep; call wake_up() first")
         stop = list(stop)
+        histories = stop_histories(prompts, generated, stop)
         limit = self.max_model_len if context is None else min(context, self.max_model_len)
         wanted = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         budgets = [min(w, limit - len(p)) for p, w in zip(prompts, wanted)]
@@ -769,10 +798,10 @@ class VLLMSampler:
         assert len(outs) == len(live)
         for i, out in zip(live, outs):
             assert len(out.outputs) == n
-            result[i] = [self._completion(c, stop) for c in out.outputs]
+            result[i] = [self._completion(c, stop, histories[i]) for c in out.outputs]
         return result
 
-    def _completion(self, c, stop: list[str]) -> Completion:
+    def _completion(self, c, stop: list[str], history: list[int]) -> Completion:
         if c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
         ids, finish = list(c.token_ids), c.finish_reason
@@ -780,10 +809,10 @@ class VLLMSampler:
             # vLLM's token_ids still include the token(s) that spell the stop
             # string. Cut them with the same rule eval.py uses. This also catches
             # a stop string that vLLM's prompt-aware incremental decode saw
-            # differently.
-            ids, found = cut_at_stop(self.tokenizer, ids, stop)
+            # differently, or one that begins in the response so far (history).
+            cut, found = cut_at_stop(self.tokenizer, history + ids, stop)
             if found:
-                finish = "stop"
+                ids, finish = cut[len(history) :], "stop"
         return Completion(ids=ids, finish_reason=finish)
 
     def load_weights(self, model: "torch.nn.Module") -> None:

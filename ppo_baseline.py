@@ -658,7 +658,7 @@ def main(args: Args) -> dict:
                     "question": questions[i // args.group_size].question, "reference": references[i],
                     "prompt": questions[i // args.group_size].prompt, "reward": rewards[i].item(),
                     "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-                    "tokens": [tokenizer.decode([t]) for t in completions[i].ids], "probs": samples[i]["old_logps"].exp().tolist(),
+                    "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
                     "advantages": advantages[i, : lengths[i]].tolist(),  # GAE, before whitening
                     "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
                     "cutpoints": None, "cutpoint_values": None, "values": samples[i]["old_values"].tolist(),

@@ -271,6 +271,7 @@ def mc_values(sampler, tokenizer, states: list[tuple[list[int], list[int], str]]
         [list(prompt + prefix) for prompt, prefix, _ in unique], args.mc_samples, temperature=args.temperature,
         top_p=args.top_p, max_new_tokens=[args.max_new_tokens - len(prefix) for _, prefix, _ in unique],
         stop=stop, context=args.context, progress="mc",
+        generated=[len(prefix) for _, prefix, _ in unique],  # a stop string may begin in the response prefix
     )
     texts, references, finished = [], [], []
     for (_, prefix, reference), group in zip(unique, groups):
@@ -632,7 +633,7 @@ def main(args: Args) -> dict:
                     "question": questions[i // args.group_size].question, "reference": references[i],
                     "prompt": questions[i // args.group_size].prompt, "reward": rewards[i],
                     "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-                    "tokens": [tokenizer.decode([t]) for t in completions[i].ids], "probs": probs[i],
+                    "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": probs[i],
                     "advantages": advantages[i],  # before whitening, prob mask applied
                     "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
                     "cutpoints": cutpoints[i], "cutpoint_values": cutpoint_values[i], "values": None,

@@ -18,7 +18,8 @@ Deliberate differences from the paper's released code (kept identical in every s
   batch does not depend on how it is split into micro-batches;
 - --no-prob-mask removes the mask everywhere (loss and whitening statistics).
 Choices the paper leaves open, made here:
-- a stop string that straddles a segment boundary ends the response there (the sampler only sees one segment);
+- a stop string that straddles a segment boundary ends the response there (the sampler is told how many
+  of its prompt tokens the policy generated, and looks for stop strings across them);
 - edges wait in the replay buffer for at most --buffer-max-age iterations; an edge taken for training
   leaves the buffer (as in the paper's code), so each edge is trained on once, with the old log-probs
   of the policy that generated it;
@@ -321,7 +322,7 @@ def policy_loss(
 
 
 def grow_trees(
-    sampler, tokenizer, prompts: list[list[int]], branches: list[int], *, segment_tokens: int, max_new_tokens: int,
+    sampler, prompts: list[list[int]], branches: list[int], *, segment_tokens: int, max_new_tokens: int,
     context: int, temperature: float, top_p: float, stop: list[str],
 ) -> tuple[list[Node], list[float]]:
     """One tree per prompt, grown level by level with one batched sampler call per level across all trees.
@@ -335,7 +336,6 @@ def grow_trees(
     """
     roots = [Node(tokens=list(prompt)) for prompt in prompts]
     frontier = [(root, root.tokens, []) for root in roots]  # (open node, prompt ids, ids generated on its path)
-    tail = max((len(s) for s in stop), default=0) + 2  # path tokens enough to hold the start of a stop string
     seconds = []
     for depth, branch in enumerate(branches):
         started, last = time.time(), depth == len(branches) - 1
@@ -344,16 +344,12 @@ def grow_trees(
             [prompt + path for _, prompt, path in frontier], branch, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens - generated if last else segment_tokens, stop=stop, context=context,
             progress=f"level {depth + 1}/{len(branches)}",
+            generated=[len(path) for _, _, path in frontier],  # a stop string may begin in an ancestor's segment
         )
         next_frontier = []
         for (parent, prompt, path), completions in zip(frontier, groups):
             for completion in completions:
-                ids, finish = completion.ids, completion.finish_reason
-                if stop and path:  # the sampler sees one segment: look for a stop string straddling the boundary
-                    window = path[-tail:]
-                    cut, found = ev.cut_at_stop(tokenizer, window + ids, stop)
-                    if found:  # it may begin in the parent's segment: then this segment is empty
-                        ids, finish = cut[len(window) :], "stop"
+                ids, finish = completion.ids, completion.finish_reason  # empty when a stop string began in the path
                 child = Node(tokens=list(ids), finish_reason=finish, depth=depth + 1)
                 parent.children.append(child)
                 room = context - len(prompt) - len(path) - len(ids)
@@ -630,7 +626,7 @@ def main(args: Args) -> dict:
         question_ids = [rng.randrange(len(train_examples)) for _ in range(args.questions)]
         questions = [train_examples[i] for i in question_ids]
         trees, level_seconds = grow_trees(
-            sampler, tokenizer, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
+            sampler, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
             max_new_tokens=args.max_new_tokens, context=args.context, temperature=args.temperature, top_p=args.top_p, stop=stop,
         )
         rollout_seconds = time.time() - started
@@ -752,7 +748,7 @@ def main(args: Args) -> dict:
             def node_record(node: Node, advantage: float | None) -> dict:
                 ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
                 return {
-                    "token_ids": ids, "tokens": [tokenizer.decode([t]) for t in ids],
+                    "token_ids": ids, "tokens": ev.token_pieces(tokenizer, ids),
                     "probs": saved_probs[id(node)] if node.depth else [], "value": node.value, "advantage": advantage,
                     "reward": node.reward, "finish_reason": node.finish_reason,
                     "children": [node_record(child, a) for child, a in zip(node.children, edge_advantages(node, args.advantage))],

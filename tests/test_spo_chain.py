@@ -142,8 +142,9 @@ class ScriptedSampler:
     def __init__(self, script):
         self.script, self.calls = script, []
 
-    def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None):
-        self.calls.append({"prompts": [list(p) for p in prompts], "n": n, "max_new_tokens": max_new_tokens, "context": context})
+    def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None, generated=0):
+        self.calls.append({"prompts": [list(p) for p in prompts], "n": n, "max_new_tokens": max_new_tokens, "context": context,
+                           "generated": generated})
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         return [[self.cut(self.script(list(p), i), min(b, context - len(p)) if context else b) for i in range(n)]
                 for p, b in zip(prompts, budgets)]
@@ -199,6 +200,7 @@ def test_continuations_keep_the_rollout_budget_and_unfinished_ones_score_zero(to
     states = [(prompt, ids(" "), "7"), (prompt, ids("   "), "7"), (prompt, ids("    "), "7")]
     values, _ = spo.mc_values(sampler, tokenizer, states, args, stop=[])
     assert sampler.calls[0]["max_new_tokens"] == [5, 3, 2] and sampler.calls[0]["context"] == 100
+    assert sampler.calls[0]["generated"] == [1, 3, 4]  # a stop string may begin in the response prefix
     assert values == [0.75, 0.5, 0.25]
     # the context binds when it is tighter: the sampler caps 5 at 6 - len(prompt + prefix) = 3
     values, _ = spo.mc_values(sampler, tokenizer, states[:1], spo.Args(task="data.jsonl", mc_samples=4, max_new_tokens=6, context=6), stop=[])

@@ -170,7 +170,7 @@ def test_rollout_on_the_tiny_model_builds_the_tree_shape_2_2(tiny_model_dir):
     sampler = ev.HFSampler(model, tokenizer, seed=0)
     prompts = [tokenizer("question 1:")["input_ids"], tokenizer("another question:")["input_ids"], tokenizer("q3")["input_ids"]]
     trees, seconds = spo.grow_trees(
-        sampler, tokenizer, prompts, [2, 2], segment_tokens=4, max_new_tokens=10, context=96, temperature=1.0, top_p=1.0, stop=[],
+        sampler, prompts, [2, 2], segment_tokens=4, max_new_tokens=10, context=96, temperature=1.0, top_p=1.0, stop=[],
     )
     assert len(trees) == 3 and len(seconds) == 2
     for prompt, tree in zip(prompts, trees):
@@ -194,8 +194,8 @@ class ScriptedSampler:
     def __init__(self, script):
         self.script, self.calls = script, []
 
-    def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None):
-        self.calls.append({"prompts": prompts, "n": n, "max_new_tokens": max_new_tokens, "context": context})
+    def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None, generated=0):
+        self.calls.append({"prompts": prompts, "n": n, "max_new_tokens": max_new_tokens, "context": context, "generated": generated})
         groups = [[ev.Completion(list(ids), finish) for ids, finish in self.script(p, max_new_tokens)] for p in prompts]
         assert all(len(group) == n for group in groups)
         return groups
@@ -214,7 +214,7 @@ def test_scripted_rollout_early_leaves_context_limits_and_unfinished_last_level(
     sampler = ScriptedSampler(lambda prefix, budget: script[tuple(prefix)])
     prompts = [[50, 51], [60] * 8, [70] * 7]
     trees, _ = spo.grow_trees(
-        sampler, None, prompts, [2, 2], segment_tokens=3, max_new_tokens=10, context=10, temperature=0.6, top_p=1.0, stop=[],
+        sampler, prompts, [2, 2], segment_tokens=3, max_new_tokens=10, context=10, temperature=0.6, top_p=1.0, stop=[],
     )
     first, second, third = trees
     assert [(c.tokens, c.finish_reason, len(c.children)) for c in first.children] == [([10, 11, EOS], "stop", 0), ([12, 13, 14], "length", 2)]
@@ -244,17 +244,19 @@ def test_stop_string_straddling_a_segment_boundary_ends_the_response():
     tokenizer = make_tokenizer(string.printable)
     ids = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
     stop = [ev.RHO_STOP]  # "\n\n\nProblem:"
-    script = {
+    script = {  # the samplers cut a stop string that begins in the path to nothing (tests/test_eval.py)
         "Q": [(ids("1 + 1 = 2\n\n"), "length"), (ids("1 + 1 is 2."), "length")],
-        "Q1 + 1 = 2\n\n": [(ids("\nProblem: 5 +"), "length"), (ids("#### 2"), "length")],
+        "Q1 + 1 = 2\n\n": [([], "stop"), (ids("#### 2"), "length")],
         "Q1 + 1 is 2.": [(ids("\n\n"), "length"), (ids("... 3\n\n\n"), "length")],
     }
     sampler = ScriptedSampler(lambda prefix, budget: script[tokenizer.decode(prefix)])
     (tree,), _ = spo.grow_trees(
-        sampler, tokenizer, [ids("Q")], [2, 2], segment_tokens=len(ids("1 + 1 = 2\n\n")), max_new_tokens=40, context=100,
+        sampler, [ids("Q")], [2, 2], segment_tokens=len(ids("1 + 1 = 2\n\n")), max_new_tokens=40, context=100,
         temperature=0.6, top_p=1.0, stop=stop,
     )
     straddled, unfinished = tree.children[0].children
+    assert sampler.calls[0]["generated"] == [0]
+    assert sampler.calls[1]["generated"] == [len(ids("1 + 1 = 2\n\n")), len(ids("1 + 1 is 2."))]  # the path so far
     assert (straddled.tokens, straddled.finish_reason) == ([], "stop")  # the stop string began in the parent's segment
     assert unfinished.finish_reason == "length"
     assert [c.finish_reason for c in tree.children[1].children] == ["length", "length"]

@@ -402,3 +402,15 @@ def test_sleep_is_a_no_op_without_sleep_mode(engine):
     s.sleep()
     s.wake_up()
     assert not calls(engine, "sleep") and not calls(engine, "wake_up")
+
+
+def test_stop_string_beginning_in_the_response_so_far_cuts_to_nothing(engine):
+    # The prompt ends with "\n\n" that the policy generated; the continuation starts with "Q:". vLLM only
+    # watches the new text, so it runs on; the glue finds the stop string across the boundary and cuts.
+    engine.script = lambda p, i: iter(ids("Q", ":", "x", "x"))
+    s = VLLMSampler("m", max_model_len=64)
+    prompt = ids("Q", ":", "The", "\n\n")
+    [[c]] = s.sample([prompt], 1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop=["\n\nQ:"], generated=2)
+    assert (c.ids, c.finish_reason) == ([], "stop")
+    [[plain]] = s.sample([prompt], 1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop=["\n\nQ:"])
+    assert (plain.ids, plain.finish_reason) == (ids("Q", ":", "x", "x"), "length")  # without the history: not seen
