@@ -12,8 +12,8 @@ Settings are chosen so that every algorithm runs several iterations in the budge
 (see ALGORITHMS); the learning rate is the same for all. Runs that already finished (summary.json
 present) are reused, so an interrupted benchmark continues where it stopped.
 
-  python benchmarks/learning.py                          # 10 minutes per algorithm, seed 1
-  python benchmarks/learning.py --minutes 10 --seeds 1 2 # mean and spread over two seeds
+  python benchmarks/learning.py                          # 12 minutes per algorithm, seed 1
+  python benchmarks/learning.py --seeds 1 2              # mean and spread over two seeds
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Per-algorithm settings: sized so each makes several iterations in 10 CPU minutes.
+# Per-algorithm settings: sized so each makes several iterations in 12 minutes on 2 CPU cores.
 ALGORITHMS = {
     "grpo": ["grpo_baseline.py", "--questions", "8", "--group-size", "8", "--epochs", "1"],
     "spo_chain": ["spo_chain.py", "--questions", "4", "--group-size", "4", "--mc-samples", "4", "--epochs", "1"],
@@ -42,7 +42,7 @@ ALGORITHMS = {
 
 @dataclass
 class Args:
-    minutes: float = 10.0
+    minutes: float = 12.0
     """training budget per algorithm and seed (--max-minutes of every script)"""
     seeds: list[int] = field(default_factory=lambda: [1])
     """training seeds; each seed also fixes its held-out draw"""
@@ -97,8 +97,9 @@ def run_one(args: Args, algorithm: str, seed: int) -> dict:
         if result.returncode != 0:
             raise SystemExit(f"error: {algorithm} seed {seed} failed (exit {result.returncode}); see {directory / 'log.txt'}")
         run_dir = finished_run(directory)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         (run_dir / "benchmark.json").write_text(json.dumps(
-            {"wall_seconds": time.time() - started, "load_before": load, "load_after": os.getloadavg()[0]}))
+            {"wall_seconds": time.time() - started, "load_before": load, "load_after": os.getloadavg()[0], "commit": commit}))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     evals = [m for m in lines if "eval/accuracy" in m]
