@@ -75,6 +75,7 @@ def command(args: Args, algorithm: str, seed: int) -> list[str]:
         "--max-minutes", str(args.minutes), "--iterations", "1000", "--warmup-ratio", "0", "--max-new-tokens", str(args.max_new_tokens),
         "--context", "512", "--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size),
         "--eval-every", "1000", "--eval-samples", "1", "--eval-temperature", "0", "--save-every", "1000", "--backend", "hf",
+        "--save-samples", "2", "--save-questions", "2",  # rollouts for viewer.py
         "--exp-name", algorithm, "--output-dir", f"{args.output_dir}/seed{seed}/{algorithm}",
     ]
 
