@@ -579,6 +579,15 @@ def ema(values: list[float], weight: float) -> list[float]:
     return smoothed
 
 
+def run_label(run_dir: Path) -> str:
+    """A short legend label, "<exp_name> seed <seed>" from the run's args.json; the directory name without one."""
+    try:
+        args = json.loads((run_dir / "args.json").read_text())
+        return f"{args['exp_name']} seed {args['seed']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir.name
+
+
 def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: tuple[str, ...] = tuple(PANELS),
                 smooth: float = 0.0) -> list[str]:
     """Write a grid of panels, one line per run; returns the keys plotted."""
@@ -597,8 +606,8 @@ def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: 
     columns = min(3, len(present))
     rows = math.ceil(len(present) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.3 * columns, 3.0 * rows + 0.6), squeeze=False, layout="constrained")
-    names = [run_dir.name for run_dir, _ in runs]
-    labels = [str(run_dir) if names.count(run_dir.name) > 1 else run_dir.name for run_dir, _ in runs]
+    labels = [run_label(run_dir) for run_dir, _ in runs]
+    labels = [f"{label} ({run_dir.name})" if labels.count(label) > 1 else label for label, (run_dir, _) in zip(labels, runs)]
     for ax, key in zip(axes.flat, present):
         for index, ((_, series), where) in enumerate(zip(runs, positions)):
             if key not in series:
@@ -619,7 +628,7 @@ def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: 
         ax.axis("off")
     # One legend entry per run, from proxies: matplotlib hides labels that start with "_" (a run on a local ./_data.jsonl task).
     handles = [Line2D([], [], color=f"C{index % 10}", marker="o", markersize=3, linewidth=1.5) for index in range(len(runs))]
-    fig.legend(handles, labels, loc="outside upper center", ncol=min(3, len(labels)), fontsize=9, frameon=False)
+    fig.legend(handles, labels, loc="outside upper center", ncol=min(4, len(labels)), fontsize=9, frameon=False)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     plt.close(fig)

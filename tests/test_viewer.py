@@ -366,3 +366,12 @@ def test_curves_without_metrics_is_one_clear_error(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: {tmp_path / 'b'} has no metrics.jsonl; pass a run directory the training scripts wrote (runs/<run_name>)"
     assert not (tmp_path / "c.png").exists()
+
+
+def test_curve_labels_come_from_the_runs_args(tmp_path):
+    run = tmp_path / "rg-chain_sum__spo_tree__2__1796006195"
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({"exp_name": "spo_tree", "seed": 2}))
+    assert viewer.run_label(run) == "spo_tree seed 2"
+    (tmp_path / "bare").mkdir()
+    assert viewer.run_label(tmp_path / "bare") == "bare"  # no args.json: the directory name
