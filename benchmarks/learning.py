@@ -48,8 +48,8 @@ class Args:
     """training budget per algorithm and seed (--max-minutes of every script)"""
     seeds: list[int] = field(default_factory=lambda: [1])
     """training seeds; each seed also fixes its held-out draw"""
-    algorithms: list[str] = field(default_factory=lambda: ["grpo", "spo_chain", "spo_tree", "ppo"])
-    """which of ALGORITHMS to run (also spo_chain_int20: one cutpoint per 20 low-probability tokens)"""
+    algorithms: list[str] = field(default_factory=lambda: list(ALGORITHMS))
+    """which of grpo, spo_chain, spo_chain_int20 (one cutpoint per 20 low-probability tokens), spo_tree, ppo to run"""
     model: str = "smollm2-135m"
     """policy to start from"""
     task: str = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
