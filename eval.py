@@ -126,6 +126,21 @@ def load_model(
     return model, tokenizer
 
 
+def check_logits_from_hidden(model: PreTrainedModel) -> None:
+    """The training scripts compute logits as lm_head(last hidden state) in chunks, never the full [rows, T, vocab]
+    tensor; refuse a model whose forward changes its logits after the LM head (soft-capping, scaling)."""
+    ids = torch.tensor([[1, 2, 3, 4]], device=model.device) % model.config.get_text_config().vocab_size
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits.float()
+        head = model.get_output_embeddings()(model.base_model(input_ids=ids, use_cache=False).last_hidden_state).float()
+    if not torch.allclose(full, head, rtol=1e-3, atol=1e-3):
+        raise UsageError(
+            f"{type(model).__name__} changes its logits after the LM head (e.g. soft-capping or scaling), which the "
+            "training scripts' chunked log-probs do not apply; use a model whose logits are lm_head(hidden state) "
+            "(Llama, Qwen, Mistral, SmolLM2 and the paper's models are)."
+        )
+
+
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every token id that ends a response: the tokenizer's EOS and the generation config's."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import tqdm
 import tyro
+from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import get_linear_schedule_with_warmup
 
@@ -213,19 +214,36 @@ def collate(samples: list[dict], pad_id: int, device) -> dict:
     return batch
 
 
-def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]."""
+    logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
+
+
+def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 512) -> torch.Tensor:
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
-    so that exp(logp) is the probability the sampler used."""
+    so that exp(logp) is the probability the sampler used.
+
+    The LM head runs on chunks of `chunk_tokens` response positions, each recomputed in the backward pass,
+    so the [rows, R, vocab] fp32 logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch)
+    never exist at once; the result is the same as from the model's full logits.
+    """
     response_len = batch["response_mask"].shape[1]
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     # fp32 weights (a 1e-6 step vanishes in bf16), bf16 compute on GPU.
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
-            use_cache=False, logits_to_keep=response_len + 1,
-        ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
-    targets = batch["input_ids"][:, -response_len:]  # [rows, R]
-    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
+        hidden = model.base_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False,
+        ).last_hidden_state[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
+        targets = batch["input_ids"][:, -response_len:]  # [rows, R]
+        rows, lm_head = hidden.shape[0], model.get_output_embeddings()
+        chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
+        logps = [
+            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if torch.is_grad_enabled()
+            else token_logprobs(lm_head, h, t, temperature)
+            for h, t in chunks
+        ]
+    return torch.cat(logps).view(rows, response_len)  # [rows, R]
 
 
 @torch.no_grad()
@@ -247,10 +265,16 @@ def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: i
     batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
     for start in range(0, len(batch_samples), args.micro_batch_size):
-        batch = collate(batch_samples[start : start + args.micro_batch_size], pad_id, model.device)
-        logps = response_logprobs(model, batch, args.temperature)
+        micro_samples = batch_samples[start : start + args.micro_batch_size]
+        batch = collate(micro_samples, pad_id, model.device)
+        logps = response_logprobs(model, batch, args.temperature)  # [rows, R]
+        if "old_logps" not in batch:  # on-policy: the policy has not moved since the rollout, pi_old = pi
+            for row, s in enumerate(micro_samples):
+                s["old_logps"] = logps[row, : len(s["response_ids"])].detach().cpu()
+            batch["old_logps"] = logps.detach()
+        ref_logps = batch.get("ref_logps", batch["old_logps"])  # without a reference model (beta 0) the KL term is 0
         loss, micro = policy_loss(
-            logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
+            logps, batch["old_logps"], ref_logps, batch["advantages"], batch["loss_mask"],
             args.clip_eps, args.beta, batch_tokens, len(batch_samples),
         )
         loss.backward()
@@ -339,6 +363,7 @@ def main(args: Args) -> dict:
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
 
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
+    ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
     reference = None
     if args.beta > 0:  # parked on the CPU except while its log-probs are computed
         reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
@@ -355,6 +380,9 @@ def main(args: Args) -> dict:
     )
 
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
+    # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
+    # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).
+    on_policy = steps_per_iteration == 1 and not args.prob_mask
     total_steps = args.iterations * steps_per_iteration
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
@@ -423,16 +451,19 @@ def main(args: Args) -> dict:
         # 3. Advantages: group-normalised, broadcast to every token; old and reference log-probs once.
         advantages = group_advantages(rewards, args.group_size)
         samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
-        for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
-            s["old_logps"] = s["ref_logps"] = logps
+        lengths = [len(s["response_ids"]) for s in samples]
+        if on_policy:  # the update's own forward pass gives pi_old (detached); p_t is not needed before it
+            flat_mask = torch.ones(sum(lengths), dtype=torch.bool)
+        else:
+            for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
+                s["old_logps"] = logps
+            flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+            flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
         if reference is not None:
             reference.to(device)
             for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
                 s["ref_logps"] = logps
             reference.to("cpu")
-        lengths = [len(s["response_ids"]) for s in samples]
-        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-        flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
         flat_advantages = torch.repeat_interleave(advantages, torch.tensor(lengths))
         if flat_mask.any():  # whitening statistics over the masked tokens of the whole iteration batch
             flat_advantages = whiten(flat_advantages, flat_mask)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import tqdm
 import tyro
+from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import get_linear_schedule_with_warmup
 
@@ -303,19 +304,36 @@ def collate(samples: list[dict], pad_id: int, device) -> dict:
     return batch
 
 
-def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]."""
+    logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
+
+
+def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 512) -> torch.Tensor:
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
-    so that exp(logp) is the probability the sampler used."""
+    so that exp(logp) is the probability the sampler used.
+
+    The LM head runs on chunks of `chunk_tokens` response positions, each recomputed in the backward pass,
+    so the [rows, R, vocab] fp32 logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch)
+    never exist at once; the result is the same as from the model's full logits.
+    """
     response_len = batch["response_mask"].shape[1]
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     # fp32 weights (a 1e-6 step vanishes in bf16), bf16 compute on GPU.
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
-            use_cache=False, logits_to_keep=response_len + 1,
-        ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
-    targets = batch["input_ids"][:, -response_len:]  # [rows, R]
-    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
+        hidden = model.base_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False,
+        ).last_hidden_state[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
+        targets = batch["input_ids"][:, -response_len:]  # [rows, R]
+        rows, lm_head = hidden.shape[0], model.get_output_embeddings()
+        chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
+        logps = [
+            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if torch.is_grad_enabled()
+            else token_logprobs(lm_head, h, t, temperature)
+            for h, t in chunks
+        ]
+    return torch.cat(logps).view(rows, response_len)  # [rows, R]
 
 
 def response_values(critic: Critic, batch: dict) -> torch.Tensor:
@@ -468,6 +486,7 @@ def main(args: Args) -> dict:
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
 
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
+    ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
     critic = make_critic(model)  # from the policy's weights; a resumed run overwrites them with its critic.pt
     if checkpoint:
         critic.load_state_dict(torch.load(checkpoint / "critic.pt", map_location=device, weights_only=True))

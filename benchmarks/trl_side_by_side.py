@@ -31,18 +31,17 @@ where said):
   repeated G times; finished rows leave the batch); TRL calls model.generate on the questions x G rows
   (each prompt prefilled G times; finished rows keep decoding padding until the last row ends).
   Different random streams, so completions, lengths and rewards differ: compare tokens per step.
-- old log-probs: grpo_baseline.py computes them with an extra no-grad forward pass over the batch even
-  with one epoch; TRL skips that pass when on-policy (num_iterations 1, one generation per optimizer
-  step) and uses the detached current log-probs. grpo_baseline.py does one more forward pass per step.
+- old log-probs: matched. With one optimizer step per iteration both sides skip the separate no-grad
+  pass and use the detached log-probs of the update's own forward pass (TRL: num_iterations 1).
 - advantages: grpo_baseline.py uses (r - mean) / (std + 1e-8) with the population std, then whitens
   the token advantages over the whole batch; TRL (scale_rewards="group") uses (r - mean) / (std + 1e-4)
   with Bessel's std and no whitening. TRL has no option for either difference.
 - loss normalisation: matched. TRL loss_type="dapo" (its default) divides the summed token loss by the
   number of completion tokens in the whole generation batch, which is grpo_baseline.py's batch_tokens
   normalisation; "bnpo" would normalise per micro-batch and "grpo" per sequence.
-- log-probs: TRL projects through a fused, tiled LM head that never holds the [rows, T, vocab] logits
-  and also computes per-token entropies; grpo_baseline.py materialises fp32 logits of the response
-  positions. Padding: grpo_baseline.py pads each micro-batch to its own longest response, TRL pads every
+- log-probs: neither side holds the [rows, T, vocab] logits: TRL projects through its fused, tiled LM
+  head (and also computes per-token entropies), grpo_baseline.py runs the LM head on chunks of 512
+  response positions, recomputed in the backward pass. Padding: grpo_baseline.py pads each micro-batch to its own longest response, TRL pads every
   micro-batch to the longest completion of the generation batch.
 - optimizer and schedule: both torch.optim.AdamW (betas 0.9/0.999, eps 1e-8, no weight decay, gradient
   clipping at 1.0; TRL optim="adamw_torch", its default is the fused AdamW) and the same linear decay
@@ -271,14 +270,14 @@ def mismatches(stop_strings: list[str]) -> list[str]:
         "sampler: eval.HFSampler (one prefill per prompt, KV cache repeated G times, finished rows leave the batch) "
         "vs TRL model.generate (each prompt prefilled G times, rows decode until the last one ends); different random "
         "streams, so completions, lengths and rewards differ",
-        "old log-probs: grpo_baseline.py runs an extra no-grad forward pass over the batch even with one epoch; TRL "
-        "skips it on-policy (num_iterations 1) and uses the detached current log-probs",
+        "old log-probs: matched (one optimizer step per iteration: both use the detached log-probs of the update's "
+        "own forward pass, no separate no-grad pass)",
         "advantages: grpo_baseline.py (r - mean) / (population std + 1e-8) then whitened over the batch's tokens; TRL "
         "(scale_rewards='group') (r - mean) / (Bessel std + 1e-4), no whitening (not configurable in TRL)",
         "loss normalisation: matched (TRL loss_type='dapo': summed token loss / completion tokens of the whole "
         "generation batch = grpo_baseline.py's batch_tokens)",
-        "log-probs: TRL uses a fused tiled LM head (no [rows, T, vocab] logits) and also computes entropies; "
-        "grpo_baseline.py materialises fp32 response logits. TRL pads every micro-batch to the longest completion "
+        "log-probs: TRL uses a fused tiled LM head and also computes entropies; grpo_baseline.py runs the LM head on "
+        "chunks of 512 response positions, recomputed in backward (neither holds [rows, T, vocab] logits). TRL pads every micro-batch to the longest completion "
         "of the generation batch, grpo_baseline.py to the micro-batch's own longest",
         "optimizer: both torch.optim.AdamW, betas 0.9/0.999, eps 1e-8, weight decay 0, clip 1.0 (TRL optim='adamw_torch'; "
         "TRL's default is adamw_torch_fused)",

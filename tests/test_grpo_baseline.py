@@ -93,7 +93,25 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
         grpo.accumulate_gradients(model, samples, args, tokenizer.pad_token_id)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
-    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(grads[0], grads[2], rtol=1e-5, atol=1e-5)
+
+
+def test_on_policy_update_uses_its_own_forward_as_pi_old_with_the_same_gradient(tiny_model_dir):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    args = grpo.Args(micro_batch_size=2, batch_size=6, beta=0.0, temperature=0.7)
+    two_pass = [{k: v for k, v in s.items() if k != "ref_logps"} for s in _samples(tokenizer)]
+    for s, logps in zip(two_pass, grpo.sample_logprobs(model, two_pass, 4, args.temperature, tokenizer.pad_token_id)):
+        s["old_logps"] = logps
+    one_pass = [{k: v for k, v in s.items() if k != "old_logps"} for s in two_pass]
+    grads = []
+    for samples in (two_pass, one_pass):
+        model.zero_grad()
+        stats = grpo.accumulate_gradients(model, samples, args, tokenizer.pad_token_id)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        assert stats["clip_frac"] == 0.0 and stats["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
+    for a, b in zip(two_pass, one_pass):  # the update recorded pi_old for every sample (kept for --save-samples)
+        assert torch.allclose(a["old_logps"], b["old_logps"], atol=1e-5)
 
 
 def test_eos_is_in_the_loss_mask_even_when_pad_equals_eos(tiny_model_dir):
@@ -235,3 +253,18 @@ def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model
         expected = grpo.group_advantages(torch.tensor([r["reward"] for r in group]), 4)
         for a, r in zip(expected.tolist(), group):
             assert r["advantages"] == pytest.approx([a] * len(r["token_ids"]), abs=1e-4)  # one advantage per response
+
+
+def test_single_on_policy_step_skips_the_old_logprob_pass_and_still_saves_probs(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+    calls, real = [], grpo.sample_logprobs
+    monkeypatch.setattr(grpo, "sample_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # 3 questions x 4 samples in one batch, one epoch: one optimizer step per iteration, no prob mask.
+    summary = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "a", iterations=1, batch_size=12, beta=0.0, save_samples=1))
+    assert calls == []
+    records = [json.loads(line) for line in (Path(summary["run_dir"]) / "samples" / "iter_1.jsonl").read_text().splitlines()]
+    assert records and all(len(r["probs"]) == len(r["token_ids"]) and all(0 < p <= 1 for p in r["probs"]) for r in records)
+    # Two optimizer steps per iteration (batch 6), or the prob mask (p_t needed before the update): one pass again.
+    grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "b", iterations=1, beta=0.0))
+    assert len(calls) == 1
+    grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "c", iterations=1, batch_size=12, beta=0.0, prob_mask=True))
+    assert len(calls) == 2

@@ -235,7 +235,7 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
         spo.accumulate_gradients(model, samples, args, tokenizer.pad_token_id)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
-    assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(grads[0], grads[2], rtol=1e-5, atol=1e-5)
 
 
 # ---- errors

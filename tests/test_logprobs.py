@@ -1,0 +1,56 @@
+"""The four scripts' response_logprobs: LM head in chunks, recomputed in backward, equal to the full logits."""
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+import eval as ev
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+
+SCRIPTS = [grpo_baseline, spo_chain, spo_tree, ppo_baseline]
+
+
+def _full_logits_logprobs(model, samples, temperature):
+    """Reference: log_softmax of the model's own full logits, one sequence at a time."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        logits = model(ids).logits[0, :-1] / temperature  # [T - 1, vocab]
+        out.append(torch.log_softmax(logits, -1)[len(s["prompt_ids"]) - 1 :].gather(-1, ids[0, len(s["prompt_ids"]) :, None]).squeeze(-1))
+    return out
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, tiny_model_dir):
+    model, _ = ev.load_model(str(tiny_model_dir))
+    samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23, 24, 25]}]
+    weights = [torch.randn(len(s["response_ids"])) for s in samples]
+
+    model.zero_grad()
+    expected = _full_logits_logprobs(model, samples, 0.7)
+    sum((w * lp).sum() for w, lp in zip(weights, expected)).backward()
+    expected_grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    model.zero_grad()
+    batch = script.collate(samples, 0, "cpu")
+    logps = script.response_logprobs(model, batch, 0.7, chunk_tokens=3)  # 2 rows x 5 positions: 4 chunks, one cut mid-row
+    for row, (w, lp) in enumerate(zip(weights, expected)):
+        assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
+    sum((w * logps[row, : len(w)]).sum() for row, w in enumerate(weights)).backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert grad.abs().sum() > 0 and torch.allclose(grad, expected_grad, atol=1e-5)
+
+
+def test_models_that_change_logits_after_the_lm_head_are_refused(tiny_model_dir):
+    model, _ = ev.load_model(str(tiny_model_dir))
+    ev.check_logits_from_hidden(model)  # Llama: logits = lm_head(hidden)
+    config = Gemma2Config(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5,
+    )
+    with pytest.raises(ev.UsageError, match="soft-capping"):
+        ev.check_logits_from_hidden(Gemma2ForCausalLM(config))
