@@ -89,7 +89,7 @@ def measure(args: Args) -> dict:
         (weights * logps).sum().backward()
         seconds, peak = time.perf_counter() - started, peak_rss_kb()
     return {"variant": args.variant, "base_gb": base / 2**20, "peak_above_base_gb": (peak - base) / 2**20, "seconds": seconds,
-            "logprob_sum": logps.sum().item()}
+            "logprob_sum": logps.sum().item(), "vocab_size": vocab}
 
 
 def main(args: Args) -> None:
@@ -106,8 +106,8 @@ def main(args: Args) -> None:
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = results[-1]
         print(f"{variant:12s} peak above base {r['peak_above_base_gb']:.2f} GB  {r['seconds']:.1f} s  (base {r['base_gb']:.2f} GB)")
-    logits_gb = args.rows * args.response_tokens * ev.load_model(args.model, device="cpu")[0].config.vocab_size * 4 / 2**30
-    record = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": asdict(args) | {"variant": None},
+    logits_gb = args.rows * args.response_tokens * results[0]["vocab_size"] * 4 / 2**30
+    record = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": asdict(args),
               "one_fp32_logits_tensor_gb": logits_gb, "torch": torch.__version__, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
