@@ -1,8 +1,11 @@
 """Tests for the answer-grading section of eval.py (grade, check_reference)."""
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,13 +86,13 @@ def test_hung_worker_is_killed(monkeypatch):
 
 def test_crashed_worker_is_replaced():
     grade(["1"], ["1"], "math", workers=1)
-    pid = eval_module._grade_workers[0].proc.pid
+    pid = eval_module._grade_workers[0].pid
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     before = grade_failures()
     scores = grade([SLOW, r"\boxed{5}"], ["5", "5"], "math", timeout=5.0, workers=1)
     assert scores == [0.0, 1.0]
     assert grade_failures() - before == 1
-    assert eval_module._grade_workers[0].proc.pid != pid
+    assert eval_module._grade_workers[0].pid != pid
 
 
 def test_grade_from_non_main_thread():
@@ -103,6 +106,35 @@ def test_grade_from_non_main_thread():
     thread.start()
     thread.join(timeout=30)
     assert result.get("scores") == [1.0, 0.0, 0.0]
+
+
+def test_grade_from_a_script_without_main_guard(tmp_path):
+    # multiprocessing's spawn/forkserver would re-run this script in each worker ("bootstrapping phase" error).
+    script = tmp_path / "plain_script.py"
+    script.write_text(
+        "import sys, threading\n"
+        f"sys.path.insert(0, {str(Path(eval_module.__file__).parent)!r})\n"
+        "from eval import grade\n"
+        "print(grade(['The answer is 72', r'\\boxed{5}', 'no answer'], ['72', '5', '3'], 'math'))\n"
+        "result = []\n"
+        "thread = threading.Thread(target=lambda: result.append(grade(['#### 4', '#### 5'], ['4', '4'], 'gsm8k')))\n"
+        "thread.start(); thread.join()\n"
+        "print(result[0])\n"
+        "print('top level ran')\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["[1.0, 1.0, 0.0]", "[1.0, 0.0]", "top level ran"]  # once: never re-run
+
+
+def test_grading_server_that_died_is_restarted():
+    grade(["1"], ["1"], "gsm8k", workers=1)
+    for w in eval_module._grade_workers:
+        w.kill()
+    eval_module._grade_server.proc.kill()
+    eval_module._grade_server.proc.wait()
+    assert grade(["#### 3", "#### 4"], ["3", "3"], "gsm8k", workers=1) == [1.0, 0.0]
+    assert eval_module._grade_server.proc.poll() is None
 
 
 @pytest.mark.parametrize("reference,task", [
