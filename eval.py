@@ -886,6 +886,7 @@ class VLLMSampler:
         # Use the same tokenizer as vLLM's stop-string detokenizer.
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
+        self.weight_dtype = getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None
         self.sleep_enabled = enable_sleep_mode
         self.asleep = False
 
@@ -947,12 +948,15 @@ class VLLMSampler:
             raise RuntimeError("VLLMSampler.load_weights() called while asleep; call wake_up() first")
         model = getattr(model, "_orig_mod", model)  # unwrap torch.compile so names match the checkpoint
         # HF parameter names are the checkpoint format vLLM's model.load_weights
-        # expects. It handles fused qkv/gate_up and tied embeddings.
-        # reload_weights is the in-place path in 0.33. It keeps the tensor storage
+        # expects. It handles fused qkv/gate_up and tied embeddings (named_parameters
+        # yields a tied lm_head once, as embed_tokens). reload_weights is the in-place
+        # path (0.30.0: GPUModelRunner.reload_weights). It keeps the tensor storage
         # that CUDA graphs point to and clears the LoRA, encoder and MM caches.
-        # Calling model.load_weights directly is known to break some models in
-        # recent vLLM. detach() keeps autograd out of vLLM's copy_.
-        weights = ((name, p.detach()) for name, p in model.named_parameters())
+        # The fp32 master weights go over in the engine's dtype, one tensor at a time:
+        # the generator holds a single converted tensor, never a second copy of the
+        # model. detach() keeps autograd out of vLLM's copy_.
+        dtype = self.weight_dtype
+        weights = ((name, p.detach() if dtype is None else p.detach().to(dtype)) for name, p in model.named_parameters())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                          "is_checkpoint_format": True})
         # KV blocks cached under the old weights would be reused for matching

@@ -3,7 +3,8 @@
 vLLM cannot run here: it needs a GPU and is not installed. This test puts a small
 fake `vllm` module in sys.modules instead. The fake exposes only the names the glue
 uses. Its signatures are strict (no **kwargs) and reuse the parameter names and
-defaults of vllm==0.33.0:
+defaults of vllm==0.30.0 (the pin in requirements-vllm.txt; tests/test_vllm_source.py
+checks the fake against that version's real source):
   LLM.__init__ / generate / collective_rpc / reset_prefix_cache / sleep / wake_up /
       get_tokenizer                 vllm/entrypoints/llm.py
   max_model_len, enable_prefix_caching, enable_sleep_mode
@@ -13,20 +14,22 @@ defaults of vllm==0.33.0:
   CompletionOutput, RequestOutput   vllm/outputs.py
   Worker.reload_weights             vllm/v1/worker/gpu_worker.py -> gpu_model_runner.py
 If the glue renames a keyword or drops one, a call here fails with TypeError.
-The fake also reproduces how 0.33 handles stop strings (v1/engine/detokenizer.py):
+The fake also reproduces how 0.30 handles stop strings (v1/engine/detokenizer.py):
 token_ids keep the token(s) that complete the stop string, finish_reason is "stop",
 and stop_reason is the matched string.
 """
 import os
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eval import Completion, VLLMSampler, cut_at_stop
 
@@ -55,7 +58,7 @@ class FakeTokensPrompt(TypedDict):  # vllm/inputs/llm.py TokensPrompt (TypedDict
 
 
 class FakeSamplingParams:
-    # Names and defaults match vllm 0.33.0 SamplingParams for the fields the glue sets.
+    # Names and defaults match vllm 0.30.0 SamplingParams for the fields the glue sets.
     # The checks are a subset of SamplingParams._verify_args.
     def __init__(self, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_tokens: int | None = 16, stop: str | list[str] | None = None):
@@ -94,13 +97,36 @@ class FakeRequestOutput:  # vllm/outputs.py RequestOutput (the fields the glue m
 
 
 class FakeWorker:
-    def __init__(self, log):
+    """Checks what a weight sync means, as the engine's model.load_weights would take it: every name is an
+    HF checkpoint name of the engine's model (a tied lm_head never comes separately), with its shape, in
+    the engine's dtype, each exactly once; the iterator is consumed lazily and holds one tensor at a time."""
+
+    def __init__(self, log, expected=None, dtype=None):
         self.log = log
+        self.expected = expected  # {name: shape} of the engine's model, or None to record only
+        self.dtype = dtype
 
     # vllm/v1/worker/gpu_worker.py Worker.reload_weights forwards to
     # GPUModelRunner.reload_weights(weights_iterator=None, weights_path=None, is_checkpoint_format=True)
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format: bool = True):
-        self.log.append(("reload_weights", list(weights_iterator), weights_path, is_checkpoint_format))
+        assert not isinstance(weights_iterator, (list, tuple, dict)), "weights must stream, not be materialised"
+        received, previous = [], None
+        for name, tensor in weights_iterator:
+            # The glue keeps no reference to a tensor it has handed over: no second copy of the model builds up.
+            assert previous is None or previous() is None, f"{name}: the previous tensor is still alive"
+            if self.expected is not None:
+                assert name in self.expected, f"{name} is not a checkpoint name of the engine's model"
+                assert tuple(tensor.shape) == self.expected[name], f"{name}: shape {tuple(tensor.shape)}"
+                assert tensor.dtype == self.dtype, f"{name}: {tensor.dtype}, engine runs {self.dtype}"
+            assert not tensor.requires_grad
+            received.append((name, tensor.clone()))
+            previous = weakref.ref(tensor)
+            del tensor
+        names = [n for n, _ in received]
+        assert len(set(names)) == len(names), "a weight was sent twice"
+        if self.expected is not None:
+            assert set(names) == set(self.expected), f"missing: {sorted(set(self.expected) - set(names))}"
+        self.log.append(("reload_weights", received, weights_path, is_checkpoint_format))
 
 
 @dataclass
@@ -109,6 +135,7 @@ class FakeEngine:
     'model' would sample for sample `index` of that prompt."""
     script: Any = None
     reset_ok: bool = True  # what reset_prefix_cache returns (False: blocks still in use)
+    weights: Any = None  # {name: shape} the engine's model loads, checked by FakeWorker
     log: list = field(default_factory=list)
     llm: Any = None
 
@@ -130,7 +157,7 @@ def make_fake_vllm(engine: FakeEngine):
             self.max_model_len = max_model_len
             self.enable_sleep_mode = enable_sleep_mode
             self.sleeping = False
-            self.worker = FakeWorker(engine.log)
+            self.worker = FakeWorker(engine.log, engine.weights, getattr(torch, dtype, None))
             engine.llm = self
 
         def get_tokenizer(self):
@@ -184,14 +211,13 @@ def make_fake_vllm(engine: FakeEngine):
             engine.log.append(("sleep", level, mode))
             self.sleeping = True
 
-        def wake_up(self, tags: list[str] | None = None) -> bool:
+        def wake_up(self, tags: list[str] | None = None):
             engine.log.append(("wake_up", tags))
             self.sleeping = False
-            return True
 
     mod = types.ModuleType("vllm")
     mod.LLM, mod.SamplingParams, mod.TokensPrompt = FakeLLM, FakeSamplingParams, FakeTokensPrompt
-    mod.__version__ = "0.33.0"
+    mod.__version__ = "0.30.0"
     return mod
 
 
@@ -350,8 +376,9 @@ class TinyLM(torch.nn.Module):
 
 
 def test_load_weights_pushes_every_parameter_then_resets_prefix_cache(engine):
-    s = VLLMSampler("m", max_model_len=64)
-    lm = TinyLM()
+    lm = TinyLM()  # fp32 master weights, as training keeps them
+    engine.weights = {name: tuple(p.shape) for name, p in lm.named_parameters()}
+    s = VLLMSampler("m", max_model_len=64)  # the engine runs bf16
     s.load_weights(lm)
     names = [c[0] for c in engine.log if c[0] in ("reload_weights", "reset_prefix_cache")]
     assert names == ["reload_weights", "reset_prefix_cache"]
@@ -359,11 +386,10 @@ def test_load_weights_pushes_every_parameter_then_resets_prefix_cache(engine):
     assert weights_path is None and is_ckpt is True
     expected = dict(lm.named_parameters())
     assert [n for n, _ in pushed] == list(expected)
+    assert "lm_head.weight" not in expected  # tied: sent once, as model.embed_tokens.weight
     assert "model.layers.1.weight" in expected and "model.norm.bias" in expected
     for name, t in pushed:
-        assert torch.equal(t, expected[name])
-        assert t.data_ptr() == expected[name].data_ptr()  # no copy
-        assert not t.requires_grad
+        assert t.dtype == torch.bfloat16 and torch.equal(t, expected[name].detach().to(torch.bfloat16))
 
     # a torch.compile'd model (OptimizedModule keeps the original as `_orig_mod`)
     class Compiled(torch.nn.Module):
@@ -378,6 +404,37 @@ def test_load_weights_pushes_every_parameter_then_resets_prefix_cache(engine):
     engine.reset_ok = False  # vLLM could not drop the stale KV blocks: fail loudly
     with pytest.raises(RuntimeError):
         s.load_weights(lm)
+
+
+@pytest.mark.parametrize("tied,dtype", [(False, "bfloat16"), (True, "bfloat16"), (False, "float32")])
+def test_load_weights_sends_the_checkpoint_names_shapes_and_engine_dtype(engine, tmp_path, tied, dtype):
+    # vLLM's loader takes the names and shapes a checkpoint directory holds: what save_pretrained wrote.
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as checkpoint:
+        engine.weights = {name: tuple(checkpoint.get_slice(name).get_shape()) for name in checkpoint.keys()}
+    assert ("lm_head.weight" in engine.weights) == (not tied)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    s = VLLMSampler(str(tmp_path), max_model_len=64, dtype=dtype)
+    s.load_weights(model)  # FakeWorker asserts names, shapes, dtype, each once, streamed
+    [(_, pushed, _, _)] = calls(engine, "reload_weights")
+    assert {t.dtype for _, t in pushed} == {getattr(torch, dtype)}
+
+    engine.llm.worker.expected = {**engine.weights, "model.extra.weight": (1,)}  # a weight the glue never sends
+    with pytest.raises(AssertionError, match="missing: \\['model.extra.weight'\\]"):
+        s.load_weights(model)
+
+
+def test_load_weights_never_holds_a_second_copy(engine):
+    # The fake's worker checks that each tensor is freed before the next arrives; a glue that built a list
+    # first (a full copy of the model in bf16 on the GPU) fails here.
+    s = VLLMSampler("m", max_model_len=64)
+    lm = TinyLM()
+    materialised = [(n, p.detach().to(torch.bfloat16)) for n, p in lm.named_parameters()]
+    with pytest.raises(AssertionError, match="still alive|must stream"):
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(materialised)})
+    s.load_weights(lm)
 
 
 def test_sleep_and_wake_up(engine):
