@@ -17,6 +17,7 @@ Offline (no GPU, no internet):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -57,6 +58,82 @@ def run_cli(main, args) -> None:
         main(args)
     except UsageError as error:
         sys.exit(f"error: {error}")
+
+
+# Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs,
+# and memory knobs that leave the update unchanged (the gradient does not depend on the micro-batch split).
+# Anything else would change the algorithm mid-run.
+RESUMABLE_SETTINGS = (
+    "resume", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
+    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization",
+)
+
+
+def _resume_flag(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--resume="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def saved_settings(args_class, run_dir: str | Path):
+    """The settings a run was started with (RUN/args.json), as an instance of the script's Args."""
+    path = Path(run_dir) / "args.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--resume {run_dir}: cannot read the run's settings {path} ({error}); give a run directory "
+                         "this script made") from None
+    defaults = args_class()
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    if set(saved) != fields:
+        foreign = sorted(set(saved) ^ fields)
+        raise UsageError(f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
+                         f"{', '.join(foreign[:6])}); resume a run with the script that started it")
+    # JSON keeps tuples as lists; give them back their type so that equal settings compare equal.
+    return args_class(**{k: tuple(v) if isinstance(getattr(defaults, k), tuple) and isinstance(v, list) else v
+                         for k, v in saved.items()})
+
+
+def check_resume_settings(args, run_dir: str | Path) -> None:
+    """Refuse to resume with a setting that changes the algorithm: only RESUMABLE_SETTINGS may differ."""
+    saved = asdict(saved_settings(type(args), run_dir))
+    current = json.loads(json.dumps(asdict(args)))  # tuples as lists, as saved
+    saved = json.loads(json.dumps(saved))
+    changed = [k for k in saved if k not in RESUMABLE_SETTINGS and saved[k] != current[k]]
+    if changed:
+        given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
+        raise UsageError(f"--resume {run_dir}: {given} would change the run's algorithm mid-run; leave "
+                         f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run")
+
+
+def record_start(run_dir: Path, resumed: bool) -> None:
+    """Append this start or resume (time, command line, commit) to RUN/starts.jsonl."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": commit}
+    with (run_dir / "starts.jsonl").open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def cli(args_class, argv: Sequence[str] | None = None):
+    """tyro.cli for a training script. With --resume RUN the defaults are the run's own settings (RUN/args.json),
+    so a flag left out keeps the run's value and only flags given explicitly can change it (main() then refuses
+    any that would change the algorithm)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run = _resume_flag(argv)
+    if run is None or any(a in ("-h", "--help") for a in argv):
+        return tyro.cli(args_class, args=argv)
+    try:
+        default = saved_settings(args_class, run)
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+    return tyro.cli(args_class, args=argv, default=default)
 
 
 # ----------------------------------------------------------------------------------------------

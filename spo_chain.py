@@ -39,7 +39,6 @@ from typing import Sequence
 
 import torch
 import tqdm
-import tyro
 from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 from transformers import get_linear_schedule_with_warmup
@@ -454,11 +453,13 @@ def main(args: Args) -> dict:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
             raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
+        ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
         run_dir, checkpoint = Path(args.output_dir) / run_name, None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+    ev.record_start(run_dir, resumed=checkpoint is not None)
 
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
     ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
@@ -675,4 +676,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    ev.run_cli(main, tyro.cli(Args))
+    ev.run_cli(main, ev.cli(Args))

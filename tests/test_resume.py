@@ -1,0 +1,87 @@
+"""--resume RUN keeps the run's own settings (RUN/args.json) in every script; only safe settings may change."""
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+import eval as ev
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = [spo_chain, spo_tree, grpo_baseline, ppo_baseline]
+
+
+def _saved_run(module, run_dir: Path, **settings):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved = module.Args(model="my/model", task="my.jsonl", iterations=3, lr=3e-6, seed=7, **settings)
+    (run_dir / "args.json").write_text(json.dumps(asdict(saved), indent=1))
+    return saved
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
+def test_resume_takes_the_runs_settings_and_explicit_safe_flags(module, tmp_path):
+    saved = _saved_run(module, tmp_path / "run")
+    args = ev.cli(module.Args, ["--resume", str(tmp_path / "run")])
+    assert asdict(args) == {**asdict(saved), "resume": str(tmp_path / "run")}  # not the script's defaults
+    args = ev.cli(module.Args, [f"--resume={tmp_path / 'run'}", "--iterations", "9", "--max-minutes", "5"])
+    assert (args.iterations, args.max_minutes, args.model, args.lr) == (9, 5.0, "my/model", 3e-6)
+    ev.check_resume_settings(args, tmp_path / "run")  # safe changes pass
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
+def test_resume_refuses_a_setting_that_changes_the_algorithm(module, tmp_path):
+    _saved_run(module, tmp_path / "run")
+    args = ev.cli(module.Args, ["--resume", str(tmp_path / "run"), "--seed", "8", "--lr", "1e-3"])
+    with pytest.raises(ev.UsageError, match=r"--seed 8 \(the run has 7\), --lr 0.001 \(the run has 3e-06\) would change"):
+        ev.check_resume_settings(args, tmp_path / "run")
+
+
+def test_resume_of_another_scripts_run_is_one_clear_error(tmp_path):
+    _saved_run(grpo_baseline, tmp_path / "run")
+    with pytest.raises(ev.UsageError, match="resume a run with the script that started it"):
+        ev.saved_settings(spo_tree.Args, tmp_path / "run")
+    with pytest.raises(ev.UsageError, match="cannot read the run's settings"):
+        ev.saved_settings(spo_tree.Args, tmp_path / "nothing-here")
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
+def test_saved_settings_round_trip(module, tmp_path):
+    saved = _saved_run(module, tmp_path / "run", eval_limit=5)
+    assert ev.saved_settings(module.Args, tmp_path / "run") == saved
+
+
+def _cli(*flags, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), *flags], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_cli_resume_continues_the_run_and_records_every_start(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    first = _cli("--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl), "--backend", "hf", "--iterations", "1",
+                 "--questions", "2", "--group-size", "2", "--max-new-tokens", "4", "--context", "96", "--batch-size", "4",
+                 "--micro-batch-size", "2", "--epochs", "1", "--eval-every", "1", "--eval-samples", "1", "--eval-limit", "2",
+                 "--save-every", "1", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    [run_dir] = (tmp_path / "runs").iterdir()
+    saved = json.loads((run_dir / "args.json").read_text())
+
+    refused = _cli("--resume", str(run_dir), "--lr", "0.5", "--iterations", "2", cwd=tmp_path)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith("error: --resume")
+    assert "--lr 0.5 (the run has 1e-06)" in refused.stderr
+    assert json.loads((run_dir / "args.json").read_text()) == saved  # nothing overwritten
+
+    resumed = _cli("--resume", str(run_dir), "--iterations", "2", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    now = json.loads((run_dir / "args.json").read_text())
+    assert now == {**saved, "iterations": 2, "resume": str(run_dir)}  # the tiny model and task, not the defaults
+    starts = [json.loads(line) for line in (run_dir / "starts.jsonl").read_text().splitlines()]
+    assert [s["resumed"] for s in starts] == [False, True]
+    assert starts[1]["argv"][1:] == ["--resume", str(run_dir), "--iterations", "2"] and "commit" in starts[1]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["iteration"] for m in metrics) == 2
