@@ -1,0 +1,312 @@
+"""Hold eval.VLLMSampler and the fake `vllm` of test_vllm_glue.py to the real vLLM source.
+
+test_vllm_glue.py runs the glue against a hand-written fake, because vLLM needs a GPU and cannot be
+installed here. Nothing there ties the fake to the real package: a keyword vLLM renamed, or one the fake
+accepts and vLLM does not, passes there and breaks only on a GPU machine. This file reads the source of
+the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is never imported) and checks:
+  - the wheel is the pinned version; vllm exports LLM, SamplingParams and TokensPrompt (followed through
+    vllm/__init__.py's lazy export map and re-exports to the file that defines each);
+  - every call VLLMSampler makes (found by parsing eval.py) fits the real signature: LLM(...) keywords are
+    parameters of LLM.__init__ or, through its **kwargs, EngineArgs fields; collective_rpc("reload_weights",
+    kwargs=...) names a Worker method whose GPUModelRunner counterpart takes those keywords;
+  - the rest the glue relies on: parameter order of collective_rpc, reset_prefix_cache() -> bool, the
+    fields it sets and reads, and the VLLM_ENABLE_V1_MULTIPROCESSING switch in vllm/envs.py;
+  - every parameter or field of the fake exists in the real counterpart, at the same position when
+    positional, and with the same default where both defaults are literals; the fake's __version__ is the pin.
+
+The wheel is ~315 MB, so this runs only with SPO_VLLM_SOURCE_CHECK=1 (CI sets it). With
+SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl a local wheel is read instead of downloading one.
+"""
+import ast
+import dataclasses
+import inspect
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from test_vllm_glue import (FakeCompletionOutput, FakeEngine, FakeRequestOutput, FakeSamplingParams,
+                            FakeTokensPrompt, FakeWorker, make_fake_vllm)
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(
+    os.environ.get("SPO_VLLM_SOURCE_CHECK") != "1",
+    reason="reads the pinned vllm wheel (~315 MB download): set SPO_VLLM_SOURCE_CHECK=1 to run, "
+           "and SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl to use a local wheel instead")
+
+
+def pinned_version() -> str:
+    match = re.search(r"^\s*vllm\s*==\s*([^\s;#]+)", (ROOT / "requirements-vllm.txt").read_text(), re.M)
+    assert match, "requirements-vllm.txt has no 'vllm==<version>' line"
+    return match.group(1)
+
+
+PIN = pinned_version()
+
+
+class Source:
+    """The wheel's Python files, parsed on demand. A failed download fails each test that reads them."""
+
+    def __init__(self, wheel: Path | None = None, error: str | None = None):
+        self.wheel, self.error, self.trees = wheel, error, {}
+        self.zip = zipfile.ZipFile(wheel) if wheel else None
+
+    def names(self) -> dict:
+        if self.error:
+            pytest.fail(self.error, pytrace=False)
+        return self.zip.NameToInfo
+
+    def tree(self, path: str) -> ast.Module:
+        if path not in self.trees:
+            assert path in self.names(), f"the vllm {PIN} wheel has no {path}"
+            self.trees[path] = ast.parse(self.zip.read(path), path)
+        return self.trees[path]
+
+    def find_class(self, module: str, name: str) -> tuple[str, ast.ClassDef]:
+        """(file, class) for class `name` of `module`, following `from ... import name` re-exports."""
+        base = module.replace(".", "/")
+        path = next((p for p in (base + ".py", base + "/__init__.py") if p in self.names()), None)
+        assert path, f"the vllm {PIN} wheel has no module {module}"
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        for node in self.tree(path).body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return path, node
+            for alias in node.names if isinstance(node, ast.ImportFrom) else ():
+                if (alias.asname or alias.name) == name:
+                    source = package if node.level else node.module
+                    for _ in range(node.level - 1):
+                        source = source.rpartition(".")[0]
+                    if node.level and node.module:
+                        source += "." + node.module
+                    return self.find_class(source, alias.name)
+        raise AssertionError(f"{path}: class {name} is neither defined nor imported there")
+
+    def export(self, name: str) -> tuple[str, ast.ClassDef]:
+        """Class `name` as `from vllm import name` gets it: the lazy export map, else a direct import."""
+        for node in self.tree("vllm/__init__.py").body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                for key, value in zip(node.value.keys, node.value.values):
+                    if getattr(key, "value", None) == name and ":" in str(getattr(value, "value", "")):
+                        module, _, attr = value.value.partition(":")  # e.g. ".inputs:TokensPrompt"
+                        return self.find_class("vllm" + module if module.startswith(".") else module, attr)
+        return self.find_class("vllm", name)
+
+
+def method(where: tuple[str, ast.ClassDef], name: str) -> ast.FunctionDef:
+    path, cls = where
+    defs = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name
+            and not any("overload" in ast.unparse(d) for d in n.decorator_list)]
+    assert defs, f"{path}: class {cls.name} has no method {name}"
+    return defs[-1]
+
+
+def signature(fn: ast.FunctionDef) -> tuple[list[str], dict[str, ast.expr | None], bool]:
+    """(positional parameter names, {parameter: default node or None}, takes **kwargs), without self."""
+    a = fn.args
+    positional = [p.arg for p in a.posonlyargs + a.args]
+    named = dict(zip(positional, [None] * (len(positional) - len(a.defaults)) + a.defaults))
+    named |= {p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults)}
+    if positional[:1] in (["self"], ["cls"]):
+        named.pop(positional.pop(0))
+    return positional, named, a.kwarg is not None
+
+
+def fields(src: Source, where: tuple[str, ast.ClassDef]) -> dict[str, ast.expr | None]:
+    """Annotated class attributes (dataclass, msgspec.Struct, TypedDict; with same-file bases), plus the
+    parameters of __init__ and the `self.x` it assigns, each with its default node (or None)."""
+    path, cls = where
+    out = {}
+    for base in cls.bases:
+        for node in src.tree(path).body:
+            if isinstance(node, ast.ClassDef) and node.name == ast.unparse(base):
+                out |= fields(src, (path, node))
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = node.value
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            out |= signature(node)[1]
+            for n in ast.walk(node):
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and ast.unparse(n.value) == "self":
+                    out.setdefault(n.attr, None)
+    return out
+
+
+def llm_init(src: Source) -> tuple[list[str], dict[str, ast.expr | None], bool]:
+    """LLM.__init__'s signature; its **kwargs go to EngineArgs, so those fields count as parameters."""
+    positional, named, kwargs = signature(method(src.export("LLM"), "__init__"))
+    if kwargs:
+        named = fields(src, src.find_class("vllm.entrypoints.llm", "EngineArgs")) | named
+    return positional, named, kwargs
+
+
+def glue_calls() -> list[tuple[str, ast.Call]]:
+    """('LLM' | 'SamplingParams' | 'TokensPrompt' | 'LLM.<method>', call) for each such call in VLLMSampler."""
+    tree = ast.parse((ROOT / "eval.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VLLMSampler")
+    out = []
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "LLM", "SamplingParams", "TokensPrompt"):
+            out.append((node.func.id, node))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "self.llm":
+            out.append(("LLM." + node.func.attr, node))
+    return out
+
+
+def literal(node: ast.expr):
+    """The value of a literal default, or inspect.Parameter.empty for anything else."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError):
+        return inspect.Parameter.empty  # not a literal (e.g. ModelConfig.max_model_len): not compared
+
+
+def assert_fake_fits(fake, real: tuple[list[str], dict[str, ast.expr | None], bool], where: str):
+    """Every parameter of `fake` (a function, self dropped) exists in `real`, in place if positional, with
+    the same default where both are literals; a fake default for a parameter vLLM requires is an error."""
+    params = [p for p in inspect.signature(fake).parameters.values() if p.name != "self"
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    real_positional, real_named, _ = real
+    for i, p in enumerate(q for q in params if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)):
+        assert real_positional[i:i + 1] == [p.name], (
+            f"{where}: the fake takes {p.name!r} as positional parameter {i}, vllm {PIN} has {real_positional[i:i + 1]}")
+    for p in params:
+        assert p.name in real_named, f"{where}: the fake accepts {p.name!r}, vllm {PIN} has no such parameter"
+        if p.default is not p.empty:
+            assert real_named[p.name] is not None, f"{where}: the fake defaults {p.name!r}, vllm {PIN} requires it"
+            real_default = literal(real_named[p.name])
+            assert real_default is p.empty or real_default == p.default, (
+                f"{where}: {p.name!r} defaults to {real_default!r} in vllm {PIN}, to {p.default!r} in the fake")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Source:
+    if local := os.environ.get("SPO_VLLM_WHEEL"):
+        return Source(Path(local)) if Path(local).is_file() else Source(error=f"SPO_VLLM_WHEEL={local}: no such file")
+    directory = tmp_path_factory.mktemp("vllm_wheel")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"vllm=={PIN}", "-d", str(directory)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(directory.glob("vllm-*.whl"))
+    if done.returncode or not wheels:
+        return Source(error=f"could not download the vllm {PIN} wheel ({' '.join(cmd)} exited {done.returncode}); "
+                            f"offline? point SPO_VLLM_WHEEL at a local wheel.\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    return Source(wheels[0])
+
+
+def test_wheel_is_the_pinned_version(src):
+    names = src.names()
+    assert src.wheel.name.split("-")[1] == PIN, f"{src.wheel.name} is not vllm {PIN} (requirements-vllm.txt)"
+    metadata = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
+    assert metadata, f"{src.wheel.name} has no .dist-info/METADATA"
+    assert f"\nVersion: {PIN}\n" in src.zip.read(metadata).decode(), f"{metadata}: Version is not {PIN}"
+
+
+@pytest.mark.parametrize("name", ["LLM", "SamplingParams", "TokensPrompt"])
+def test_top_level_export(src, name):
+    path, cls = src.export(name)
+    assert cls.name == name, f"vllm.{name} resolves to class {cls.name} in {path}"
+
+
+def test_glue_calls_fit_the_real_signatures(src):
+    calls = glue_calls()
+    assert {"LLM", "SamplingParams", "TokensPrompt"} <= {kind for kind, _ in calls}, "VLLMSampler calls not found in eval.py"
+    for kind, call in calls:
+        if kind == "LLM":
+            where, (positional, named, _) = f"{src.export('LLM')[0]}: LLM.__init__ (or EngineArgs)", llm_init(src)
+        elif kind.startswith("LLM."):
+            where, (positional, named, _) = f"{src.export('LLM')[0]}: {kind}", signature(method(src.export("LLM"), kind[4:]))
+        else:
+            path, cls = src.export(kind)
+            where, positional, named = f"{path}: {kind}", [], fields(src, (path, cls))
+        assert len(call.args) <= len(positional), f"{where}: eval.py line {call.lineno} passes {len(call.args)} positional arguments"
+        for kw in call.keywords:
+            assert kw.arg in named, f"{where} has no parameter {kw.arg!r} (eval.py line {call.lineno})"
+
+
+def test_llm_api_the_glue_relies_on(src):
+    llm = src.export("LLM")
+    assert llm_init(src)[0][:1] == ["model"], f"{llm[0]}: LLM.__init__'s first parameter is not 'model'"
+    for name, wanted in {"generate": ["prompts", "sampling_params", "use_tqdm"], "get_tokenizer": [],
+                         "collective_rpc": ["method", "timeout", "args", "kwargs"], "reset_prefix_cache": [],
+                         "sleep": ["level"], "wake_up": []}.items():
+        named = signature(method(llm, name))[1]
+        assert [n for n in named if n in wanted] == wanted, f"{llm[0]}: LLM.{name}{tuple(named)} lacks {wanted} in this order"
+    returns = method(llm, "reset_prefix_cache").returns
+    assert returns is not None and ast.unparse(returns) == "bool", f"{llm[0]}: LLM.reset_prefix_cache no longer returns bool"
+
+
+def test_fields_the_glue_sets_and_reads(src):
+    for name, wanted in {"SamplingParams": ["n", "temperature", "top_p", "max_tokens", "stop"],
+                         "TokensPrompt": ["prompt_token_ids"], "CompletionOutput": ["token_ids", "finish_reason"],
+                         "RequestOutput": ["outputs"]}.items():
+        path, cls = src.export(name)
+        missing = set(wanted) - set(fields(src, (path, cls)))
+        assert not missing, f"{path}: {name} has no {sorted(missing)}"
+
+
+def test_reload_weights_reaches_the_model_runner(src):
+    worker = src.find_class("vllm.v1.worker.gpu_worker", "Worker")
+    runner = src.find_class("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+    method(worker, "reload_weights")
+    missing = {"weights_iterator", "is_checkpoint_format"} - set(signature(method(runner, "reload_weights"))[1])
+    assert not missing, f"{runner[0]}: GPUModelRunner.reload_weights has no {sorted(missing)}"
+    for kind, call in glue_calls():
+        if kind == "LLM.collective_rpc":
+            rpc = ast.literal_eval(call.args[0])
+            where = worker
+            if signature(method(worker, rpc))[2]:  # Worker.<rpc>(*args, **kwargs) forwards to the model runner
+                assert f"self.model_runner.{rpc}(" in ast.unparse(method(worker, rpc)), (
+                    f"{worker[0]}: Worker.{rpc} takes **kwargs but does not call self.model_runner.{rpc}")
+                where = runner
+            named = signature(method(where, rpc))[1]
+            for kw in (k for k in call.keywords if k.arg == "kwargs"):
+                assert isinstance(kw.value, ast.Dict), f"eval.py line {call.lineno}: collective_rpc kwargs is not a dict literal"
+                for key in map(ast.literal_eval, kw.value.keys):
+                    assert key in named, f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (eval.py line {call.lineno})"
+
+
+def test_in_process_engine_switch(src):
+    keys = {k.value for d in ast.walk(src.tree("vllm/envs.py")) if isinstance(d, ast.Dict)
+            for k in d.keys if isinstance(k, ast.Constant)}
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in keys, "vllm/envs.py no longer reads VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+FAKE_LLM = make_fake_vllm(FakeEngine()).LLM
+
+
+@pytest.mark.parametrize("name", ["__init__", "generate", "collective_rpc", "reset_prefix_cache", "sleep",
+                                  "wake_up", "get_tokenizer"])
+def test_fake_llm_method_matches_the_real_one(src, name):
+    real = llm_init(src) if name == "__init__" else signature(method(src.export("LLM"), name))
+    assert_fake_fits(getattr(FAKE_LLM, name), real, f"vllm/entrypoints/llm.py: LLM.{name}")
+
+
+def test_fake_sampling_params_match_the_real_ones(src):
+    path, cls = src.export("SamplingParams")
+    assert_fake_fits(FakeSamplingParams.__init__, ([], fields(src, (path, cls)), False), f"{path}: SamplingParams")
+
+
+def test_fake_worker_matches_the_model_runner(src):
+    runner = src.find_class("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+    assert_fake_fits(FakeWorker.reload_weights, signature(method(runner, "reload_weights")),
+                     "vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.reload_weights")
+
+
+@pytest.mark.parametrize("name, fake_fields", [
+    ("TokensPrompt", list(FakeTokensPrompt.__annotations__)),
+    ("CompletionOutput", [f.name for f in dataclasses.fields(FakeCompletionOutput)]),
+    ("RequestOutput", [f.name for f in dataclasses.fields(FakeRequestOutput)]),
+])
+def test_fake_prompt_and_outputs_have_real_fields(src, name, fake_fields):
+    path, cls = src.export(name)
+    missing = set(fake_fields) - set(fields(src, (path, cls)))
+    assert not missing, f"{path}: {name} has no {sorted(missing)}, which the fake has"
+
+
+def test_fake_version_is_the_pin():
+    version = make_fake_vllm(FakeEngine()).__version__
+    assert version == PIN, f"tests/test_vllm_glue.py: the fake's __version__ is {version}, the pin is {PIN}"
