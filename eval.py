@@ -456,9 +456,25 @@ _GRADE_MEM_HEADROOM = 4 << 30   # bytes a worker may map beyond what its imports
 _GRADE_HARD_GRACE = 2.0         # seconds past the soft timeout before the parent kills a worker
 _GRADE_STARTUP_TIMEOUT = 120.0  # the grading server's first answer waits for it to import this module
 _GRADE_MAX_CHUNK = 64           # items handed to a worker at once
-# A plain-text hedge such as "72 or 73" on the last line: math-verify takes the first number after
-# "answer is", so it would credit the hedge.
-_GRADE_HEDGE_RE = re.compile(r"\d[\s*$]*\bor\s+[\s*$]*-?\d")
+# The final-answer rule, stated in grade()'s docstring. _answer_text applies it in the parent, where no
+# timeout covers it, so every pattern here is linear-time on any text. Boxes are first swapped for
+# placeholders "\x01<i>\x02", so that dots, braces and "or" inside a box neither split nor hedge the text
+# around it.
+_GRADE_BOX_RE = re.compile(r"\\boxed\s*\{")
+_GRADE_SENTENCE_END_RE = re.compile(r"[.!?](?=\s|$)|\n")
+_GRADE_CUE_RE = re.compile(  # a correction word that opens a sentence or a clause
+    r"(?:^|(?<=[.!?,;:\n\u2013\u2014]))[ \t*_\"'(]*+"
+    r"(?P<cue>actually|wait|no|nope|oops|sorry|correction|hold on|i mean|on second thought)\b",
+    re.IGNORECASE,
+)
+_GRADE_MARKER_RE = re.compile(r"\x01|####|\banswer\b(?:\s++is\b|\s*+[:=])", re.IGNORECASE)
+_GRADE_VALUE_RE = re.compile(r"[\d\x01$]|\\[a-zA-Z(\[]")  # where a stated value can begin
+_GRADE_ALTERNATIVE_RE = re.compile(r"\d|\x01|\\(?:d?frac|sqrt|pi|infty)\b")  # what a hedge is between
+_GRADE_OR_RE = re.compile(r"\bor\b", re.IGNORECASE)
+_GRADE_NEGATED_RE = re.compile(  # "72, not 73": the rejected value is dropped
+    r"\b(?:not|rather than|instead of)\s[\s*(]*+(?:\x01\d+\x02|\$[^$\n]{0,200}\$|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)",
+    re.IGNORECASE,
+)
 
 _grade_workers = []             # the persistent pool, see _grade_pool()
 _grade_server = None            # forks the workers, see _GradeServer
@@ -479,19 +495,57 @@ def _is_numeric_task(task: str) -> bool:
     raise ValueError(f"unknown task {task!r}")
 
 
-def _answer_text(response: str, numeric: bool) -> str:
-    """The part of a response that holds its final answer ("" when it hedges)."""
-    text = response[-_GRADE_TAIL_CHARS:].replace("\u2212", "-")
-    if numeric and "####" in text:
-        text = text.rsplit("####", 1)[1]
-    # The last box is the final answer; math-verify would merge nearby boxes into a set, so that
-    # "\boxed{3} then \boxed{5}" would not match 5.
-    box = text.rfind("\\boxed")
-    if box >= 0:
-        text = text[box:]
-    if numeric and _GRADE_HEDGE_RE.search(text.strip().rsplit("\n", 1)[-1]):
+def _grade_hedges(text: str) -> bool:
+    """Whether "or" stands between two values (numbers, boxes, fractions, roots) of the text."""
+    values = [m.start() for m in _GRADE_ALTERNATIVE_RE.finditer(text)]
+    return len(values) > 1 and _GRADE_OR_RE.search(text, values[0] + 1, values[-1]) is not None
+
+
+def _answer_text(response: str, numeric: bool, reference: str = "") -> str:
+    """The final answer statement of a response under grade()'s rule ("" when it hedges)."""
+    text = response[-_GRADE_TAIL_CHARS:].replace("\u2212", "-").replace("\x01", " ").replace("\x02", " ")
+    boxes, parts, pos = [], [], 0
+    while box := _GRADE_BOX_RE.search(text, pos):
+        depth, i = 1, box.end()
+        while i < len(text) and depth:
+            if text[i] == "\\":
+                i += 2
+                continue
+            depth += (text[i] == "{") - (text[i] == "}")
+            i += 1
+        boxes.append(text[box.end(): i - 1] if depth == 0 else text[box.end():])  # unclosed: to the end
+        parts += [text[pos: box.start()], f"\x01{len(boxes) - 1}\x02"]
+        pos = i
+    work = "".join(parts) + text[pos:]
+    # Clauses: sentences, also split where a correction word opens a clause.
+    cues = {m.start("cue") for m in _GRADE_CUE_RE.finditer(work)}
+    cuts = sorted({0, len(work), *cues, *(m.end() for m in _GRADE_SENTENCE_END_RE.finditer(work))})
+    clauses = [(a, b) for a, b in zip(cuts, cuts[1:]) if not work[a:b].isspace()]
+    statement = None
+    for k in range(len(clauses) - 1, -1, -1):  # the last clause that states an answer
+        a, b = clauses[k]
+        marker = _GRADE_MARKER_RE.search(work, a, b)
+        if marker:
+            value_from = marker.start() if marker.group() == "\x01" else marker.end()
+            if not _GRADE_VALUE_RE.search(work, value_from, b) and k + 1 < len(clauses):
+                b = clauses[k + 1][1]  # "The answer is:\n72": the value is on the next line
+            if _GRADE_VALUE_RE.search(work, value_from, b):
+                statement = work[marker.start(): b]
+                break
+        elif a in cues and _GRADE_VALUE_RE.search(work, a, b):
+            statement = work[a:b]
+            break
+    check_or = not _GRADE_OR_RE.search(reference)  # a reference may itself be "1 \text{ or } 2"
+    if statement is None:  # no stated answer: math-verify reads the tail; its last sentence must not hedge
+        last = next((work[a:b] for a, b in reversed(clauses) if _GRADE_VALUE_RE.search(work, a, b)), "")
+        return "" if check_or and _grade_hedges(last) else text
+    statement = _GRADE_NEGATED_RE.sub("", statement)
+    stated_boxes = [boxes[int(i)] for i in re.findall(r"\x01(\d+)\x02", statement)]
+    if len({"".join(b.split()) for b in stated_boxes}) > 1:
+        return ""  # two different boxed answers in one statement
+    if check_or and (_grade_hedges(statement) or (stated_boxes and _grade_hedges(stated_boxes[-1]))):
         return ""
-    return text
+    return f"\\boxed{{{stated_boxes[-1]}}}" if stated_boxes else statement
 
 
 # Worker side. Never str() or repr() a parsed object: printing a huge expression can hang too.
@@ -711,6 +765,23 @@ def grade(
 ) -> list[float]:
     """1.0 for each response whose final answer equals its reference, else 0.0.
 
+    The final answer, by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24), read
+    from the response's last 8000 characters:
+    1. The last stated answer counts. An answer is stated by a \\boxed{...}, a "####", an "answer is" or
+       "answer:", or a correction: a sentence or clause that opens with actually, wait, no, nope, oops,
+       sorry, correction, hold on, I mean or on second thought and holds a value. "The answer is 72.
+       Actually 73." and "The answer is 72, wait, 73" answer 73; "The answer is 73.\\n#### 72" answers 72.
+       With no stated answer, math-verify reads the whole tail (its last number or expression).
+    2. The statement runs from its marker to the end of its sentence (".", "!" or "?" before a space, or
+       a line break). Its boxes must agree: "\\boxed{72} or \\boxed{73}" and "\\boxed{3} then \\boxed{5}"
+       score 0, while "\\boxed{3}. Then \\boxed{5}" answers 5 (rule 1).
+    3. A hedge scores 0: "or" between two values (numbers, boxes, fractions, roots) in the statement or
+       in its box, e.g. "72 or 73", "#### either 72 or 73", "\\boxed{72 \\text{ or } 73}"; with no stated
+       answer, in the last sentence that holds a value. Not applied when the reference itself contains
+       "or". "3/4" is a fraction, never a hedge.
+    4. A rejected value is dropped: "The answer is 72, not 73" answers 72 (also "rather than 73",
+       "instead of 73").
+
     timeout: seconds per item. workers: pool size (default: CPUs available, at most 8).
     Items that time out, crash or are killed score 0.0 and are counted by grade_failures().
     """
@@ -719,7 +790,8 @@ def grade(
     if not timeout > 0:
         raise ValueError(f"grade() timeout must be positive, got {timeout}")
     numeric = _is_numeric_task(task)
-    jobs = [(_answer_text(r, numeric), ref.replace("\u2212", "-"), numeric) for r, ref in zip(responses, references)]
+    references = [ref.replace("\u2212", "-") for ref in references]
+    jobs = [(_answer_text(r, numeric, ref), ref, numeric) for r, ref in zip(responses, references)]
     return _grade_run(jobs, timeout, workers)
 
 

@@ -3,14 +3,20 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 
 import eval as eval_module
 from eval import check_reference, grade, grade_failures
+
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "spo-hypothesis")  # its caches, not in the repo
 
 MINUS = "\u2212"
 SLOW = r"\boxed{10^{10^{10^{10}}}}"  # interruptible, but never finishes
@@ -38,11 +44,66 @@ CASES = [
     ("math", r"\boxed{(-\infty,3)}", r"(-\infty,3]", 0.0),
     ("math", r"\boxed{\{3,1,2\}}", r"\{1,2,3\}", 1.0),
     ("math", r"\boxed{x=5}", "5", 1.0),
-    ("math", r"\boxed{3} then \boxed{5}", "5", 1.0),
+    # Two different boxes in one sentence (was 1.0, the last box): see grade()'s rule 2.
+    ("math", r"\boxed{3} then \boxed{5}", "5", 0.0),
     ("math", r"\boxed{2021}", r"\pm 2021", 0.0),
     ("math500", "", "5", 0.0),
     ("aime24", r"\boxed{033}", "33", 1.0),
 ]
+
+# grade()'s final-answer rule, each part on a numeric and a boxed task.
+RULE_CASES = [
+    # 1. The last stated answer counts: a box, "####", "answer is"/"answer:", or a correction.
+    ("gsm8k", "The answer is 72. Actually 73.", "73", 1.0),
+    ("gsm8k", "The answer is 72. Actually 73.", "72", 0.0),
+    ("math", "The answer is 72. Actually 73.", "73", 1.0),
+    ("math", "The answer is 72. Actually 73.", "72", 0.0),
+    ("gsm8k", "The answer is 72. Wait, it is 73.", "73", 1.0),
+    ("math500", "The answer is 72. Wait, it is 73.", "73", 1.0),
+    ("gsm8k", "The answer is 72, wait, 73", "73", 1.0),
+    ("gsm8k", "#### 72. Wait, it is 73.", "73", 1.0),
+    ("rg:chain_sum", "So 2 + 3 = 5.\nNo, 6.", "6", 1.0),
+    ("math", r"\boxed{72}. Wait, it is 73.", "73", 1.0),
+    ("math", r"\boxed{72}. Wait, it is 73.", "72", 0.0),
+    ("gsm8k", r"\boxed{72}. Wait, it is 73.", "73", 1.0),
+    ("math", r"\boxed{7}. Wait, let me check: 3 + 4 = 7. Yes.", "7", 1.0),
+    ("math", r"\boxed{3}. Then \boxed{5}", "5", 1.0),
+    ("gsm8k", "\\boxed{3}\n\\boxed{5}", "5", 1.0),
+    ("gsm8k", "The answer is:\n\n**72**", "72", 1.0),
+    ("math", "#### 72\nThe answer is 73.", "73", 1.0),
+    # 2. The boxes of the final statement must agree.
+    ("math", r"\boxed{72} or \boxed{73}", "72", 0.0),
+    ("math", r"\boxed{72} or \boxed{73}", "73", 0.0),
+    ("gsm8k", r"\boxed{72} or \boxed{73}", "72", 0.0),
+    ("gsm8k", r"\boxed{72} or \boxed{73}", "73", 0.0),
+    ("aime24", r"The answer is \boxed{33} = \boxed{ 33 }.", "33", 1.0),
+    ("gsm8k", r"The answer is \boxed{33} = \boxed{ 33 }.", "33", 1.0),
+    # 3. A hedge ("or" between two values) in the final statement or its box scores 0.
+    ("gsm8k", "72 or 73", "72", 0.0),
+    ("math", "72 or 73", "72", 0.0),
+    ("gsm8k", "#### 72 or 73", "72", 0.0),
+    ("math", "#### 72 or 73", "73", 0.0),
+    ("gsm8k", "The answer is either 72 or 73.", "73", 0.0),
+    ("math", "The answer is either 72 or 73.", "73", 0.0),
+    ("gsm8k", "The answer is:\n72 or 73", "72", 0.0),
+    ("math", r"The answer is $\frac{1}{2}$ or $\frac{1}{3}$.", "1/2", 0.0),
+    ("math", r"\boxed{72 \text{ or } 73}", "72", 0.0),
+    ("gsm8k", r"\boxed{72 \text{ or } 73}", "72", 0.0),
+    ("gsm8k", "The answer is 72. Actually, 72 or 73.", "72", 0.0),
+    ("math", r"\boxed{x=1 \text{ or } x=2}", r"1 \text{ or } 2", 1.0),  # the reference itself has "or"
+    ("gsm8k", "It is 3 or 4 boxes of 2, so 8 in all.\n#### 8", "8", 1.0),  # only the statement counts
+    ("math", r"Since x = 3 or x = 5 and x > 4, the answer is \boxed{5}.", "5", 1.0),
+    ("gsm8k", "The answer is 72 or so.", "72", 1.0),  # no second value
+    ("math", "The answer is 3/4.", "0.75", 1.0),  # a fraction, not a hedge
+    # 4. A rejected value is dropped.
+    ("gsm8k", "The answer is 72, not 73", "72", 1.0),
+    ("gsm8k", "The answer is 72, not 73", "73", 0.0),
+    ("math", "The answer is 72, not 73", "72", 1.0),
+    ("math", "The answer is 72, not 73", "73", 0.0),
+    ("math", r"The answer is \boxed{73}, not \boxed{72}.", "73", 1.0),
+    ("gsm8k", "Actually, it is 73 rather than 72.", "73", 1.0),
+]
+CASES += RULE_CASES
 
 
 @pytest.mark.parametrize("task,response,reference,expected", CASES,
@@ -160,3 +221,82 @@ def test_mismatched_lengths_raise():
 def test_unknown_task_raises():
     with pytest.raises(ValueError, match="unknown task"):
         grade(["1"], ["1"], "mmlu")
+
+
+# Fuzzing: random text mixed with the pieces the rule and the parsers react to.
+FRAGMENTS = [
+    "\\boxed{", "\\boxed {", "}", "{", "\\{", "\\}", "####", "The answer is ", "answer:", "Answer = ",
+    " or ", "either ", "Actually, ", "Wait, ", "No, ", " not ", " rather than ", ". ", "? ", "\n", ", ", "$",
+    "$$", "\\(", "\\)", "\\[", "\\]", "\\frac{", "\\dfrac12", "\\sqrt{", "\\text{ or }", "\\pm", "\\infty",
+    "^", "^{", "10^{10^{10^{10}}}", "9^9^9^9", "9**9**9", "1e999999", "10^{-999999}", "\\operatorname{zeros}(9999,9999)",
+    "3/4", "-", MINUS, "1,234", "0.5", "%", "\\", "\x00", "\x01", "\x02", "\u2212", "\u221e", "\u03c0",
+    "\U0001f600", "\ud800", " ",  # a lone surrogate, a space
+]
+REFERENCES = ["72", "-5", "0.75", "1234", "\\frac{1}{2}", "\\sqrt{2}", "(-\\infty,3]", "x", "1 \\text{ or } 2", ""]
+
+
+def _responses(payloads):
+    piece = st.one_of(
+        st.sampled_from(FRAGMENTS),
+        st.sampled_from(payloads),
+        st.sampled_from([SLOW, HUGE, "\\boxed{9^{9^{9^{9}}}}"]),
+        st.integers(-10**40, 10**40).map(str),
+        st.text(max_size=12),
+    )
+    return st.lists(piece, max_size=40).map("".join)
+
+
+def _payloads(marker):
+    """Code that would create the marker file if anything ran response text as Python or shell."""
+    return [
+        f"__import__('os').system('touch {marker}')",
+        f"exec(\"open('{marker}', 'w')\")",
+        f"eval(\"__import__('pathlib').Path('{marker}').touch()\")",
+        f"\\boxed{{__import__('os').system('touch {marker}')}}",
+        f"$__import__('pathlib').Path('{marker}').touch()$",
+        f"#### (lambda: open('{marker}', 'w'))()",
+        f"The answer is 1+__import__('os').system('touch {marker}')",
+        f"`touch {marker}` $(touch {marker})",
+    ]
+
+
+def test_answer_text_fuzz_is_fast_and_total():
+    # The rule runs in the parent, where no timeout covers it: it must be quick on any text.
+    pieces = st.one_of(st.sampled_from(FRAGMENTS), st.integers(-10**9, 10**9).map(str), st.text(max_size=8))
+    long_text = st.tuples(st.lists(pieces, max_size=6).map("".join), st.integers(1, 4000)).map(lambda t: t[0] * t[1])
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(text=st.one_of(_responses(["x"]), long_text), numeric=st.booleans(), reference=st.sampled_from(REFERENCES))
+    def check(text, numeric, reference):
+        start = time.monotonic()
+        answer = eval_module._answer_text(text, numeric, reference)
+        assert time.monotonic() - start < 0.5
+        assert isinstance(answer, str) and len(answer) <= eval_module._GRADE_TAIL_CHARS + 16
+
+    check()
+
+
+def test_grade_fuzz_never_crashes_hangs_or_executes(tmp_path):
+    marker = tmp_path / "executed"
+    timeout = 1.0
+    grade(["1"], ["1"], "math", workers=2)  # start the pool outside the timing
+
+    item = st.tuples(_responses(_payloads(marker)), st.sampled_from(REFERENCES))
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(items=st.lists(item, min_size=1, max_size=6),
+           task=st.sampled_from(["gsm8k", "rg:chain_sum", "data/x.jsonl", "math", "math500", "aime24"]))
+    def check(items, task):
+        start = time.monotonic()
+        scores = grade([r for r, _ in items], [ref for _, ref in items], task, timeout=timeout, workers=2)
+        elapsed = time.monotonic() - start
+        assert len(scores) == len(items)
+        assert all(type(s) is float and s in (0.0, 1.0) for s in scores)
+        # Each item costs at most timeout + grace (then its worker is killed and replaced in milliseconds).
+        assert elapsed < len(items) * (timeout + eval_module._GRADE_HARD_GRACE) + 2.0
+        assert not marker.exists()
+
+    check()
+    assert not marker.exists()
