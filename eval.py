@@ -39,7 +39,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 import tqdm
@@ -53,11 +53,53 @@ class UsageError(Exception):
 
 
 def run_cli(main, args) -> None:
-    """Run a script's main(args), turning a UsageError into one clear error line instead of a traceback."""
+    """Run a script's main(args): a UsageError becomes one clear error line instead of a traceback, and Ctrl-C one
+    line that says what was kept and how to resume. A new run that failed before it trained leaves nothing behind."""
     try:
         main(args)
     except UsageError as error:
+        _discard_untrained_run()
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        print(f"\n{_interrupted_message()}", file=sys.stderr)
+        sys.exit(130)  # the shell's code for "ended by SIGINT"
+
+
+_active_run: dict = {}  # the run directory main() is working in (record_start), for run_cli's messages
+
+
+def _trained_iterations(run_dir: Path) -> int:
+    """The iteration of the run's latest complete checkpoint (0: none)."""
+    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # as the scripts' latest_checkpoint()
+        if (candidate / "trainer_state.pt").exists():
+            try:
+                return int(torch.load(candidate / "trainer_state.pt", map_location="cpu", weights_only=False)["iteration"])
+            except Exception:  # damaged: the resume will say so
+                continue
+    return 0
+
+
+def _interrupted_message() -> str:
+    if not _active_run:
+        return "interrupted before a run directory was made: nothing was kept"
+    run_dir, script = _active_run["run_dir"], _active_run["script"]
+    resume = f"python {script} --resume {run_dir}"
+    iteration = _trained_iterations(run_dir)
+    if iteration:
+        return f"interrupted: {run_dir} keeps its checkpoint of iteration {iteration}; continue with: {resume}"
+    return f"interrupted before the first checkpoint: {run_dir} keeps its settings; start it again with: {resume}"
+
+
+def _discard_untrained_run() -> None:
+    """Remove the directory of a run this process created if it never trained (no checkpoint, no training metrics)."""
+    if not _active_run.get("new"):
+        return
+    run_dir = _active_run["run_dir"]
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    if not _trained_iterations(run_dir) and not any(json.loads(line).get("iteration", 0) >= 1 for line in lines if line.strip()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _active_run.clear()
 
 
 # Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs,
@@ -119,6 +161,61 @@ def record_start(run_dir: Path, resumed: bool) -> None:
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": commit}
     with (run_dir / "starts.jsonl").open("a") as f:
         f.write(json.dumps(entry) + "\n")
+    _active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)
+
+
+def setting_problems(args) -> list[str]:
+    """Problems with the settings every training script shares, found before anything is loaded.
+
+    Reads the fields it finds on `args` (a script's Args); each problem names its flag and the fix.
+    """
+    problems = []
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    if get("lr") is not None and not args.lr > 0:
+        problems.append(f"--lr ({args.lr}) must be positive")
+    for name in ("top_p", "eval_top_p"):
+        if get(name) is not None and not 0 < get(name) <= 1:
+            problems.append(f"--{name.replace('_', '-')} ({get(name)}) must be in (0, 1]")
+    if get("eval_temperature") is not None and args.eval_temperature < 0:
+        problems.append(f"--eval-temperature ({args.eval_temperature}) must be 0 (greedy) or positive")
+    for name in ("eval_samples", "eval_every", "save_every"):
+        if get(name) is not None and get(name) < 1:
+            problems.append(f"--{name.replace('_', '-')} ({get(name)}) must be at least 1")
+    if get("eval_limit") is not None and args.eval_limit < 1:
+        problems.append(f"--eval-limit ({args.eval_limit}) must be at least 1 (or left out for the whole test split)")
+    if get("beta") is not None and args.beta < 0:
+        problems.append(f"--beta ({args.beta}) must be 0 (no KL term) or positive")
+    if get("clip_eps") is not None and not args.clip_eps > 0:
+        problems.append(f"--clip-eps ({args.clip_eps}) must be positive")
+    if get("backend") is not None:
+        problems += backend_problems(args.backend)
+    if get("output_dir") is not None and not get("resume"):
+        problems += directory_problems(args.output_dir, "--output-dir")
+    for flag, name in (("--task", get("task")), ("--eval-task", get("eval_task"))):
+        if name is not None:
+            problems += task_problems(name, flag=flag)
+    return problems
+
+
+def backend_problems(backend: str) -> list[str]:
+    if backend not in ("auto", "hf", "vllm"):
+        return [f"--backend {backend!r} is not a backend: use hf, vllm or auto"]
+    if backend == "vllm" and not torch.cuda.is_available():
+        return ["--backend vllm needs a CUDA GPU; use --backend hf"]
+    return []
+
+
+def directory_problems(directory: str, flag: str) -> list[str]:
+    """Whether `directory` is, or can be made as, a writable directory (nothing is created here)."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        return [f"{flag} {directory} is a file, not a directory: give a directory"]
+    ancestor = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not ancestor.is_dir():
+        return [f"{flag} {directory} cannot be created: {ancestor} is a file"]
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return [f"{flag} {directory} cannot be created or written: no write permission on {ancestor}"]
+    return []
 
 
 def cli(args_class, argv: Sequence[str] | None = None):
@@ -389,6 +486,53 @@ def _jsonl_rows(path: str) -> list[dict]:
     return rows
 
 
+HUB_TASKS = ("gsm8k", "math", "math500", "aime24")
+SPLITS = ("train", "test")
+
+
+def task_problems(name: str, split: str | None = None, flag: str = "--task") -> list[str]:
+    """Whether a task name (and split) can be loaded, checked without loading it: the early check of every script."""
+    problems = []
+    if split is not None and split not in SPLITS:
+        problems.append(f"--split {split!r} is not a split: use train or test")
+    if name.startswith("rg:"):
+        try:
+            dataset, _ = _parse_rg_name(name)
+        except UsageError as error:
+            return problems + [f"{flag}: {error}"]
+        from reasoning_gym.factory import DATASETS
+
+        if dataset not in DATASETS:
+            close = sorted(d for d in DATASETS if d[:3] == dataset[:3])[:5]
+            problems.append(f"{flag} {name}: reasoning-gym has no dataset {dataset!r}"
+                            + (f" (similar: {', '.join(close)})" if close else " (e.g. rg:chain_sum, rg:gsm_symbolic)"))
+    elif name.endswith(".jsonl"):
+        if not Path(name).is_file():
+            problems.append(f"{flag} {name}: the file does not exist")
+    elif name not in HUB_TASKS:
+        problems.append(f"{flag}: unknown task {name!r}: use gsm8k, math, math500, aime24, rg:<reasoning-gym dataset> "
+                        "or a .jsonl file")
+    return problems
+
+
+def check_prompt_room(examples: list[Example], context: int, what: str, drop: bool) -> list[Example]:
+    """Prompts that leave room for a response within `context` tokens.
+
+    None leaves room: one clear error. Some do not: a warning with the count; they are dropped (drop=True,
+    training) or kept and score 0 as unfinished (drop=False, evaluation keeps its denominator).
+    """
+    full = [e for e in examples if len(e.prompt_ids) >= context]
+    if full and len(full) == len(examples):
+        lengths = sorted(len(e.prompt_ids) for e in examples)
+        raise UsageError(f"--context {context} leaves no room for a response after any prompt of {what} (prompts are "
+                         f"{lengths[0]}-{lengths[-1]} tokens): raise --context")
+    if full:
+        action = "dropped" if drop else "kept; they score 0 as unfinished"
+        warnings.warn(f"{len(full)} of {len(examples)} prompts of {what} leave no room for a response within --context "
+                      f"{context} ({action})")
+    return [e for e in examples if len(e.prompt_ids) < context] if drop else examples
+
+
 def load_task(
     name: str, split: str = "train", limit: int | None = None, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> list[Example]:
@@ -417,7 +561,7 @@ def load_task(
     elif name.endswith(".jsonl"):
         rows = _jsonl_rows(name)
     else:
-        raise UsageError(f"unknown task {name!r}: use gsm8k, math, math500, aime24, rg:<reasoning-gym dataset> or a .jsonl file")
+        raise UsageError(task_problems(name)[0])
 
     unique, seen = [], set()
     for row in rows:
@@ -1189,7 +1333,10 @@ def evaluate(
 
     Pass `examples` (with prompt_ids) to evaluate a fixed held-out set, `sampler` to reuse a rollout engine.
     """
-    examples = examples or load_task(task, split, limit=limit, seed=seed, tokenizer=tokenizer)
+    if examples is None:
+        examples = load_task(task, split, limit=limit, seed=seed, tokenizer=tokenizer)
+        if context is not None:
+            examples = check_prompt_room(examples, context, f"--task {task}", drop=False)
     sampler = sampler or HFSampler(model, tokenizer, seed=seed)
     started = time.time()
     completions = sampler.sample(
@@ -1243,7 +1390,7 @@ class EvalArgs:
     """token budget per response"""
     context: int | None = None
     """total context budget (prompt + response), e.g. 2048 for the paper's 2K evaluation"""
-    backend: str = "auto"
+    backend: Literal["auto", "hf", "vllm"] = "auto"
     """hf | vllm | auto (vllm when installed and a GPU is present)"""
     seed: int = 0
     """sampling seed"""
@@ -1251,7 +1398,32 @@ class EvalArgs:
     """results JSON path (default: runs/eval/<model>__<task>__<time>.json)"""
 
 
+def validate_eval_args(args: EvalArgs) -> None:
+    """Every check that needs no model, before anything is loaded."""
+    problems = task_problems(args.task, args.split) + backend_problems(args.backend)
+    if args.samples < 1:
+        problems.append(f"--samples ({args.samples}) must be at least 1")
+    if args.temperature < 0:
+        problems.append(f"--temperature ({args.temperature}) must be 0 (greedy) or positive")
+    if not 0 < args.top_p <= 1:
+        problems.append(f"--top-p ({args.top_p}) must be in (0, 1]")
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens ({args.max_new_tokens}) must be at least 1")
+    if args.context is not None and args.context < 2:
+        problems.append(f"--context ({args.context}) must leave room for a prompt and a response")
+    if args.limit is not None and args.limit < 1:
+        problems.append(f"--limit ({args.limit}) must be at least 1 (or left out for the whole split)")
+    if args.output is not None:
+        if Path(args.output).is_dir():
+            problems.append(f"--output {args.output} is a directory: give a file path for the results JSON")
+        else:
+            problems += directory_problems(str(Path(args.output).parent), "--output's folder")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
 def main(args: EvalArgs) -> dict:
+    validate_eval_args(args)
     model, tokenizer = load_model(args.model)
     sampler = make_sampler(args.backend, model, tokenizer, args.model, seed=args.seed, max_model_len=args.context or 4096)
     result = evaluate(

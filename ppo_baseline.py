@@ -35,6 +35,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tqdm
@@ -57,7 +58,7 @@ class Args:
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     eval_task: str | None = None
     """held-out task (default: the training task's test split)"""
-    backend: str = "auto"
+    backend: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
     output_dir: str = "runs"
     """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
@@ -450,7 +451,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def validate(args: Args) -> None:
-    problems = []
+    problems = ev.setting_problems(args)  # the settings every script shares
     if args.questions < 1 or args.group_size < 1 or args.iterations < 1 or args.epochs < 1:
         problems.append("--questions, --group-size, --iterations and --epochs must be positive")
     if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
@@ -475,8 +476,8 @@ def main(args: Args) -> dict:
     # Run directory: new, or the one being resumed.
     if args.resume:
         run_dir = Path(args.resume)
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
+        checkpoint = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
+        if checkpoint is None and not (run_dir / "args.json").exists():
             raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
         ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
     else:
@@ -484,7 +485,7 @@ def main(args: Args) -> dict:
         run_dir, checkpoint = Path(args.output_dir) / run_name, None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-    ev.record_start(run_dir, resumed=checkpoint is not None)
+    ev.record_start(run_dir, resumed=bool(args.resume))
 
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
     ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
@@ -501,6 +502,8 @@ def main(args: Args) -> dict:
     pad_id = tokenizer.pad_token_id
     train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
     eval_examples = ev.load_task(args.eval_task or args.task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
+    train_examples = ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True)
+    eval_examples = ev.check_prompt_room(eval_examples, args.context, f"--eval-task {args.eval_task or args.task}", drop=False)
     stop = ev.stop_strings(tokenizer)
     sampler = ev.make_sampler(
         args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,

@@ -274,7 +274,7 @@ def run_eval_cli(*args, cwd):
     "args, message",
     [
         (["--model", "/no/such/model"], "error: cannot load model"),
-        (["--task", "gsm9k"], "error: unknown task"),
+        (["--task", "gsm9k"], "error: --task: unknown task"),
         (["--task", "BAD_JSONL"], "error: "),
     ],
 )

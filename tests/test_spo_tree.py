@@ -341,7 +341,7 @@ def sevens(tmp_path_factory):
 def _args(model_dir, data, out, **overrides):
     settings = dict(
         model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, tree="4,3", segment_tokens=2,
-        max_new_tokens=5, context=64, batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1,
+        max_new_tokens=5, context=160, batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1,
         eval_limit=3, save_every=1, output_dir=str(out), seed=1, edges_per_question=4, buffer_max_age=2,
     )
     settings.update(overrides)

@@ -22,7 +22,7 @@ _spec.loader.exec_module(bench)
 def test_prompts_for_steps_are_the_questions_grpo_baseline_trains_on(tiny_model_dir, gsm8k_jsonl, tmp_path):
     summary = grpo.main(grpo.Args(
         model=str(tiny_model_dir), task=str(gsm8k_jsonl), backend="hf", iterations=2, questions=3, group_size=2,
-        max_new_tokens=2, context=96, batch_size=6, micro_batch_size=6, epochs=1, eval_every=1000, eval_limit=1,
+        max_new_tokens=2, context=128, batch_size=6, micro_batch_size=6, epochs=1, eval_every=1000, eval_limit=1,
         eval_samples=1, save_every=1000, save_samples=1, save_questions=3, output_dir=str(tmp_path), seed=5,
     ))
     examples = ev.load_task(str(gsm8k_jsonl), "train", seed=5)

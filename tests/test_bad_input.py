@@ -1,0 +1,129 @@
+"""Bad input fails fast: every script's CLI, given one bad flag, exits non-zero before loading anything, with no
+traceback and a message that names the flag.
+
+The cases run in-process (runpy, as `python script.py ...` would: the same `__main__` block) so the table takes
+seconds; two of them also run as real subprocesses. Every case passes a model that does not exist: a check that
+came after model loading would show up as "cannot load model" instead of the flag's message.
+"""
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING = ["spo_chain.py", "spo_tree.py", "grpo_baseline.py", "ppo_baseline.py"]
+NO_MODEL = ["--model", "/no/such/model"]
+
+# (flags, text the error must contain). Applies to every training script.
+COMMON = [
+    (["--lr", "0"], "--lr (0.0) must be positive"),
+    (["--lr", "-1e-6"], "--lr"),
+    (["--top-p", "1.5"], "--top-p (1.5) must be in (0, 1]"),
+    (["--eval-top-p", "0"], "--eval-top-p"),
+    (["--eval-samples", "0"], "--eval-samples (0) must be at least 1"),
+    (["--eval-temperature", "-1"], "--eval-temperature"),
+    (["--eval-every", "0"], "--eval-every"),
+    (["--eval-limit", "0"], "--eval-limit"),
+    (["--task", "gsm9k"], "--task: unknown task 'gsm9k'"),
+    (["--task", "rg:no_such_dataset"], "reasoning-gym has no dataset 'no_such_dataset'"),
+    (["--task", "missing.jsonl"], "--task missing.jsonl: the file does not exist"),
+    (["--eval-task", "gsm9k"], "--eval-task: unknown task"),
+    (["--output-dir", "FILE"], "is a file, not a directory"),
+    (["--output-dir", "FILE/runs"], "cannot be created"),
+    (["--backend", "vllm"], "--backend vllm needs a CUDA GPU"),
+    (["--context", "0"], "--context"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--iterations", "0"], "--iterations"),
+    (["--batch-size", "6", "--micro-batch-size", "4"], "--batch-size (6) must be a positive multiple"),
+]
+SPECIFIC = {
+    "spo_chain.py": [(["--mc-samples", "0"], "--mc-samples"), (["--interval", "0"], "--interval"),
+                     (["--prob-threshold", "1.5"], "--prob-threshold")],
+    "spo_tree.py": [(["--tree", "0,3"], "--tree"), (["--segment-tokens", "0"], "--segment-tokens"),
+                    (["--edges-per-question", "0"], "--edges-per-question")],
+    "grpo_baseline.py": [(["--group-size", "1"], "--group-size must be at least 2")],
+    "ppo_baseline.py": [(["--lam", "2"], "--lam"), (["--critic-lr", "-1"], "--critic-lr")],
+}
+EVAL = [
+    (["--samples", "0"], "--samples (0) must be at least 1"),
+    (["--temperature", "-0.5"], "--temperature (-0.5) must be 0 (greedy) or positive"),
+    (["--top-p", "0"], "--top-p (0.0) must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens (0) must be at least 1"),
+    (["--limit", "0"], "--limit"),
+    (["--split", "validation"], "--split 'validation' is not a split"),
+    (["--task", "gsm9k"], "--task: unknown task"),
+    (["--output", "DIR"], "is a directory: give a file path"),
+    (["--backend", "vllm"], "--backend vllm needs a CUDA GPU"),
+]
+CASES = [(s, flags, text) for s in TRAINING for flags, text in COMMON + SPECIFIC[s]] + [("eval.py", f, t) for f, t in EVAL]
+
+
+def _fill(flags, tmp_path):
+    (tmp_path / "FILE").write_text("not a directory")
+    (tmp_path / "DIR").mkdir(exist_ok=True)
+    return [str(tmp_path / f) if f in ("FILE", "DIR") else str(tmp_path / "FILE" / "runs") if f == "FILE/runs" else f
+            for f in flags]
+
+
+def run_in_process(script, flags, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    captured = capsys.readouterr()
+    code = exited.value.code
+    # sys.exit("error: ...") prints the string to stderr and exits 1; tyro prints its own message and exits 2.
+    return (1, captured.err + f"{code}\n") if isinstance(code, str) else (code, captured.err)
+
+
+@pytest.mark.parametrize("script,flags,text", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
+def test_bad_flag_is_one_clear_line_before_loading(script, flags, text, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_in_process(script, NO_MODEL + _fill(flags, tmp_path), monkeypatch, capsys)
+    assert code not in (0, None)
+    assert "Traceback" not in err and "cannot load model" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], err
+
+
+@pytest.mark.parametrize("script,flag,value", [(s, "--backend", "tpu") for s in TRAINING + ["eval.py"]]
+                         + [("spo_tree.py", "--advantage", "gae")])
+def test_flags_with_fixed_choices_are_rejected_while_parsing(script, flag, value, monkeypatch, capsys):
+    code, err = run_in_process(script, NO_MODEL + [flag, value], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err and flag in err and value in err
+
+
+@pytest.mark.parametrize("script,flags,text", [("spo_tree.py", ["--lr", "0"], "--lr (0.0) must be positive"),
+                                               ("eval.py", ["--samples", "0"], "--samples (0) must be at least 1")])
+def test_bad_flag_as_a_real_command(script, flags, text, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / script), *NO_MODEL, *flags], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and text in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing made for a run that never started
+
+
+def test_context_shorter_than_every_prompt_fails_and_leaves_no_run_directory(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    # Found only once the task is tokenised, after the run directory was made: the failed run is removed again.
+    result = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--model", str(tiny_model_dir), "--task",
+                             str(gsm8k_jsonl), "--backend", "hf", "--context", "40", "--output-dir", str(tmp_path / "runs")],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --context 40 leaves no room for a response after any prompt")
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8k_jsonl):
+    import eval as ev
+
+    examples = ev.load_task(str(gsm8k_jsonl), "train")
+    for e, n in zip(examples, range(len(examples))):
+        e.prompt_ids = [0] * (10 + n)  # 10, 11, ... tokens
+    with pytest.warns(UserWarning, match=f"{len(examples) - 2} of {len(examples)} prompts of T leave no room .*dropped"):
+        kept = ev.check_prompt_room(examples, 12, "T", drop=True)
+    assert [len(e.prompt_ids) for e in kept] == [10, 11]
+    with pytest.warns(UserWarning, match="kept; they score 0"):
+        assert ev.check_prompt_room(examples, 12, "T", drop=False) == examples
+    with pytest.raises(ev.UsageError, match="--context 10 leaves no room .*prompts are 10-17 tokens"):
+        ev.check_prompt_room(examples, 10, "T", drop=True)

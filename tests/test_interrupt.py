@@ -1,0 +1,71 @@
+"""Ctrl-C ends a run with one line that says what was kept and the exact --resume command, and the run resumes."""
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _start(model_dir, data, out, cwd):
+    flags = ["--model", str(model_dir), "--task", str(data), "--backend", "hf", "--iterations", "40", "--questions", "2",
+             "--group-size", "2", "--max-new-tokens", "4", "--context", "128", "--batch-size", "4", "--micro-batch-size", "2",
+             "--epochs", "1", "--eval-every", "1000", "--eval-samples", "1", "--eval-limit", "2", "--save-every", "1",
+             "--output-dir", str(out)]
+    return subprocess.Popen([sys.executable, str(ROOT / "grpo_baseline.py"), *flags], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(condition, process, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the run never reached the point to interrupt"
+        time.sleep(0.05)
+
+
+def _interrupt(process):
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err[-3000:]
+    return err.strip().splitlines()[-1]
+
+
+def _resume(line, cwd):
+    command = re.search(r"with: python (\S+) --resume (\S+)$", line)
+    assert command, line
+    resumed = subprocess.run([sys.executable, str(ROOT / command.group(1)), "--resume", command.group(2), "--iterations",
+                              "3"], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return Path(command.group(2))
+
+
+@pytest.mark.parametrize("when", ["before the first checkpoint", "after a checkpoint"])
+def test_ctrl_c_keeps_a_resumable_run(when, tiny_model_dir, gsm8k_jsonl, tmp_path):
+    out = tmp_path / "runs"
+    process = _start(tiny_model_dir, gsm8k_jsonl, out, tmp_path)
+    if when == "before the first checkpoint":
+        _wait_for(lambda: any(out.glob("*/args.json")), process)
+    else:
+        _wait_for(lambda: any(out.glob("*/checkpoint/trainer_state.pt")), process)
+    line = _interrupt(process)
+    [run_dir] = out.iterdir()
+    state = run_dir / "checkpoint" / "trainer_state.pt"
+    if state.exists():  # the interrupt may land after the first save, whichever point was aimed at
+        kept = torch.load(state, weights_only=False)["iteration"]
+        assert line.startswith(f"interrupted: {run_dir} keeps its checkpoint of iteration {kept}; continue with:")
+    else:
+        assert when == "before the first checkpoint"
+        assert line.startswith(f"interrupted before the first checkpoint: {run_dir} keeps its settings; start it again")
+    assert _resume(line, tmp_path) == run_dir
+    assert torch.load(state, weights_only=False)["iteration"] == 3
+    starts = [json.loads(x) for x in (run_dir / "starts.jsonl").read_text().splitlines()]
+    assert [s["resumed"] for s in starts] == [False, True]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(m["iteration"] for m in metrics if "charts/reward" in m) == [1, 2, 3]  # each trained once, logged once
