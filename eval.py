@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
@@ -73,10 +74,39 @@ def _trained_iterations(run_dir: Path) -> int:
     for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # as the scripts' latest_checkpoint()
         if (candidate / "trainer_state.pt").exists():
             try:
-                return int(torch.load(candidate / "trainer_state.pt", map_location="cpu", weights_only=False)["iteration"])
+                state = torch.load(candidate / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+                return int(state["iteration"])
             except Exception:  # damaged: the resume will say so
                 continue
     return 0
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """Why a checkpoint directory cannot be resumed from (a missing or truncated file), or None when it is whole.
+
+    Cheap: reads only the safetensors headers and the zip directory at the end of trainer_state.pt, which a
+    truncated file no longer has.
+    """
+    state = directory / "trainer_state.pt"
+    try:
+        with zipfile.ZipFile(state):
+            pass
+    except (OSError, zipfile.BadZipFile) as error:
+        return f"{state} is damaged ({type(error).__name__})"
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        return f"{directory} has no model.safetensors"
+    for path in weights:
+        try:
+            with path.open("rb") as f:
+                header_size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_size))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            if path.stat().st_size < 8 + header_size + end:
+                return f"{path} is truncated ({path.stat().st_size} of {8 + header_size + end} bytes)"
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+            return f"{path} is damaged ({type(error).__name__})"
+    return None
 
 
 def _interrupted_message() -> str:

@@ -440,9 +440,18 @@ def save_checkpoint(run_dir: Path, model, tokenizer, critic: Critic, trainer_sta
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # .old: killed between the two renames
+    """The newest whole checkpoint: checkpoint/, else checkpoint.old/ (killed between the two renames, or damaged)."""
+    damaged = []
+    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):
         if (candidate / "trainer_state.pt").exists():
-            return candidate
+            problem = ev.checkpoint_problem(candidate)
+            if problem is None:
+                if damaged:
+                    warnings.warn(f"{damaged[0]}; resuming from {candidate} instead")
+                return candidate
+            damaged.append(problem)
+    if damaged:
+        raise ev.UsageError(f"--resume {run_dir}: {'; '.join(damaged)}, and no intact checkpoint is left; start a new run")
     return None
 
 

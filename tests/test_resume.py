@@ -85,3 +85,30 @@ def test_cli_resume_continues_the_run_and_records_every_start(tiny_model_dir, gs
     assert starts[1]["argv"][1:] == ["--resume", str(run_dir), "--iterations", "2"] and "commit" in starts[1]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(m["iteration"] for m in metrics) == 2
+
+
+def test_damaged_checkpoint_falls_back_to_the_old_one_or_names_the_file(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    import shutil
+
+    summary = grpo_baseline.main(grpo_baseline.Args(
+        model=str(tiny_model_dir), task=str(gsm8k_jsonl), backend="hf", iterations=1, questions=2, group_size=2,
+        max_new_tokens=4, context=128, batch_size=4, micro_batch_size=2, epochs=1, eval_every=1000, eval_samples=1,
+        eval_limit=2, save_every=1, output_dir=str(tmp_path / "runs")))
+    run_dir, checkpoint = Path(summary["run_dir"]), Path(summary["checkpoint"])
+    assert grpo_baseline.latest_checkpoint(run_dir) == checkpoint and ev.checkpoint_problem(checkpoint) is None
+    shutil.copytree(checkpoint, run_dir / "checkpoint.old")
+
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated, e.g. by a full disk or a partial copy
+    assert "model.safetensors is truncated" in ev.checkpoint_problem(checkpoint)
+    with pytest.warns(UserWarning, match="model.safetensors is truncated.*resuming from .*checkpoint.old"):
+        assert grpo_baseline.latest_checkpoint(run_dir) == run_dir / "checkpoint.old"
+
+    state = run_dir / "checkpoint.old" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: len(state.read_bytes()) // 2])
+    with pytest.raises(ev.UsageError, match="checkpoint.old/trainer_state.pt is damaged.*no intact checkpoint is left"):
+        grpo_baseline.latest_checkpoint(run_dir)
+    resumed = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--resume", str(run_dir)],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr
+    assert "model.safetensors is truncated" in resumed.stderr.strip().splitlines()[-1]
