@@ -72,12 +72,9 @@ _active_run: dict = {}  # the run directory main() is working in (record_start),
 def _trained_iterations(run_dir: Path) -> int:
     """The iteration of the run's latest complete checkpoint (0: none)."""
     for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # as the scripts' latest_checkpoint()
-        if (candidate / "trainer_state.pt").exists():
-            try:
-                state = torch.load(candidate / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
-                return int(state["iteration"])
-            except Exception:  # damaged: the resume will say so
-                continue
+        if (candidate / "trainer_state.pt").exists() and checkpoint_problem(candidate) is None:
+            state = torch.load(candidate / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+            return int(state["iteration"])
     return 0
 
 
@@ -158,22 +155,17 @@ def saved_settings(args_class, run_dir: str | Path):
     except (OSError, ValueError) as error:
         raise UsageError(f"--resume {run_dir}: cannot read the run's settings {path} ({error}); give a run directory "
                          "this script made") from None
-    defaults = args_class()
     fields = {f.name for f in dataclasses.fields(args_class)}
     if set(saved) != fields:
         foreign = sorted(set(saved) ^ fields)
         raise UsageError(f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
                          f"{', '.join(foreign[:6])}); resume a run with the script that started it")
-    # JSON keeps tuples as lists; give them back their type so that equal settings compare equal.
-    return args_class(**{k: tuple(v) if isinstance(getattr(defaults, k), tuple) and isinstance(v, list) else v
-                         for k, v in saved.items()})
+    return args_class(**saved)  # every setting is a JSON scalar (str, int, float, bool, None)
 
 
 def check_resume_settings(args, run_dir: str | Path) -> None:
     """Refuse to resume with a setting that changes the algorithm: only RESUMABLE_SETTINGS may differ."""
-    saved = asdict(saved_settings(type(args), run_dir))
-    current = json.loads(json.dumps(asdict(args)))  # tuples as lists, as saved
-    saved = json.loads(json.dumps(saved))
+    saved, current = asdict(saved_settings(type(args), run_dir)), asdict(args)
     changed = [k for k in saved if k not in RESUMABLE_SETTINGS and saved[k] != current[k]]
     if changed:
         given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
@@ -1311,13 +1303,11 @@ def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedToke
             backend = "vllm" if torch.cuda.is_available() else "hf"
         except ImportError:
             backend = "hf"
+    if problems := backend_problems(backend):
+        raise UsageError(problems[0])
     if backend == "hf":
         return HFSampler(model, tokenizer, seed=seed)
-    if backend == "vllm":
-        if not torch.cuda.is_available():
-            raise UsageError("--backend vllm needs a CUDA GPU; use --backend hf")
-        return VLLMSampler(resolve_model(model_path), seed=seed, **vllm_kwargs)
-    raise UsageError(f"unknown backend {backend!r}: use hf, vllm or auto")
+    return VLLMSampler(resolve_model(model_path), seed=seed, **vllm_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
