@@ -133,7 +133,7 @@ def _discard_untrained_run() -> None:
 # and memory knobs that leave the update unchanged (the gradient does not depend on the micro-batch split).
 # Anything else would change the algorithm mid-run.
 RESUMABLE_SETTINGS = (
-    "resume", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
+    "resume", "dry_run", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
     "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization",
 )
 
@@ -253,6 +253,65 @@ def cli(args_class, argv: Sequence[str] | None = None):
     except UsageError as error:
         sys.exit(f"error: {error}")
     return tyro.cli(args_class, args=argv, default=default)
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's settings: every script's PAPER_SETTINGS, its --dry-run and the README's table
+
+
+def default_eval_task(task: str) -> str:
+    """The held-out task of a training task: MATH is evaluated on MATH500 (the paper's protocol), any other task on
+    its own test split."""
+    return "math500" if task == "math" else task
+
+
+def paper_run(args, paper_settings: dict[str, dict]) -> tuple[str, str]:
+    """The paper's run (a key of the script's PAPER_SETTINGS) that `args` is compared with, and why that one:
+    the run of the same task, else the run of the same model, else the script's first (default) run."""
+    if args.task in paper_settings:
+        return args.task, f"the paper's {args.task} run"
+    model_id = ALIASES.get(args.model, args.model)
+    for name, paper in paper_settings.items():
+        if ALIASES.get(paper["model"], paper["model"]) == model_id:
+            return name, f"the paper's {name} run (same model; the paper has no run on --task {args.task})"
+    name = next(iter(paper_settings))
+    return name, f"the paper's {name} run (the paper has no run on --task {args.task})"
+
+
+def format_setting(value) -> str:
+    """A setting as the command line writes it: 1e-06 -> 1e-6, True -> true, None -> -."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}".replace("e-0", "e-")
+    return str(value)
+
+
+def dry_run(args, paper_settings: dict[str, dict], resolved: dict) -> dict:
+    """--dry-run: print every setting beside the paper's value for the matching run and mark each difference;
+    nothing is loaded. `resolved` holds what the script derives from the settings without loading anything
+    (its values replace same-named settings in the comparison, e.g. the eval task a missing --eval-task means).
+    Returns {"paper_run", "settings", "paper", "differences", "resolved"}."""
+    run, why = paper_run(args, paper_settings)
+    paper, settings = paper_settings[run], {**asdict(args), **{k: v for k, v in resolved.items() if k in asdict(args)}}
+    same = lambda name: (  # noqa: E731  model aliases and hub ids name the same model
+        ALIASES.get(settings[name], settings[name]) == ALIASES.get(paper[name], paper[name]) if name == "model"
+        else settings[name] == paper[name]
+    )
+    differences = [name for name in settings if name in paper and not same(name)]
+    print(f"{Path(sys.argv[0]).name} settings beside {why}; * marks a difference, - a setting the paper does not state:")
+    width = max(len(name) for name in settings) + 3
+    for name, value in settings.items():
+        mark = "*" if name in differences else " "
+        paper_value = format_setting(paper[name]) if name in paper else "-"
+        print(f"{mark} --{name.replace('_', '-'):<{width}} {format_setting(value):<32} paper: {paper_value}")
+    extra = {k: v for k, v in resolved.items() if k not in settings}
+    if extra:
+        print("resolved: " + ", ".join(f"{k} {format_setting(v)}" for k, v in extra.items()))
+    print(f"{len(differences)} difference(s) from the paper; nothing was loaded (--dry-run)")
+    return {"paper_run": run, "settings": settings, "paper": paper, "differences": differences, "resolved": resolved}
 
 
 # ----------------------------------------------------------------------------------------------

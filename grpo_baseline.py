@@ -100,11 +100,11 @@ class Args:
     eval_limit: int | None = None
     """held-out questions to evaluate on (default: all)"""
     eval_samples: int = 16
-    """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35)"""
+    """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35, top_p 0.9)"""
     eval_temperature: float = 0.35
     """evaluation sampling temperature"""
-    eval_top_p: float = 1.0
-    """evaluation nucleus threshold"""
+    eval_top_p: float = 0.9
+    """evaluation nucleus threshold (paper GSM8K protocol: 0.9, the authors' eval config)"""
     save_every: int = 10
     """checkpoint every N iterations (and after the last)"""
     max_minutes: float | None = None
@@ -121,6 +121,24 @@ class Args:
     """GRPO+mask ablation: train only on tokens with p_t < prob_threshold"""
     prob_threshold: float = 0.9
     """probability threshold of the mask"""
+
+
+# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
+# Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's values,
+# and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
+PAPER_SETTINGS = {
+    "gsm8k": dict(
+        model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=1024,
+        context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9, questions=64, group_size=8, epochs=2,
+        batch_size=64, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4,
+        prob_mask=False,
+    ),
+    "math": dict(
+        model="deepseek-r1-distill-qwen-1.5b", task="math", eval_task="math500", temperature=0.6, top_p=1.0,
+        context=2048, eval_samples=1, eval_temperature=0.6, eval_top_p=0.95, questions=64, group_size=8, lr=1e-6,
+        warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4, prob_mask=False,
+    ),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,6 +161,14 @@ def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
     Falls back to all response tokens when no token of the batch is below the threshold.
+
+    >>> response = torch.tensor([[True, True, True, False]])  # the last column is padding
+    >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=True)
+    tensor([[False,  True, False, False]])
+    >>> loss_mask(response, torch.tensor([[0.95, 0.97, 0.99, 0.1]]), 0.9, prob_mask=True)  # none below 0.9: fall back
+    tensor([[ True,  True,  True, False]])
+    >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=False)
+    tensor([[ True,  True,  True, False]])
     """
     if not prob_mask:
         return response_mask
@@ -151,7 +177,12 @@ def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float
 
 
 def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0)."""
+    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
+    shifted and scaled too, but do not count in the statistics.
+
+    >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
+    tensor([-1.2247,  0.0000,  1.2247, 59.4001])
+    """
     count = mask.sum()
     mean = (advantages * mask).sum() / count
     std = (((advantages - mean) ** 2 * mask).sum() / count).sqrt()
@@ -173,13 +204,24 @@ def policy_loss(
 
     Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
     (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
-    KL: k3 = exp(ref - logp) - (ref - logp) - 1, summed over a sequence's masked tokens, mean over sequences.
+    KL: k3 = exp(d) - d - 1 with d = ref - logp, summed over a sequence's masked tokens, mean over sequences.
+    Both log-ratios are clamped to [-10, 10] (as in the authors' code): a token the policy has nearly ruled out
+    would otherwise make exp() overflow to inf and the whole update non-finite.
+
+    Token 0 doubled its probability (ratio 2, clipped to 1.2 for a positive advantage); token 1 did not move:
+    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0).
+
+    >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
+    >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
+    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2, batch_sequences=1)
+    >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
+    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
     """
     mask = mask.float()
     ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
     surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
     pg_loss = -(surrogate * mask).sum() / batch_tokens
-    log_ref_ratio = ref_logps - logps
+    log_ref_ratio = torch.clamp(ref_logps - logps, -10.0, 10.0)  # [rows, T]
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
     kl_loss = (kl * mask).sum() / batch_sequences
     clipped = ((ratio - 1).abs() > clip_eps).float()

@@ -149,6 +149,27 @@ class Args:
     """edges taken from the buffer per question per iteration, at random; the rest wait"""
 
 
+# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
+# Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's values,
+# and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
+PAPER_SETTINGS = {
+    "math": dict(
+        model="deepseek-r1-distill-qwen-1.5b", task="math", eval_task="math500", temperature=0.6, top_p=1.0,
+        context=2048, eval_samples=1, eval_temperature=0.6, eval_top_p=0.95, questions=32, samples_per_iteration=512,
+        epochs=1, batch_size=128, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2,
+        beta=1e-4, tree="6,6,6", segment_tokens=600, advantage="rloo", prob_mask=True, prob_threshold=0.9,
+        buffer_max_age=8, edges_per_question=32,
+    ),
+    "gsm8k": dict(
+        model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=1024,
+        context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9, questions=16,
+        samples_per_iteration=1024, epochs=1, batch_size=128, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0,
+        max_grad_norm=1.0, clip_eps=0.2, beta=1e-4, tree="6,6,6", segment_tokens=30, advantage="rloo",
+        prob_mask=True, prob_threshold=0.9, buffer_max_age=8, edges_per_question=32,
+    ),
+}
+
+
 # ----------------------------------------------------------------------------------------------
 # Algorithm: the tree, values, segment advantages, loss (pure functions)
 
@@ -273,6 +294,14 @@ def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
     Falls back to all response tokens when no token of the batch is below the threshold.
+
+    >>> response = torch.tensor([[True, True, True, False]])  # the last column is padding
+    >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=True)
+    tensor([[False,  True, False, False]])
+    >>> loss_mask(response, torch.tensor([[0.95, 0.97, 0.99, 0.1]]), 0.9, prob_mask=True)  # none below 0.9: fall back
+    tensor([[ True,  True,  True, False]])
+    >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=False)
+    tensor([[ True,  True,  True, False]])
     """
     if not prob_mask:
         return response_mask
@@ -281,7 +310,12 @@ def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float
 
 
 def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0)."""
+    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
+    shifted and scaled too, but do not count in the statistics.
+
+    >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
+    tensor([-1.2247,  0.0000,  1.2247, 59.4001])
+    """
     count = mask.sum()
     mean = (advantages * mask).sum() / count
     std = (((advantages - mean) ** 2 * mask).sum() / count).sqrt()
@@ -303,13 +337,24 @@ def policy_loss(
 
     Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
     (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
-    KL: k3 = exp(ref - logp) - (ref - logp) - 1, summed over a sequence's masked tokens, mean over sequences.
+    KL: k3 = exp(d) - d - 1 with d = ref - logp, summed over a sequence's masked tokens, mean over sequences.
+    Both log-ratios are clamped to [-10, 10] (as in the authors' code): a token the policy has nearly ruled out
+    would otherwise make exp() overflow to inf and the whole update non-finite.
+
+    Token 0 doubled its probability (ratio 2, clipped to 1.2 for a positive advantage); token 1 did not move:
+    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0).
+
+    >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
+    >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
+    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2, batch_sequences=1)
+    >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
+    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
     """
     mask = mask.float()
     ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
     surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)
     pg_loss = -(surrogate * mask).sum() / batch_tokens
-    log_ref_ratio = ref_logps - logps
+    log_ref_ratio = torch.clamp(ref_logps - logps, -10.0, 10.0)  # [rows, T]
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
     kl_loss = (kl * mask).sum() / batch_sequences
     clipped = ((ratio - 1).abs() > clip_eps).float()

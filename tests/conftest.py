@@ -66,3 +66,40 @@ def gsm8k_jsonl(tmp_path_factory) -> Path:
         for a, b in [(3, 4), (10, 5), (7, 8), (12, 30), (1, 1), (6, 9), (20, 22), (2, 5)]
     ]
     return write_jsonl(tmp_path_factory.mktemp("data") / "gsm8k_small.jsonl", rows)
+
+
+# Settings of the scripts' 2-iteration CPU smoke runs on a tiny model; tests override what they vary.
+SMOKE_SETTINGS = {
+    "grpo_baseline": dict(
+        backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6, context=96, batch_size=6,
+        micro_batch_size=3, epochs=1, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=3,
+    ),
+    "ppo_baseline": dict(
+        backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6, context=96, batch_size=6,
+        micro_batch_size=3, epochs=1, lr=1e-3, critic_lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3,
+        save_every=1, seed=3, lam=0.9,
+    ),
+    "spo_chain": dict(
+        backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6, context=96, batch_size=6,
+        micro_batch_size=3, epochs=1, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=3,
+        mc_samples=2, interval=2,
+    ),
+    "spo_tree": dict(
+        backend="hf", iterations=2, questions=3, tree="4,3", segment_tokens=2, max_new_tokens=5, context=160,
+        batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=1,
+        edges_per_question=4, buffer_max_age=2,
+    ),
+}
+
+
+def smoke_args(script, model_dir, data, out, **overrides):
+    """The Args of `script` (an imported algorithm module) for a smoke run on `model_dir` and the task file `data`,
+    writing under `out`; keyword overrides change single settings."""
+    settings = {**SMOKE_SETTINGS[script.__name__], "model": str(model_dir), "task": str(data), "output_dir": str(out)}
+    return script.Args(**{**settings, **overrides})
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """A run's metrics.jsonl without its timing entries (those differ between otherwise identical runs)."""
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]

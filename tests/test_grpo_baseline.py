@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, write_jsonl
+from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
 import grpo_baseline as grpo
@@ -152,24 +152,9 @@ def test_cli_bad_model_prints_one_error_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def _args(model_dir, data, out, **overrides):
-    settings = dict(
-        model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6,
-        context=96, batch_size=6, micro_batch_size=3, epochs=1, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3,
-        save_every=1, output_dir=str(out), seed=3,
-    )
-    settings.update(overrides)
-    return grpo.Args(**settings)
-
-
-def _metrics(run_dir):
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
-
-
 def test_smoke_run_writes_finite_metrics_and_a_checkpoint_eval_reloads(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path))
-    metrics = _metrics(summary["run_dir"])
+    summary = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path))
+    metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
@@ -182,7 +167,7 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_eval_reloads(tiny_mode
 
 
 def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
-    full = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "full", iterations=3))
+    full = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "full", iterations=3))
 
     class Killed(Exception):
         pass
@@ -197,21 +182,21 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, 
 
     monkeypatch.setattr(grpo, "accumulate_gradients", dies_in_iteration_3)
     with pytest.raises(Killed):
-        grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
+        grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
     monkeypatch.setattr(grpo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    resumed = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 3
-    assert _metrics(run_dir) == _metrics(full["run_dir"])  # same seed: same numbers with or without the kill
+    assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers with or without the kill
 
 
 def test_same_seed_gives_identical_metrics(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    one = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "a"))
-    two = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "b"))
-    assert _metrics(one["run_dir"]) == _metrics(two["run_dir"])
+    one = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "a"))
+    two = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "b"))
+    assert read_metrics(one["run_dir"]) == read_metrics(two["run_dir"])
 
 
 def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
@@ -223,14 +208,14 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
         context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=1e-2, beta=0.0, warmup_ratio=0.0,
         eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000, output_dir=str(tmp_path / "runs"),
     ))
-    rewards = [m["charts/reward"] for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
+    rewards = [m["charts/reward"] for m in read_metrics(summary["run_dir"]) if "charts/reward" in m]
     assert sum(rewards[:3]) / 3 < 0.2
     assert sum(rewards[-3:]) / 3 > 0.8
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.5
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
+    summary = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
@@ -259,12 +244,12 @@ def test_single_on_policy_step_skips_the_old_logprob_pass_and_still_saves_probs(
     calls, real = [], grpo.sample_logprobs
     monkeypatch.setattr(grpo, "sample_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     # 3 questions x 4 samples in one batch, one epoch: one optimizer step per iteration, no prob mask.
-    summary = grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "a", iterations=1, batch_size=12, beta=0.0, save_samples=1))
+    summary = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "a", iterations=1, batch_size=12, beta=0.0, save_samples=1))
     assert calls == []
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "samples" / "iter_1.jsonl").read_text().splitlines()]
     assert records and all(len(r["probs"]) == len(r["token_ids"]) and all(0 < p <= 1 for p in r["probs"]) for r in records)
     # Two optimizer steps per iteration (batch 6), or the prob mask (p_t needed before the update): one pass again.
-    grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "b", iterations=1, beta=0.0))
+    grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "b", iterations=1, beta=0.0))
     assert len(calls) == 1
-    grpo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "c", iterations=1, batch_size=12, beta=0.0, prob_mask=True))
+    grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "c", iterations=1, batch_size=12, beta=0.0, prob_mask=True))
     assert len(calls) == 2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, write_jsonl
+from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
 import ppo_baseline as ppo
@@ -242,28 +242,13 @@ def sevens(tmp_path_factory):
     return model_dir, write_jsonl(directory / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
 
 
-def _args(model_dir, data, out, **overrides):
-    settings = dict(
-        model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6,
-        context=96, batch_size=6, micro_batch_size=3, epochs=1, lr=1e-3, critic_lr=1e-3, eval_every=1, eval_samples=1,
-        eval_limit=3, save_every=1, output_dir=str(out), seed=3, lam=0.9,
-    )
-    settings.update(overrides)
-    return ppo.Args(**settings)
-
-
-def _metrics(run_dir):
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
-
-
 def _critic_state(checkpoint):
     return torch.load(Path(checkpoint) / "critic.pt", weights_only=True)
 
 
 def test_smoke_run_writes_finite_metrics_and_a_checkpoint_with_the_critic(sevens, tmp_path):
-    summary = ppo.main(_args(*sevens, tmp_path))
-    metrics = _metrics(summary["run_dir"])
+    summary = ppo.main(smoke_args(ppo, *sevens, tmp_path))
+    metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
@@ -285,7 +270,7 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_with_the_critic(sevens
 
 
 def test_resume_after_a_kill_restores_policy_and_critic_exactly(sevens, tmp_path, monkeypatch):
-    full = ppo.main(_args(*sevens, tmp_path / "full", iterations=3))
+    full = ppo.main(smoke_args(ppo, *sevens, tmp_path / "full", iterations=3))
 
     class Killed(Exception):
         pass
@@ -300,14 +285,14 @@ def test_resume_after_a_kill_restores_policy_and_critic_exactly(sevens, tmp_path
 
     monkeypatch.setattr(ppo, "accumulate_gradients", dies_in_iteration_3)
     with pytest.raises(Killed):
-        ppo.main(_args(*sevens, tmp_path / "killed", iterations=3))
+        ppo.main(smoke_args(ppo, *sevens, tmp_path / "killed", iterations=3))
     monkeypatch.setattr(ppo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = ppo.main(_args(*sevens, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    resumed = ppo.main(smoke_args(ppo, *sevens, tmp_path / "unused", iterations=3, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)
-    assert _metrics(run_dir) == _metrics(full["run_dir"])  # same seed: same numbers with or without the kill
+    assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers with or without the kill
     killed_critic, full_critic = _critic_state(resumed["checkpoint"]), _critic_state(full["checkpoint"])
     assert full_critic["value_head.weight"].abs().sum() > 0  # the critic did train: comparing it means something
     assert killed_critic.keys() == full_critic.keys()
@@ -315,8 +300,8 @@ def test_resume_after_a_kill_restores_policy_and_critic_exactly(sevens, tmp_path
 
 
 def test_prob_mask_gradient_checkpointing_and_no_reference_model_run(sevens, tmp_path):
-    summary = ppo.main(_args(*sevens, tmp_path, iterations=1, prob_mask=True, prob_threshold=0.17, gradient_checkpointing=True, beta=0.0))
-    train = [m for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
+    summary = ppo.main(smoke_args(ppo, *sevens, tmp_path, iterations=1, prob_mask=True, prob_threshold=0.17, gradient_checkpointing=True, beta=0.0))
+    train = [m for m in read_metrics(summary["run_dir"]) if "charts/reward" in m]
     assert 0 < train[0]["charts/loss_mask_fraction"] < 1  # the mask drops the confident tokens from the policy loss
     assert train[0]["losses/loss"] == pytest.approx(train[0]["losses/pg_loss"])  # beta 0: no KL term in the loss
     assert train[0]["losses/critic_grad_norm"] > 0
@@ -336,7 +321,7 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
         context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=1e-2, critic_lr=1e-2, beta=0.0, warmup_ratio=0.0,
         eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000, output_dir=str(tmp_path / "runs"),
     ))
-    train = [m for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
+    train = [m for m in read_metrics(summary["run_dir"]) if "charts/reward" in m]
     rewards = [m["charts/reward"] for m in train]
     assert sum(rewards[:3]) / 3 < 0.2
     assert sum(rewards[-3:]) / 3 > 0.8
@@ -345,7 +330,7 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_values_and_advantages(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = ppo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=1))
+    summary = ppo.main(smoke_args(ppo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=1))
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]

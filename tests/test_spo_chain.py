@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, write_jsonl
+from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
 import spo_chain as spo
@@ -266,21 +266,6 @@ def test_cli_bad_input_prints_one_error_line(tmp_path):
 # ---- main
 
 
-def _args(model_dir, data, out, **overrides):
-    settings = dict(
-        model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6,
-        context=96, batch_size=6, micro_batch_size=3, epochs=1, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3,
-        save_every=1, output_dir=str(out), seed=3, mc_samples=2, interval=2,
-    )
-    settings.update(overrides)
-    return spo.Args(**settings)
-
-
-def _metrics(run_dir):
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
-
-
 def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
     requests, real_sample = [], ev.HFSampler.sample
 
@@ -290,8 +275,8 @@ def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(tiny_
         return real_sample(self, prompts, n, **kwargs)
 
     monkeypatch.setattr(ev.HFSampler, "sample", counting_sample)
-    summary = spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path))
-    metrics = _metrics(summary["run_dir"])
+    summary = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path))
+    metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
@@ -312,7 +297,7 @@ def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(tiny_
 
 
 def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
-    full = spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "full", iterations=3))
+    full = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path / "full", iterations=3))
 
     class Killed(Exception):
         pass
@@ -327,15 +312,15 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, 
 
     monkeypatch.setattr(spo, "accumulate_gradients", dies_in_iteration_3)
     with pytest.raises(Killed):
-        spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
+        spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
     monkeypatch.setattr(spo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    resumed = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 3
-    assert _metrics(run_dir) == _metrics(full["run_dir"])  # same seed: same numbers, MC values included
+    assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers, MC values included
 
 
 def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
@@ -349,14 +334,14 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
         interval=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000,
         output_dir=str(tmp_path / "runs"),
     ))
-    rewards = [m["charts/reward"] for m in _metrics(summary["run_dir"]) if "charts/reward" in m]
+    rewards = [m["charts/reward"] for m in read_metrics(summary["run_dir"]) if "charts/reward" in m]
     assert rewards[0] < 0.1
     assert sum(rewards[-3:]) / 3 > 0.4
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.3
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_cutpoints_values_and_advantages(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1,
+    summary = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1,
                              save_questions=1, max_new_tokens=12, context=128))
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

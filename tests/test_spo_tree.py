@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tokenizer, write_jsonl
+from conftest import make_tiny_model, make_tokenizer, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
 import spo_tree as spo
@@ -338,25 +338,10 @@ def sevens(tmp_path_factory):
     return model_dir, data
 
 
-def _args(model_dir, data, out, **overrides):
-    settings = dict(
-        model=str(model_dir), task=str(data), backend="hf", iterations=2, questions=3, tree="4,3", segment_tokens=2,
-        max_new_tokens=5, context=160, batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1,
-        eval_limit=3, save_every=1, output_dir=str(out), seed=1, edges_per_question=4, buffer_max_age=2,
-    )
-    settings.update(overrides)
-    return spo.Args(**settings)
-
-
-def _metrics(run_dir):
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
-
-
 def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(sevens, tmp_path):
     model_dir, data = sevens
-    summary = spo.main(_args(model_dir, data, tmp_path))
-    metrics = _metrics(summary["run_dir"])
+    summary = spo.main(smoke_args(spo, model_dir, data, tmp_path))
+    metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and math.isfinite(v) for m in metrics for v in m.values())
@@ -377,7 +362,7 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
 
 def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path, monkeypatch):
     model_dir, data = sevens
-    full = spo.main(_args(model_dir, data, tmp_path / "full", iterations=3, seed=3))  # seed 3: iteration 3 trains on kept edges
+    full = spo.main(smoke_args(spo, model_dir, data, tmp_path / "full", iterations=3, seed=3))  # seed 3: iteration 3 trains on kept edges
 
     class Killed(Exception):
         pass
@@ -392,15 +377,15 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
 
     monkeypatch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
     with pytest.raises(Killed):
-        spo.main(_args(model_dir, data, tmp_path / "killed", iterations=3, seed=3))
+        spo.main(smoke_args(spo, model_dir, data, tmp_path / "killed", iterations=3, seed=3))
     monkeypatch.undo()
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = spo.main(_args(model_dir, data, tmp_path / "unused", iterations=3, seed=3, resume=str(run_dir)))
+    resumed = spo.main(smoke_args(spo, model_dir, data, tmp_path / "unused", iterations=3, seed=3, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)
-    expected = _metrics(full["run_dir"])
-    assert _metrics(run_dir) == expected  # same seed: same numbers with or without the kill
+    expected = read_metrics(full["run_dir"])
+    assert read_metrics(run_dir) == expected  # same seed: same numbers with or without the kill
     last = [m for m in expected if m["iteration"] == 3 and "charts/samples" in m][0]
     assert last["charts/samples"] > 0 and last["buffer/taken_mean_age"] > 0  # iteration 3 trained on edges the checkpoint kept
 
@@ -414,7 +399,7 @@ def test_reward_rises_on_a_trivially_learnable_task(sevens, tmp_path):
         edges_per_question=8, buffer_max_age=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6,
         save_every=1000, output_dir=str(tmp_path / "runs"),
     ))
-    values = [m["charts/root_value"] for m in _metrics(summary["run_dir"]) if "charts/root_value" in m]
+    values = [m["charts/root_value"] for m in read_metrics(summary["run_dir"]) if "charts/root_value" in m]
     assert sum(values[:3]) / 3 < 0.15
     assert sum(values[-3:]) / 3 > 0.5
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.5
@@ -457,7 +442,7 @@ def test_impossible_configurations_are_one_clear_error():
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_the_trees(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = spo.main(_args(tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
+    summary = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
