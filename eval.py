@@ -8,7 +8,7 @@ Sections, in the order data flows:
   evaluate evaluate(model, tokenizer, task, ...) -> accuracy, pass@k, majority vote, records
 
 Evaluate a checkpoint (paper protocols):
-  python eval.py --model rho-1b-sft-gsm8k --task gsm8k --samples 16 --temperature 0.35
+  python eval.py --model rho-1b-sft-gsm8k --task gsm8k --samples 16 --temperature 0.35 --top-p 0.9
   python eval.py --model runs/<run>/checkpoint --task math500 --max-new-tokens 2048 --temperature 0.6 --top-p 0.95
 Offline (no GPU, no internet):
   python eval.py --model smollm2-135m --task rg:chain_sum --limit 50
@@ -279,13 +279,14 @@ def paper_run(args, paper_settings: dict[str, dict]) -> tuple[str, str]:
 
 
 def format_setting(value) -> str:
-    """A setting as the command line writes it: 1e-06 -> 1e-6, True -> true, None -> -."""
+    """A setting as the command line writes it: 1e-06 -> 1e-6, 0.0001 -> 1e-4, True -> true, None -> -."""
     if value is None:
         return "-"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}".replace("e-0", "e-")
+    if isinstance(value, float) and value and abs(value) < 1e-3:
+        mantissa, exponent = f"{value:.6e}".split("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
     return str(value)
 
 
@@ -1044,7 +1045,7 @@ class Completion:
 def cut_at_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: Sequence[str]) -> tuple[list[int], bool]:
     """Token ids up to where the first stop string begins (in decoded text), and whether one was found.
 
-    >>> cut_at_stop(tok, tok("5\\n\\n\\nProblem: x")["input_ids"], ["\\n\\n\\nProblem:"])  # -> (ids of "5", True)
+    For the ids of "5\\n\\n\\nProblem: x" and stop ["\\n\\n\\nProblem:"] it returns (the ids of "5", True).
     """
     text = tokenizer.decode(ids)
     hits = [text.find(s) for s in stop if s and s in text]

@@ -14,7 +14,8 @@ Deliberate differences from the paper's released code (kept identical in every s
 - --prob-mask gives the paper's GRPO+mask ablation (loss only on tokens with p_t < threshold).
 
   python grpo_baseline.py                                                  # paper GSM8K run (Rho-1B SFT)
-  python grpo_baseline.py --model deepseek-r1-distill-qwen-1.5b --task math --context 2048 --max-new-tokens 2048 --top-p 1.0
+  python grpo_baseline.py --model deepseek-r1-distill-qwen-1.5b --task math --context 2048 --max-new-tokens 2048 --top-p 1.0 \
+      --eval-samples 1 --eval-temperature 0.6 --eval-top-p 0.95                     # paper long-CoT run, MATH -> MATH500
   python grpo_baseline.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 4 --group-size 4  # offline CPU
 """
 
@@ -60,6 +61,8 @@ class Args:
     """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
     track: bool = False
     """also log to Weights & Biases"""
+    dry_run: bool = False
+    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
 
     iterations: int = 1000
     """training iterations (rollout + update)"""
@@ -302,29 +305,35 @@ def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperatu
     return out
 
 
-def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: int) -> dict:
-    """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient."""
+def accumulate_gradients(
+    model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float,
+    pad_id: int, on_policy: bool = False,
+) -> tuple[dict, list[torch.Tensor]]:
+    """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
+
+    Each sample holds prompt_ids, response_ids, advantages, loss_mask, and old_logps and ref_logps (both
+    optional: without ref_logps the KL term is 0; with on_policy=True pi_old is this forward pass's own
+    log-probs, detached, which is exact when the policy has not moved since the rollout). Returns the summed
+    stats and every sample's detached log-probs (1-D, CPU): pi_old's, when on_policy.
+    """
     batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
-    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
-    for start in range(0, len(batch_samples), args.micro_batch_size):
-        micro_samples = batch_samples[start : start + args.micro_batch_size]
+    stats, sample_logps = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}, []
+    for start in range(0, len(batch_samples), micro_batch_size):
+        micro_samples = batch_samples[start : start + micro_batch_size]
         batch = collate(micro_samples, pad_id, model.device)
-        logps = response_logprobs(model, batch, args.temperature)  # [rows, R]
-        if "old_logps" not in batch:  # on-policy: the policy has not moved since the rollout, pi_old = pi
-            for row, s in enumerate(micro_samples):
-                s["old_logps"] = logps[row, : len(s["response_ids"])].detach().cpu()
-            batch["old_logps"] = logps.detach()
-        ref_logps = batch.get("ref_logps", batch["old_logps"])  # without a reference model (beta 0) the KL term is 0
+        logps = response_logprobs(model, batch, temperature)  # [rows, R]
+        old_logps = logps.detach() if on_policy else batch["old_logps"]  # [rows, R]
+        ref_logps = batch.get("ref_logps", old_logps)  # without a reference model (beta 0) the KL term is 0
         loss, micro = policy_loss(
-            logps, batch["old_logps"], ref_logps, batch["advantages"], batch["loss_mask"],
-            args.clip_eps, args.beta, batch_tokens, len(batch_samples),
+            logps, old_logps, ref_logps, batch["advantages"], batch["loss_mask"], clip_eps, beta, batch_tokens, len(batch_samples),
         )
         loss.backward()
         stats["loss"] += loss.item()
         for key in micro:
             stats[key] += micro[key]
+        sample_logps += [row[: len(s["response_ids"])].detach().cpu() for row, s in zip(logps, micro_samples)]
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
-    return stats
+    return stats, sample_logps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,12 +405,12 @@ def validate(args: Args) -> None:
         raise ev.UsageError("; ".join(problems))
 
 
-def main(args: Args) -> dict:
-    validate(args)
-    torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+# Setup: the run directory, the models, the data, the optimizer; the log
 
-    # Run directory: new, or the one being resumed.
+
+def open_run(args: Args) -> tuple[Path, Path | None]:
+    """The run directory (new, or the one --resume names) and its newest intact checkpoint (None: start from
+    --model). Writes the run's settings to args.json and records this start in starts.jsonl."""
     if args.resume:
         run_dir = Path(args.resume)
         checkpoint = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
@@ -414,78 +423,225 @@ def main(args: Args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
     ev.record_start(run_dir, resumed=bool(args.resume))
+    return run_dir, checkpoint
 
+
+def load_policy(args: Args, checkpoint: Path | None, device: str):
+    """The policy (fp32 master weights) from the checkpoint or --model, its tokenizer, and the frozen reference
+    model (None with --beta 0), which is parked on the CPU except while its log-probs are computed."""
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
     ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
     reference = None
-    if args.beta > 0:  # parked on the CPU except while its log-probs are computed
+    if args.beta > 0:
         reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
         reference.requires_grad_(False)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()
-    pad_id = tokenizer.pad_token_id
+    return model, tokenizer, reference
+
+
+def load_examples(args: Args, eval_task: str, tokenizer) -> tuple[list[ev.Example], list[ev.Example]]:
+    """Training questions (those without room for a response in --context dropped) and held-out questions."""
     train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
-    eval_examples = ev.load_task(args.eval_task or args.task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
-    train_examples = ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True)
-    eval_examples = ev.check_prompt_room(eval_examples, args.context, f"--eval-task {args.eval_task or args.task}", drop=False)
-    stop = ev.stop_strings(tokenizer)
+    eval_examples = ev.load_task(eval_task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
+    return (ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True),
+            ev.check_prompt_room(eval_examples, args.context, f"--eval-task {eval_task}", drop=False))
+
+
+def make_optimizer(args: Args, model, checkpoint: Path | None, total_steps: int):
+    """AdamW with linear warmup and decay, restored from the checkpoint when resuming; also returns the first
+    iteration to run."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
+    if checkpoint is None:
+        return optimizer, scheduler, 1
+    state = torch.load(checkpoint / "trainer_state.pt", map_location=model.device, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return optimizer, scheduler, state["iteration"] + 1
+
+
+class RunLog:
+    """The run's metrics.jsonl, TensorBoard and (with --track) W&B. A resumed run drops the metrics of iterations
+    after its checkpoint (they are redone) and continues the training-time count of the kept ones."""
+
+    def __init__(self, run_dir: Path, start_iteration: int, args: Args):
+        self.path = run_dir / "metrics.jsonl"
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+            self.wandb = wandb
+
+    def write(self, iteration: int, metrics: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, iteration)
+        if self.wandb:
+            self.wandb.log(metrics, step=iteration)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# One iteration's pieces around the algorithm: seeding, the update loop, evaluation, metrics, samples
+
+
+def reseed(seed: int, iteration: int, sampler) -> random.Random:
+    """Seed everything from (seed, iteration), so a resumed run samples exactly what the uninterrupted one would."""
+    torch.manual_seed(seed * 1_000_003 + iteration)
+    if hasattr(sampler, "generator"):
+        sampler.generator.manual_seed(seed * 1_000_003 + iteration)
+    return random.Random(seed * 1_000_003 + iteration)
+
+
+def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
+    """True when this optimizer step's loss is inf or nan, so the step is skipped; three in a row end the run.
+    `streak` ([count]) carries the number of non-finite losses in a row across steps and iterations."""
+    if math.isfinite(stats["loss"]):
+        streak[0] = 0
+        return False
+    streak[0] += 1
+    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+    if streak[0] >= 3:
+        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
+    return True
+
+
+def update_policy(
+    model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, on_policy: bool, iteration: int, streak: list[int],
+) -> tuple[list[dict], list[torch.Tensor | None]]:
+    """--epochs passes over the samples in shuffled batches of --batch-size, one optimizer step per batch.
+    Returns the stats of every step taken and each sample's log-probs in its last forward pass (pi_old's when
+    on_policy, since then the only step is the first)."""
+    steps, forward_logps = [], [None] * len(samples)
+    model.train()
+    for _ in range(args.epochs):
+        order = torch.randperm(len(samples)).tolist()
+        for start in range(0, len(order), args.batch_size):
+            batch = order[start : start + args.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            stats, logps = accumulate_gradients(
+                model, [samples[i] for i in batch], micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+                clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, on_policy=on_policy,
+            )
+            for i, sample_logps in zip(batch, logps):
+                forward_logps[i] = sample_logps
+            if skipped_non_finite(stats, iteration, streak):
+                scheduler.step()  # the schedule counts optimizer steps planned, taken or skipped
+                continue
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            optimizer.step()
+            scheduler.step()
+            steps.append(stats)
+    optimizer.zero_grad(set_to_none=True)
+    return steps, forward_logps
+
+
+def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list[ev.Example], args: Args) -> dict:
+    """The eval/... metrics of the current policy on the held-out questions (the --eval-* protocol)."""
+    result = ev.evaluate(
+        model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples, temperature=args.eval_temperature,
+        top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,
+    )
+    return {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+            "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]}
+
+
+def iteration_metrics(
+    rewards: torch.Tensor, completions: list[ev.Completion], flat_mask: torch.Tensor, steps: list[dict], lr: float,
+    group_size: int, seconds: dict[str, float],
+) -> dict:
+    """The metrics.jsonl entry of one iteration (`seconds`: rollout, update, iteration, train)."""
+    generated = sum(len(completion.ids) for completion in completions)
+    metrics = {
+        "charts/reward": rewards.mean().item(),
+        "charts/zero_spread_groups": (rewards.view(-1, group_size).std(dim=1) == 0).float().mean().item(),
+        "charts/response_tokens": generated / len(completions),
+        "charts/truncation_rate": sum(completion.finish_reason == "length" for completion in completions) / len(completions),
+        "charts/lr": lr,
+        "charts/tokens_per_second": generated / max(seconds["rollout"], 1e-9),
+        "charts/generated_tokens": generated,
+        "charts/loss_mask_fraction": flat_mask.float().mean().item(),
+        **{f"time/{name}_seconds": value for name, value in seconds.items()},  # iteration: without evaluation and checkpoint
+    }
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
+        if steps:
+            metrics[f"losses/{key}"] = sum(step[key] for step in steps) / len(steps)
+    return metrics
+
+
+def sample_records(
+    iteration: int, questions: list[ev.Example], completions: list[ev.Completion], rewards: torch.Tensor,
+    advantages: torch.Tensor, samples: list[dict], tokenizer, args: Args,
+) -> list[dict]:
+    """The first --save-questions groups as viewer.py records: tokens, p_t, advantage (before whitening), loss mask."""
+    records = []
+    for i in range(min(args.save_questions, args.questions) * args.group_size):
+        question = questions[i // args.group_size]
+        records.append({
+            "algorithm": "grpo", "iteration": iteration, "question_index": i // args.group_size,
+            "question": question.question, "reference": question.answer, "prompt": question.prompt,
+            "reward": rewards[i].item(), "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
+            "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
+            "advantages": [advantages[i].item()] * len(completions[i].ids),
+            "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
+            "cutpoints": None, "cutpoint_values": None, "values": None,
+        })
+    return records
+
+
+def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float, eval_task: str) -> dict:
+    """Close the log, write summary.json and print the one-line result."""
+    log.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
+    print(f"accuracy {before} -> {accuracy_after:.3f} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Main loop
+
+
+def main(args: Args) -> dict:
+    validate(args)
+    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
+        return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run_dir, checkpoint = open_run(args)
+    model, tokenizer, reference = load_policy(args, checkpoint, device)
+    train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
+    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = ev.make_sampler(
         args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
         max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
     )
-
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
     # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).
     on_policy = steps_per_iteration == 1 and not args.prob_mask
-    total_steps = args.iterations * steps_per_iteration
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
-    start_iteration = 1
-    if checkpoint:
-        state = torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_iteration = state["iteration"] + 1
+    optimizer, scheduler, start_iteration = make_optimizer(args, model, checkpoint, args.iterations * steps_per_iteration)
+    log, streak = RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
+    accuracy_before = accuracy_after = None
+    if start_iteration == 1:
+        log.write(0, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+        accuracy_before = accuracy_after = evaluation["eval/accuracy"]
 
-    # Metrics after the checkpoint belong to iterations that will be redone: drop them.
-    metrics_path = run_dir / "metrics.jsonl"
-    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
-    metrics_path.write_text("".join(line + "\n" for line in kept))
-    train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
-    writer = SummaryWriter(str(run_dir / "tensorboard"))
-    if args.track:
-        import wandb
-
-        wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
-
-    def log(iteration: int, metrics: dict) -> None:
-        with metrics_path.open("a") as f:
-            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, iteration)
-        if args.track:
-            wandb.log(metrics, step=iteration)
-
-    def run_eval(iteration: int) -> float:
-        result = ev.evaluate(
-            model, tokenizer, args.eval_task or args.task, examples=eval_examples, samples=args.eval_samples,
-            temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
-            context=args.context, sampler=sampler, seed=args.seed,
-        )
-        log(iteration, {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-                        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]})
-        return result["accuracy"]
-
-    accuracy_before = run_eval(start_iteration - 1) if start_iteration == 1 else None
-    accuracy_after, non_finite_in_a_row = accuracy_before, 0
     progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
     for iteration in progress:
-        # Reseeding from (seed, iteration) makes a resumed run sample exactly what the uninterrupted one would.
-        rng = random.Random(args.seed * 1_000_003 + iteration)
-        torch.manual_seed(args.seed * 1_000_003 + iteration)
-        if hasattr(sampler, "generator"):
-            sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
+        rng = reseed(args.seed, iteration, sampler)
 
         # 1. Rollout: G responses per question.
         started = iteration_started = time.time()
@@ -494,118 +650,72 @@ def main(args: Args) -> dict:
             [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
             max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
         )
+        completions = [completion for group in groups for completion in group]
         rollout_seconds = time.time() - started
 
-        # 2. Rewards: graded final answer; unfinished responses score 0.
-        completions = [c for group in groups for c in group]
-        texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
-        references = [q.answer for q in questions for _ in range(args.group_size)]
-        scores = ev.grade(texts, references, args.task)
-        rewards = torch.tensor([s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)])
+        # 2. Rewards: the graded final answer; an unfinished response scores 0.
+        texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
+        scores = ev.grade(texts, [q.answer for q in questions for _ in range(args.group_size)], args.task)
+        rewards = torch.tensor([s if completion.finish_reason == "stop" else 0.0 for s, completion in zip(scores, completions)])
 
-        # 3. Advantages: group-normalised, broadcast to every token; old and reference log-probs once.
+        # 3. Advantages: group-normalised, broadcast to every token, whitened over the iteration's masked tokens.
+        #    pi_old and the reference model's log-probs come from one no-grad pass each; on-policy, pi_old comes
+        #    from the update's own forward pass instead (step 4), and every token is in the loss mask.
         advantages = group_advantages(rewards, args.group_size)
         samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
-        lengths = [len(s["response_ids"]) for s in samples]
-        if on_policy:  # the update's own forward pass gives pi_old (detached); p_t is not needed before it
-            flat_mask = torch.ones(sum(lengths), dtype=torch.bool)
-        else:
+        lengths = [len(completion.ids) for completion in completions]
+        flat_mask = torch.ones(sum(lengths), dtype=torch.bool)
+        if not on_policy:
             for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
                 s["old_logps"] = logps
             flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-            flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
+            flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask)
         if reference is not None:
             reference.to(device)
             for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
                 s["ref_logps"] = logps
             reference.to("cpu")
         flat_advantages = torch.repeat_interleave(advantages, torch.tensor(lengths))
-        if flat_mask.any():  # whitening statistics over the masked tokens of the whole iteration batch
+        if flat_mask.any():
             flat_advantages = whiten(flat_advantages, flat_mask)
         for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
             s["loss_mask"], s["advantages"] = mask, advantage
 
-        # 4. Update: epochs x shuffled batches x micro-batches.
+        # 4. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
-        started, model_stats = time.time(), []
-        model.train()
-        for _ in range(args.epochs):
-            order = torch.randperm(len(samples)).tolist()
-            for start in range(0, len(order), args.batch_size):
-                optimizer.zero_grad(set_to_none=True)
-                stats = accumulate_gradients(model, [samples[i] for i in order[start : start + args.batch_size]], args, pad_id)
-                if not math.isfinite(stats["loss"]):
-                    non_finite_in_a_row += 1
-                    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
-                    if non_finite_in_a_row >= 3:
-                        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
-                    scheduler.step()
-                    continue
-                non_finite_in_a_row = 0
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                optimizer.step()
-                scheduler.step()
-                model_stats.append(stats)
-        optimizer.zero_grad(set_to_none=True)
+        started = time.time()
+        steps, forward_logps = update_policy(model, optimizer, scheduler, samples, args, pad_id, on_policy, iteration, streak)
+        if on_policy:  # pi_old is what the update's forward pass computed: keep it for the samples file
+            for s, logps in zip(samples, forward_logps):
+                s["old_logps"] = logps
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
-        train_seconds += iteration_seconds
-        last = iteration == args.iterations or (args.max_minutes is not None and train_seconds >= 60 * args.max_minutes)
+        log.train_seconds += iteration_seconds
+        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
 
         # 5. Log, save samples, evaluate, checkpoint.
-        generated = sum(len(c.ids) for c in completions)
-        metrics = {
-            "charts/reward": rewards.mean().item(),
-            "charts/zero_spread_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
-            "charts/response_tokens": generated / len(completions),
-            "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "charts/lr": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
-            "charts/generated_tokens": generated,
-            "charts/loss_mask_fraction": flat_mask.float().mean().item(),
-            "time/rollout_seconds": rollout_seconds,
-            "time/update_seconds": update_seconds,
-            "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
-            "time/train_seconds": train_seconds,
-        }
-        for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-            if model_stats:
-                metrics[f"losses/{key}"] = sum(s[key] for s in model_stats) / len(model_stats)
-        log(iteration, metrics)
+        metrics = iteration_metrics(rewards, completions, flat_mask, steps, scheduler.get_last_lr()[0], args.group_size, {
+            "rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds,
+        })
+        log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         tqdm.tqdm.write(
             f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
             f"kl {metrics.get('losses/kl', 0):.2e}  rollout {rollout_seconds:.1f}s  update {update_seconds:.1f}s"
         )
         if args.save_samples and iteration % args.save_samples == 0:
-            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", [
-                {
-                    "algorithm": "grpo", "iteration": iteration, "question_index": i // args.group_size,
-                    "question": questions[i // args.group_size].question, "reference": questions[i // args.group_size].answer,
-                    "prompt": questions[i // args.group_size].prompt, "reward": rewards[i].item(),
-                    "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-                    "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
-                    "advantages": [advantages[i].item()] * lengths[i],  # before whitening
-                    "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
-                    "cutpoints": None, "cutpoint_values": None, "values": None,
-                }
-                for i in range(min(args.save_questions, args.questions) * args.group_size)
-            ])
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl",
+                          sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args))
         if iteration % args.eval_every == 0 or last:
-            accuracy_after = run_eval(iteration)
+            log.write(iteration, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            accuracy_after = evaluation["eval/accuracy"]
         if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
         if last:
             break
-
-    writer.close()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
-    print(f"accuracy {before} -> {accuracy_after:.3f} on {args.eval_task or args.task}; metrics {metrics_path}; checkpoint {run_dir / 'checkpoint'}")
-    return summary
+    return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 
 if __name__ == "__main__":

@@ -89,8 +89,9 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
     grads = []
     for micro in (1, 2, 6):
         model.zero_grad()
-        args = grpo.Args(micro_batch_size=micro, batch_size=6, beta=0.1, temperature=0.7)
-        grpo.accumulate_gradients(model, samples, args, tokenizer.pad_token_id)
+        grpo.accumulate_gradients(
+            model, samples, micro_batch_size=micro, temperature=0.7, clip_eps=0.2, beta=0.1, pad_id=tokenizer.pad_token_id,
+        )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(grads[0], grads[2], rtol=1e-5, atol=1e-5)
@@ -98,20 +99,24 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
 
 def test_on_policy_update_uses_its_own_forward_as_pi_old_with_the_same_gradient(tiny_model_dir):
     model, tokenizer = ev.load_model(str(tiny_model_dir))
-    args = grpo.Args(micro_batch_size=2, batch_size=6, beta=0.0, temperature=0.7)
     two_pass = [{k: v for k, v in s.items() if k != "ref_logps"} for s in _samples(tokenizer)]
-    for s, logps in zip(two_pass, grpo.sample_logprobs(model, two_pass, 4, args.temperature, tokenizer.pad_token_id)):
+    for s, logps in zip(two_pass, grpo.sample_logprobs(model, two_pass, 4, 0.7, tokenizer.pad_token_id)):
         s["old_logps"] = logps
     one_pass = [{k: v for k, v in s.items() if k != "old_logps"} for s in two_pass]
-    grads = []
-    for samples in (two_pass, one_pass):
+    grads, forward_logps = [], []
+    for samples, on_policy in ((two_pass, False), (one_pass, True)):
         model.zero_grad()
-        stats = grpo.accumulate_gradients(model, samples, args, tokenizer.pad_token_id)
+        stats, logps = grpo.accumulate_gradients(
+            model, samples, micro_batch_size=2, temperature=0.7, clip_eps=0.2, beta=0.0, pad_id=tokenizer.pad_token_id,
+            on_policy=on_policy,
+        )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        forward_logps.append(logps)
         assert stats["clip_frac"] == 0.0 and stats["kl"] == pytest.approx(0.0, abs=1e-6)
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
-    for a, b in zip(two_pass, one_pass):  # the update recorded pi_old for every sample (kept for --save-samples)
-        assert torch.allclose(a["old_logps"], b["old_logps"], atol=1e-5)
+    assert all("old_logps" not in s for s in one_pass)  # the caller's samples are left as they were
+    for s, logps in zip(two_pass, forward_logps[1]):  # the forward pass's log-probs are pi_old's (for --save-samples)
+        assert logps.shape == s["old_logps"].shape and torch.allclose(s["old_logps"], logps, atol=1e-5)
 
 
 def test_eos_is_in_the_loss_mask_even_when_pad_equals_eos(tiny_model_dir):
