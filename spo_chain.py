@@ -19,6 +19,7 @@ Deliberate differences from the paper's released code (kept identical in every s
 - --no-prob-mask is a true ablation: no advantage zeroing, no loss mask, whitening over all tokens.
 
   python spo_chain.py                                                      # paper GSM8K run (Rho-1B SFT, int5, K=9)
+  python spo_chain.py --dry-run                                            # its settings beside the paper's; loads nothing
   python spo_chain.py --interval 2 --no-prob-mask                          # int2 ablation without the probability mask
   python spo_chain.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 2 --group-size 4 \
       --batch-size 8 --micro-batch-size 4 --max-new-tokens 64 --context 512 --mc-samples 4  # offline CPU
@@ -66,6 +67,8 @@ class Args:
     """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
     track: bool = False
     """also log to Weights & Biases"""
+    dry_run: bool = False
+    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
 
     iterations: int = 1000
     """training iterations (rollout + MC values + update)"""
@@ -290,37 +293,52 @@ def policy_loss(
 # Monte-Carlo value estimation
 
 
-def mc_values(sampler, tokenizer, states: list[tuple[list[int], list[int], str]], args: Args, stop: list[str]) -> tuple[list[float], dict]:
-    """V(s) of each state (prompt_ids, response_prefix_ids, reference): mean reward of args.mc_samples continuations.
+def mc_values(
+    sampler,
+    tokenizer,
+    states: list[tuple[list[int], list[int], str]],
+    *,
+    mc_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    context: int,
+    task: str,
+    stop: list[str],
+) -> tuple[list[float], dict]:
+    """V(s) of each state (prompt_ids, response_prefix_ids, answer): mean reward of `mc_samples` continuations.
 
-    Identical states (same token ids, same question) are estimated once: for instance c = -1, the prompt
+    Identical states (same token ids, same answer) are estimated once: for instance c = -1, the prompt
     itself, is shared by every response of a question whose first token is low-probability. All states go
     to the sampler in one call; HFSampler prefills each prefix once and repeats its KV cache K times.
-    A continuation keeps the rollout's budget, min(max_new_tokens - len(response prefix), context - len(prefix))
-    new tokens (the sampler takes one budget per prefix); an unfinished continuation scores 0.
-    The reward grades the whole response: the response prefix's ids + the continuation's ids, decoded once.
+    Continuations are sampled like the rollouts (`temperature`, `top_p`, the `stop` strings) and keep the
+    rollout's budget, min(max_new_tokens - len(response prefix), context - len(prefix)) new tokens (the
+    sampler takes one budget per prefix); an unfinished continuation scores 0. The reward grades the whole
+    response against the answer with `task`'s grader: the response prefix's ids + the continuation's ids,
+    decoded once. Returns the values in the order of `states` and the counts
+    {"mc_states": distinct states, "mc_rollouts": continuations sampled, "mc_tokens": tokens they generated}.
     """
-    unique = list(dict.fromkeys((tuple(prompt), tuple(prefix), reference) for prompt, prefix, reference in states))
-    stats = {"mc_states": len(unique), "mc_rollouts": len(unique) * args.mc_samples, "mc_tokens": 0}
+    unique = list(dict.fromkeys((tuple(prompt), tuple(prefix), answer) for prompt, prefix, answer in states))
+    stats = {"mc_states": len(unique), "mc_rollouts": len(unique) * mc_samples, "mc_tokens": 0}
     if not unique:
         return [], stats
     groups = sampler.sample(
-        [list(prompt + prefix) for prompt, prefix, _ in unique], args.mc_samples, temperature=args.temperature,
-        top_p=args.top_p, max_new_tokens=[args.max_new_tokens - len(prefix) for _, prefix, _ in unique],
-        stop=stop, context=args.context, progress="mc",
+        [list(prompt + prefix) for prompt, prefix, _ in unique], mc_samples, temperature=temperature,
+        top_p=top_p, max_new_tokens=[max_new_tokens - len(prefix) for _, prefix, _ in unique],
+        stop=stop, context=context, progress="mc",
         generated=[len(prefix) for _, prefix, _ in unique],  # a stop string may begin in the response prefix
     )
-    texts, references, finished = [], [], []
-    for (_, prefix, reference), group in zip(unique, groups):
+    texts, answers, finished = [], [], []
+    for (_, prefix, answer), group in zip(unique, groups):
         for continuation in group:
             texts.append(tokenizer.decode(list(prefix) + continuation.ids, skip_special_tokens=True))
-            references.append(reference)
+            answers.append(answer)
             finished.append(continuation.finish_reason == "stop")
             stats["mc_tokens"] += len(continuation.ids)
-    scores = [s if done else 0.0 for s, done in zip(ev.grade(texts, references, args.task), finished)]
-    K = args.mc_samples
+    scores = [score if done else 0.0 for score, done in zip(ev.grade(texts, answers, task), finished)]
+    K = mc_samples
     value_of = {state: sum(scores[i * K : (i + 1) * K]) / K for i, state in enumerate(unique)}
-    return [value_of[(tuple(prompt), tuple(prefix), reference)] for prompt, prefix, reference in states], stats
+    return [value_of[(tuple(prompt), tuple(prefix), answer)] for prompt, prefix, answer in states], stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,16 +414,36 @@ def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperatu
     return out
 
 
-def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: int) -> dict:
-    """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient."""
+def old_and_reference_logprobs(
+    model, reference, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-sample response log-probs of the policy before its update and of the frozen reference model.
+
+    Without a reference model (beta = 0) the policy's own log-probs stand in (the KL term is then 0).
+    The reference model is parked on the CPU and visits the policy's device only here.
+    """
+    old_logps = sample_logprobs(model, samples, micro_batch_size, temperature, pad_id)
+    if reference is None:
+        return old_logps, old_logps
+    reference.to(model.device)
+    ref_logps = sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id)
+    reference.to("cpu")
+    return old_logps, ref_logps
+
+
+def accumulate_gradients(
+    model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float, pad_id: int,
+) -> dict:
+    """Forward/backward one optimizer batch in micro-batches of `micro_batch_size`; gradients add up to the
+    full-batch gradient. Returns the batch's loss, pg_loss, kl and clip_frac (fraction of masked tokens clipped)."""
     batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
-    for start in range(0, len(batch_samples), args.micro_batch_size):
-        batch = collate(batch_samples[start : start + args.micro_batch_size], pad_id, model.device)
-        logps = response_logprobs(model, batch, args.temperature)
+    for start in range(0, len(batch_samples), micro_batch_size):
+        batch = collate(batch_samples[start : start + micro_batch_size], pad_id, model.device)
+        logps = response_logprobs(model, batch, temperature)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            args.clip_eps, args.beta, batch_tokens, len(batch_samples),
+            clip_eps, beta, batch_tokens, len(batch_samples),
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -488,12 +526,11 @@ def validate(args: Args) -> None:
         raise ev.UsageError("; ".join(problems))
 
 
-def main(args: Args) -> dict:
-    validate(args)
-    torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def open_run(args: Args) -> tuple[Path, Path | None]:
+    """The run directory (new, or --resume's) and its newest intact checkpoint (None: start over).
 
-    # Run directory: new, or the one being resumed.
+    Writes RUN/args.json (the run owns its settings) and records this start in RUN/starts.jsonl.
+    """
     if args.resume:
         run_dir = Path(args.resume)
         checkpoint = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
@@ -506,103 +543,270 @@ def main(args: Args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
     ev.record_start(run_dir, resumed=bool(args.resume))
+    return run_dir, checkpoint
 
+
+def load_models(args: Args, checkpoint: Path | None, device: str) -> tuple:
+    """The policy (from the checkpoint when resuming, fp32 master weights), its tokenizer and the frozen
+    reference model (the starting model, parked on the CPU; None when beta = 0)."""
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
     ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
     reference = None
-    if args.beta > 0:  # parked on the CPU except while its log-probs are computed
+    if args.beta > 0:
         reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
         reference.requires_grad_(False)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()
-    pad_id = tokenizer.pad_token_id
-    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
-    eval_examples = ev.load_task(args.eval_task or args.task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
-    train_examples = ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True)
-    eval_examples = ev.check_prompt_room(eval_examples, args.context, f"--eval-task {args.eval_task or args.task}", drop=False)
-    stop = ev.stop_strings(tokenizer)
-    sampler = ev.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
-        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-    )
+    return model, tokenizer, reference
 
+
+def load_examples(args: Args, eval_task: str, tokenizer) -> tuple[list, list]:
+    """Training and held-out questions with their prompts. A prompt that leaves no room for a response within
+    --context is dropped from training but kept (scoring 0) in evaluation, which keeps its denominator."""
+    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
+    eval_examples = ev.load_task(eval_task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
+    train_examples = ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True)
+    eval_examples = ev.check_prompt_room(eval_examples, args.context, f"--eval-task {eval_task}", drop=False)
+    return train_examples, eval_examples
+
+
+def make_optimizer(args: Args, model, checkpoint: Path | None, device: str) -> tuple:
+    """AdamW and its schedule (--warmup-ratio linear warmup, then linear decay to 0 over all iterations' steps),
+    restored from the checkpoint when resuming; returns (optimizer, scheduler, first iteration to run)."""
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     total_steps = args.iterations * steps_per_iteration
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
-    start_iteration = 1
-    if checkpoint:
-        state = torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_iteration = state["iteration"] + 1
+    if checkpoint is None:
+        return optimizer, scheduler, 1
+    state = torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return optimizer, scheduler, state["iteration"] + 1
 
-    # Metrics after the checkpoint belong to iterations that will be redone: drop them.
-    metrics_path = run_dir / "metrics.jsonl"
-    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
-    metrics_path.write_text("".join(line + "\n" for line in kept))
-    train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
-    writer = SummaryWriter(str(run_dir / "tensorboard"))
-    if args.track:
-        import wandb
 
-        wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+class RunLog:
+    """A run's metrics: RUN/metrics.jsonl, TensorBoard (RUN/tensorboard) and, with --track, Weights & Biases.
 
-    def log(iteration: int, metrics: dict) -> None:
-        with metrics_path.open("a") as f:
+    Lines of iterations >= start_iteration are dropped: they come after the checkpoint being resumed, so those
+    iterations will be redone. `train_seconds` continues from the kept lines.
+    """
+
+    def __init__(self, run_dir: Path, start_iteration: int, args: Args):
+        self.path = run_dir / "metrics.jsonl"
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+            self.wandb = wandb
+
+    def write(self, iteration: int, metrics: dict) -> None:
+        with self.path.open("a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         for key, value in metrics.items():
-            writer.add_scalar(key, value, iteration)
-        if args.track:
-            wandb.log(metrics, step=iteration)
+            self.writer.add_scalar(key, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=iteration)
 
-    def run_eval(iteration: int) -> float:
-        result = ev.evaluate(
-            model, tokenizer, args.eval_task or args.task, examples=eval_examples, samples=args.eval_samples,
-            temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
-            context=args.context, sampler=sampler, seed=args.seed,
-        )
-        log(iteration, {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-                        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]})
-        return result["accuracy"]
+    def close(self) -> None:
+        self.writer.close()
 
-    accuracy_before = run_eval(start_iteration - 1) if start_iteration == 1 else None
-    accuracy_after, non_finite_in_a_row = accuracy_before, 0
+
+def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list, args: Args) -> dict:
+    """The policy's held-out metrics (eval/accuracy, eval/pass@k, eval/majority_accuracy, eval/truncation_rate)."""
+    result = ev.evaluate(
+        model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples,
+        temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
+        context=args.context, sampler=sampler, seed=args.seed,
+    )
+    return {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+            "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]}
+
+
+def reseed(seed: int, iteration: int, sampler) -> random.Random:
+    """Seed torch and the rollout sampler from (seed, iteration); returns the random.Random that draws the questions.
+
+    Reseeding every iteration makes a resumed run sample exactly what the uninterrupted one would.
+    """
+    iteration_seed = seed * 1_000_003 + iteration
+    rng = random.Random(iteration_seed)
+    torch.manual_seed(iteration_seed)
+    if hasattr(sampler, "generator"):
+        sampler.generator.manual_seed(iteration_seed)
+    return rng
+
+
+def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
+    """Whether a batch's loss is non-finite, so its update is skipped (with a warning).
+
+    streak[0] counts non-finite batches in a row, across iterations; the third in a row is an error: the run
+    would otherwise go on without learning.
+    """
+    if math.isfinite(stats["loss"]):
+        streak[0] = 0
+        return False
+    streak[0] += 1
+    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+    if streak[0] >= 3:
+        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
+    return True
+
+
+def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int,
+                  non_finite_streak: list[int]) -> list[dict]:
+    """--epochs passes over the iteration's samples in shuffled batches of --batch-size: one clipped optimizer step
+    per batch. A skipped (non-finite) batch still steps the scheduler. Returns the stats of the steps taken."""
+    model.train()
+    steps = []
+    for _ in range(args.epochs):
+        order = torch.randperm(len(samples)).tolist()
+        for start in range(0, len(order), args.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(
+                model, [samples[i] for i in order[start : start + args.batch_size]], micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id,
+            )
+            if not skipped_non_finite(stats, iteration, non_finite_streak):
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                optimizer.step()
+                steps.append(stats)
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return steps
+
+
+def iteration_metrics(
+    rewards: list[float], completions: list, cutpoints: list[list[int]], flat_mask: torch.Tensor, flat_values: list[float],
+    mc_stats: dict, model_stats: list[dict], lr: float, seconds: dict[str, float],
+) -> dict:
+    """One iteration's training metrics; `seconds` holds its rollout, mc, update, iteration and train timings."""
+    generated = sum(len(completion.ids) for completion in completions)
+    # A response's segments: the runs of tokens between value positions (one segment if it has no cutpoint).
+    segments = sum(len(cuts) + (not cuts or cuts[0] >= 0) for cuts in cutpoints)
+    metrics = {
+        "charts/reward": sum(rewards) / len(rewards),
+        "charts/response_tokens": generated / len(completions),
+        "charts/truncation_rate": sum(completion.finish_reason == "length" for completion in completions) / len(completions),
+        "charts/lr": lr,
+        "charts/tokens_per_second": generated / max(seconds["rollout"], 1e-9),
+        "charts/loss_mask_fraction": flat_mask.float().mean().item() if generated else 0.0,
+        "charts/cutpoints_per_response": sum(map(len, cutpoints)) / len(cutpoints),
+        "charts/segment_tokens": generated / segments,
+        "charts/no_cutpoint_fraction": sum(not cuts for cuts in cutpoints) / len(cutpoints),
+        "charts/mc_states": mc_stats["mc_states"],
+        "charts/mc_rollouts": mc_stats["mc_rollouts"],
+        "charts/mc_tokens": mc_stats["mc_tokens"],
+        "charts/generated_tokens": generated + mc_stats["mc_tokens"],  # responses and MC continuations
+        "time/rollout_seconds": seconds["rollout"],
+        "time/mc_seconds": seconds["mc"],
+        "time/update_seconds": seconds["update"],
+        "time/iteration_seconds": seconds["iteration"],  # without evaluation and checkpoint
+        "time/train_seconds": seconds["train"],
+    }
+    if flat_values:
+        metrics["charts/mc_value_mean"] = torch.tensor(flat_values).mean().item()
+        metrics["charts/mc_value_std"] = torch.tensor(flat_values).std(unbiased=False).item()
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
+        if model_stats:
+            metrics[f"losses/{key}"] = sum(stats[key] for stats in model_stats) / len(model_stats)
+    return metrics
+
+
+def progress_line(iteration: int, metrics: dict) -> str:
+    """The iteration's one-line summary on the console."""
+    return (
+        f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
+        f"cutpoints {metrics['charts/cutpoints_per_response']:.1f}  kl {metrics.get('losses/kl', 0):.2e}  "
+        f"rollout {metrics['time/rollout_seconds']:.1f}s  mc {metrics['time/mc_seconds']:.1f}s "
+        f"({metrics['charts/mc_rollouts']} rollouts)  update {metrics['time/update_seconds']:.1f}s"
+    )
+
+
+def sample_records(
+    iteration: int, questions: list, answers: list[str], completions: list, rewards: list[float], probs: list[list[float]],
+    advantages: list[list[float]], samples: list[dict], cutpoints: list[list[int]], cutpoint_values: list[list[float]],
+    tokenizer, args: Args,
+) -> list[dict]:
+    """The --save-samples records (viewer.py's format) of the first --save-questions questions' responses."""
+    return [
+        {
+            "algorithm": "spo_chain", "iteration": iteration, "question_index": i // args.group_size,
+            "question": questions[i // args.group_size].question, "reference": answers[i],
+            "prompt": questions[i // args.group_size].prompt, "reward": rewards[i],
+            "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
+            "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": probs[i],
+            "advantages": advantages[i],  # before whitening, prob mask applied
+            "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
+            "cutpoints": cutpoints[i], "cutpoint_values": cutpoint_values[i], "values": None,
+        }
+        for i in range(min(args.save_questions, args.questions) * args.group_size)
+    ]
+
+
+def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float, eval_task: str) -> dict:
+    """Close the logs, write RUN/summary.json and print the run's one-line result."""
+    log.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
+    print(f"accuracy {before} -> {accuracy_after:.3f} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary
+
+
+def main(args: Args) -> dict:
+    validate(args)
+    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    if args.dry_run:
+        return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run_dir, checkpoint = open_run(args)
+    model, tokenizer, reference = load_models(args, checkpoint, device)
+    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
+    train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
+    sampler = ev.make_sampler(
+        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
+        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
+    optimizer, scheduler, start_iteration = make_optimizer(args, model, checkpoint, device)
+    log = RunLog(run_dir, start_iteration, args)
+
+    accuracy_before = None
+    if start_iteration == 1:
+        log.write(0, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+        accuracy_before = eval_metrics["eval/accuracy"]
+    accuracy_after, non_finite_streak = accuracy_before, [0]
     progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
     for iteration in progress:
-        # Reseeding from (seed, iteration) makes a resumed run sample exactly what the uninterrupted one would.
-        rng = random.Random(args.seed * 1_000_003 + iteration)
-        torch.manual_seed(args.seed * 1_000_003 + iteration)
-        if hasattr(sampler, "generator"):
-            sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
-
-        # 1. Rollout: G responses per question.
+        # 1. Rollout: G responses per question (reseeded per iteration: a resumed run samples the same).
+        rng = reseed(args.seed, iteration, sampler)
         started = iteration_started = time.time()
         questions = [rng.choice(train_examples) for _ in range(args.questions)]
-        groups = sampler.sample(
-            [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
-        )
-        rollout_seconds = time.time() - started
+        groups = sampler.sample([q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout")
+        seconds = {"rollout": time.time() - started}
 
         # 2. Rewards: graded final answer; unfinished responses score 0.
-        completions = [c for group in groups for c in group]
-        texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
-        references = [q.answer for q in questions for _ in range(args.group_size)]
-        scores = ev.grade(texts, references, args.task)
-        rewards = [s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)]
+        completions = [completion for group in groups for completion in group]
+        texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
+        answers = [q.answer for q in questions for _ in range(args.group_size)]
+        scores = ev.grade(texts, answers, args.task)
+        rewards = [score if completion.finish_reason == "stop" else 0.0 for score, completion in zip(scores, completions)]
 
         # 3. Old and reference log-probs, once; p_t = exp(old log-prob) comes from the same forward pass.
-        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
-        for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
-            s["old_logps"] = s["ref_logps"] = logps
-        if reference is not None:
-            reference.to(device)
-            for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
-                s["ref_logps"] = logps
-            reference.to("cpu")
+        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": completion.ids}
+                   for i, completion in enumerate(completions)]
+        logps = old_and_reference_logprobs(model, reference, samples, args.micro_batch_size, args.temperature, pad_id)
+        for s, old_logps, ref_logps in zip(samples, *logps):
+            s["old_logps"], s["ref_logps"] = old_logps, ref_logps
         lengths = [len(s["response_ids"]) for s in samples]
-        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # [all response tokens], p_t
         probs = [p.tolist() for p in flat_probs.split(lengths)]
 
         # 4. Partition: cutpoints before every interval-th low-probability token.
@@ -610,17 +814,16 @@ def main(args: Args) -> dict:
 
         # 5. Segment values: V(s_c) from K MC continuations of every cutpoint state, all states in one sampler call.
         started = time.time()
-        states = [(s["prompt_ids"], s["response_ids"][: c + 1], ref) for s, cuts, ref in zip(samples, cutpoints, references) for c in cuts]
-        flat_values, mc_stats = mc_values(sampler, tokenizer, states, args, stop)
-        mc_seconds = time.time() - started
+        states = [(s["prompt_ids"], s["response_ids"][: cut + 1], answer) for s, cuts, answer in zip(samples, cutpoints, answers) for cut in cuts]
+        flat_values, mc_stats = mc_values(sampler, tokenizer, states, mc_samples=args.mc_samples, temperature=args.temperature,
+                                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, context=args.context, task=args.task, stop=stop)
+        seconds["mc"] = time.time() - started
 
         # 6. Chain advantages (prob-masked), whitened over the loss-masked tokens of the whole iteration batch.
         values = iter(flat_values)
         cutpoint_values = [[next(values) for _ in cuts] for cuts in cutpoints]
-        advantages = [
-            chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
-            for p, cuts, v, reward in zip(probs, cutpoints, cutpoint_values, rewards)
-        ]
+        advantages = [chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
+                      for p, cuts, v, reward in zip(probs, cutpoints, cutpoint_values, rewards)]
         flat_advantages = torch.tensor([a for response in advantages for a in response])  # [all response tokens]
         flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
         if flat_mask.any():
@@ -630,97 +833,33 @@ def main(args: Args) -> dict:
 
         # 7. Update: epochs x shuffled batches x micro-batches.
         sampler.sleep()
-        started, model_stats = time.time(), []
-        model.train()
-        for _ in range(args.epochs):
-            order = torch.randperm(len(samples)).tolist()
-            for start in range(0, len(order), args.batch_size):
-                optimizer.zero_grad(set_to_none=True)
-                stats = accumulate_gradients(model, [samples[i] for i in order[start : start + args.batch_size]], args, pad_id)
-                if not math.isfinite(stats["loss"]):
-                    non_finite_in_a_row += 1
-                    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
-                    if non_finite_in_a_row >= 3:
-                        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
-                    scheduler.step()
-                    continue
-                non_finite_in_a_row = 0
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                optimizer.step()
-                scheduler.step()
-                model_stats.append(stats)
-        optimizer.zero_grad(set_to_none=True)
-        update_seconds = time.time() - started
+        started = time.time()
+        model_stats = update_policy(model, optimizer, scheduler, samples, args, pad_id, iteration, non_finite_streak)
+        seconds["update"] = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
-        iteration_seconds = time.time() - iteration_started
-        train_seconds += iteration_seconds
-        last = iteration == args.iterations or (args.max_minutes is not None and train_seconds >= 60 * args.max_minutes)
+        seconds["iteration"] = time.time() - iteration_started
+        seconds["train"] = log.train_seconds = log.train_seconds + seconds["iteration"]
+        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
 
         # 8. Log, save samples, evaluate, checkpoint.
-        generated = sum(lengths)
-        # A response's segments: the runs of tokens between value positions (one segment if it has no cutpoint).
-        segments = sum(len(cuts) + (not cuts or cuts[0] >= 0) for cuts in cutpoints)
-        metrics = {
-            "charts/reward": sum(rewards) / len(rewards),
-            "charts/response_tokens": generated / len(completions),
-            "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "charts/lr": scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
-            "charts/loss_mask_fraction": flat_mask.float().mean().item() if generated else 0.0,
-            "charts/cutpoints_per_response": sum(map(len, cutpoints)) / len(cutpoints),
-            "charts/segment_tokens": generated / segments,
-            "charts/no_cutpoint_fraction": sum(not cuts for cuts in cutpoints) / len(cutpoints),
-            "charts/mc_states": mc_stats["mc_states"],
-            "charts/mc_rollouts": mc_stats["mc_rollouts"],
-            "charts/mc_tokens": mc_stats["mc_tokens"],
-            "charts/generated_tokens": generated + mc_stats["mc_tokens"],  # responses and MC continuations
-            "time/rollout_seconds": rollout_seconds,
-            "time/mc_seconds": mc_seconds,
-            "time/update_seconds": update_seconds,
-            "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
-            "time/train_seconds": train_seconds,
-        }
-        if flat_values:
-            metrics["charts/mc_value_mean"] = torch.tensor(flat_values).mean().item()
-            metrics["charts/mc_value_std"] = torch.tensor(flat_values).std(unbiased=False).item()
-        for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-            if model_stats:
-                metrics[f"losses/{key}"] = sum(s[key] for s in model_stats) / len(model_stats)
-        log(iteration, metrics)
+        metrics = iteration_metrics(rewards, completions, cutpoints, flat_mask, flat_values, mc_stats, model_stats,
+                                    scheduler.get_last_lr()[0], seconds)
+        log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(
-            f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-            f"cutpoints {metrics['charts/cutpoints_per_response']:.1f}  kl {metrics.get('losses/kl', 0):.2e}  "
-            f"rollout {rollout_seconds:.1f}s  mc {mc_seconds:.1f}s ({mc_stats['mc_rollouts']} rollouts)  update {update_seconds:.1f}s"
-        )
+        tqdm.tqdm.write(progress_line(iteration, metrics))
         if args.save_samples and iteration % args.save_samples == 0:
-            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", [
-                {
-                    "algorithm": "spo_chain", "iteration": iteration, "question_index": i // args.group_size,
-                    "question": questions[i // args.group_size].question, "reference": references[i],
-                    "prompt": questions[i // args.group_size].prompt, "reward": rewards[i],
-                    "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-                    "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": probs[i],
-                    "advantages": advantages[i],  # before whitening, prob mask applied
-                    "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
-                    "cutpoints": cutpoints[i], "cutpoint_values": cutpoint_values[i], "values": None,
-                }
-                for i in range(min(args.save_questions, args.questions) * args.group_size)
-            ])
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(
+                iteration, questions, answers, completions, rewards, probs, advantages, samples, cutpoints, cutpoint_values, tokenizer, args))
         if iteration % args.eval_every == 0 or last:
-            accuracy_after = run_eval(iteration)
+            log.write(iteration, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            accuracy_after = eval_metrics["eval/accuracy"]
         if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
         if last:
             break
 
-    writer.close()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
-    print(f"accuracy {before} -> {accuracy_after:.3f} on {args.eval_task or args.task}; metrics {metrics_path}; checkpoint {run_dir / 'checkpoint'}")
-    return summary
+    return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -171,8 +172,8 @@ def test_identical_prefixes_are_estimated_once_and_graded_with_their_response_pr
         (prompt_a, [], "42"), (prompt_a, ids("4"), "42"), (prompt_a, [], "42"), (prompt_a, ids("4"), "42"),
         (prompt_a, ids("5"), "42"), (prompt_b, [], "7"), (prompt_a, [], "42"),
     ]
-    args = spo.Args(task="data.jsonl", mc_samples=4, max_new_tokens=10, context=100)
-    values, stats = spo.mc_values(sampler, tokenizer, states, args, stop=[])
+    settings = dict(mc_samples=4, temperature=0.6, top_p=0.9, max_new_tokens=10, context=100, task="data.jsonl", stop=[])
+    values, stats = spo.mc_values(sampler, tokenizer, states, **settings)
     assert len(sampler.calls) == 1 and sampler.calls[0]["n"] == 4  # one call for the whole batch
     requested = sampler.calls[0]["prompts"]
     assert requested == [prompt_a, prompt_a + ids("4"), prompt_a + ids("5"), prompt_b]  # 4 distinct states of 7
@@ -180,7 +181,7 @@ def test_identical_prefixes_are_estimated_once_and_graded_with_their_response_pr
     assert stats["mc_tokens"] == 16 * 2
     # "2" alone is not 42 but "4" + "2" is; "5" + "2" is not; nothing from prompt_b is 7
     assert values == [0.0, 0.75, 0.0, 0.75, 0.0, 0.0, 0.0]
-    assert spo.mc_values(sampler, tokenizer, [], args, stop=[]) == ([], {"mc_states": 0, "mc_rollouts": 0, "mc_tokens": 0})
+    assert spo.mc_values(sampler, tokenizer, [], **settings) == ([], {"mc_states": 0, "mc_rollouts": 0, "mc_tokens": 0})
 
 
 def test_continuations_keep_the_rollout_budget_and_unfinished_ones_score_zero(tokenizer):
@@ -195,15 +196,15 @@ def test_continuations_keep_the_rollout_budget_and_unfinished_ones_score_zero(to
         return ev.Completion(ids=ids(" " * i + "7") + [eos], finish_reason="stop")
 
     sampler = ScriptedSampler(script)
-    args = spo.Args(task="data.jsonl", mc_samples=4, max_new_tokens=6, context=100)
+    settings = dict(mc_samples=4, temperature=0.6, top_p=0.9, max_new_tokens=6, context=100, task="data.jsonl", stop=[])
     # response prefixes of 1, 3 and 4 tokens (spaces): budgets 5, 3 and 2 (max_new_tokens - prefix length)
     states = [(prompt, ids(" "), "7"), (prompt, ids("   "), "7"), (prompt, ids("    "), "7")]
-    values, _ = spo.mc_values(sampler, tokenizer, states, args, stop=[])
+    values, _ = spo.mc_values(sampler, tokenizer, states, **settings)
     assert sampler.calls[0]["max_new_tokens"] == [5, 3, 2] and sampler.calls[0]["context"] == 100
     assert sampler.calls[0]["generated"] == [1, 3, 4]  # a stop string may begin in the response prefix
     assert values == [0.75, 0.5, 0.25]
     # the context binds when it is tighter: the sampler caps 5 at 6 - len(prompt + prefix) = 3
-    values, _ = spo.mc_values(sampler, tokenizer, states[:1], spo.Args(task="data.jsonl", mc_samples=4, max_new_tokens=6, context=6), stop=[])
+    values, _ = spo.mc_values(sampler, tokenizer, states[:1], **{**settings, "context": 6})
     assert sampler.calls[-1]["max_new_tokens"] == [5] and sampler.calls[-1]["context"] == 6 and values == [0.5]
 
 
@@ -231,11 +232,29 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
     grads = []
     for micro in (1, 2, 6):
         model.zero_grad()
-        args = spo.Args(micro_batch_size=micro, batch_size=6, beta=0.1, temperature=0.7)
-        spo.accumulate_gradients(model, samples, args, tokenizer.pad_token_id)
+        spo.accumulate_gradients(model, samples, micro_batch_size=micro, temperature=0.7, clip_eps=0.2, beta=0.1,
+                                 pad_id=tokenizer.pad_token_id)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(grads[0], grads[2], rtol=1e-5, atol=1e-5)
+
+
+def test_a_non_finite_batch_skips_its_update_but_steps_the_scheduler_and_three_in_a_row_stop(tiny_model_dir, monkeypatch):
+    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    samples, args = _samples(tokenizer, n=4), spo.Args(epochs=2, batch_size=2, micro_batch_size=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    losses = iter([float("nan"), 1.0, 2.0, float("nan")])  # 2 epochs x 2 batches
+    monkeypatch.setattr(spo, "accumulate_gradients", lambda *a, **k: {"loss": next(losses)})
+    streak = [0]
+    with pytest.warns(UserWarning, match="iteration 7: non-finite loss, update skipped"):
+        steps = spo.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, 7, streak)
+    assert [s["loss"] for s in steps] == [1.0, 2.0] and scheduler.last_epoch == 4 and streak == [1]
+    # the count runs on across iterations: two more non-finite batches make three in a row
+    monkeypatch.setattr(spo, "accumulate_gradients", lambda *a, **k: {"loss": float("inf")})
+    with pytest.raises(ev.UsageError, match="three non-finite losses in a row"), warnings.catch_warnings(record=True):
+        spo.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, 8, streak)
+    assert streak == [3] and scheduler.last_epoch == 5  # the third raises before its scheduler step
 
 
 # ---- errors
@@ -251,6 +270,18 @@ def test_bad_configuration_is_one_clear_error():
     with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
         spo.validate(spo.Args(batch_size=6, micro_batch_size=4))
     spo.validate(spo.Args(group_size=1))  # a single response per question is fine: the MC values are the baseline
+
+
+def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
+    out = tmp_path / "runs"
+    result = spo.main(spo.Args(dry_run=True, output_dir=str(out)))
+    assert result["paper_run"] == "gsm8k" and result["differences"] == []  # the defaults are the paper's GSM8K run
+    assert result["resolved"] == {"eval_task": "gsm8k", "model_id": ev.ALIASES["rho-1b-sft-gsm8k"]}
+    assert spo.main(spo.Args(dry_run=True, interval=2, mc_samples=4, output_dir=str(out)))["differences"] == ["mc_samples", "interval"]
+    math_run = spo.main(spo.Args(dry_run=True, task="math", output_dir=str(out)))
+    assert math_run["settings"]["eval_task"] == "math500"  # MATH trains, MATH500 evaluates (the paper's protocol)
+    assert not out.exists()
+    assert "2 difference(s) from the paper; nothing was loaded (--dry-run)" in capsys.readouterr().out
 
 
 def test_cli_bad_input_prints_one_error_line(tmp_path):
