@@ -57,7 +57,7 @@ class Args:
     task: str = "gsm8k"
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     eval_task: str | None = None
-    """held-out task (default: the training task's test split)"""
+    """held-out task (default: the training task's test split; MATH500 for --task math)"""
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
     output_dir: str = "runs"
@@ -66,6 +66,8 @@ class Args:
     """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
     track: bool = False
     """also log to Weights & Biases"""
+    dry_run: bool = False
+    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
 
     iterations: int = 1000
     """training iterations (rollout + update)"""
@@ -165,6 +167,12 @@ def gae_advantages(
     padding contributes nothing and gets advantage and return 0.
       delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   return_t = A_t + V_t
     With gamma = lam = 1 and a terminal reward R: A_t = R - V_t and return_t = R.
+
+    >>> gae_advantages(torch.tensor([[0., 1.]]), torch.tensor([[.2, .4]]), torch.ones(1, 2))  # gamma = lam = 1
+    (tensor([[0.8000, 0.6000]]), tensor([[1., 1.]]))
+
+    gamma 0.9, lambda 0.8, V after the end 0: delta = (0.9 * 0.6 - 0.5, 0.9 * 0.7 - 0.6, 1 - 0.7) = (0.04, 0.03, 0.3),
+    A_2 = 0.3, A_1 = 0.03 + 0.72 * 0.3 = 0.246, A_0 = 0.04 + 0.72 * 0.246 = 0.2171; returns = A + V.
 
     >>> gae_advantages(torch.tensor([[0., 0., 1.]]), torch.tensor([[.5, .6, .7]]), torch.ones(1, 3), gamma=.9, lam=.8)
     (tensor([[0.2171, 0.2460, 0.3000]]), tensor([[0.7171, 0.8460, 1.0000]]))
@@ -267,8 +275,14 @@ def value_loss(
     rollout's value. Normalised by the whole batch's masked-token count `batch_tokens` (default: this
     call's), so summing micro-batch losses gives the batch loss whatever the split.
 
-    >>> value_loss(torch.tensor([[0.5, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))[0]  # 0.5 * (0.8^2 + 1^2) / 2
-    tensor(0.4100)
+    Rollout values 0, returns 1, eps 0.2: token 0 moved to 0.5, but its clipped value 0.2 is further from the
+    return, so (0.2 - 1)^2 = 0.64 binds; token 1 (0.1) stays inside the band, 0.81 both ways; token 2 overshot to
+    1.5: 0.25 unclipped, 0.64 clipped. loss = 0.5 * (0.64 + 0.81 + 0.64) / 3 tokens = 0.3483; two tokens clipped.
+
+    >>> loss, stats = value_loss(torch.tensor([[0.5, 0.1, 1.5]]), torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3),
+    ...                          clip_eps=0.2, batch_tokens=3)
+    >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
+    (0.3483, {'value_loss': 0.3483, 'value_clip_count': 2.0})
     """
     mask = mask.float()
     batch_tokens = batch_tokens if batch_tokens is not None else max(1.0, mask.sum().item())
@@ -315,7 +329,7 @@ def make_critic(policy) -> Critic:
 
 
 # ----------------------------------------------------------------------------------------------
-# Training helpers: batching, log-probs, values, one optimizer step
+# Training helpers: batching, log-probs, values, advantages and returns, one optimizer step
 
 
 def collate(samples: list[dict], pad_id: int, device) -> dict:
@@ -411,24 +425,67 @@ def sample_values(critic: Critic, samples: list[dict], micro_batch_size: int, pa
     return out
 
 
-def accumulate_gradients(model, critic: Critic, batch_samples: list[dict], args: Args, pad_id: int) -> dict:
+def add_old_logprobs_and_values(
+    samples: list[dict], model, reference, critic: Critic, *, micro_batch_size: int, temperature: float, pad_id: int
+) -> None:
+    """Store in each sample, once per iteration and without gradients: old_logps (the policy before this iteration's
+    update), ref_logps (the reference model's; the old ones when there is none, beta 0) and old_values (the critic's)."""
+    for sample, logps in zip(samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id)):
+        sample["old_logps"] = sample["ref_logps"] = logps
+    if reference is not None:
+        reference.to(model.device)  # parked on the CPU the rest of the time
+        for sample, logps in zip(samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id)):
+            sample["ref_logps"] = logps
+        reference.to("cpu")
+    for sample, values in zip(samples, sample_values(critic, samples, micro_batch_size, pad_id)):
+        sample["old_values"] = values
+
+
+def add_advantages_and_returns(
+    samples: list[dict], rewards: torch.Tensor, *, gamma: float, lam: float, prob_threshold: float, prob_mask: bool
+) -> torch.Tensor:
+    """GAE over the whole iteration batch, from each sample's old_values and its reward (rewards[i], on the last
+    response token); stores each sample's loss_mask, advantages (whitened over the masked tokens of the whole batch)
+    and returns (the critic's targets). Returns the GAE advantages before whitening, [N, T] right-padded."""
+    lengths = torch.tensor([len(s["response_ids"]) for s in samples])
+    old_values = torch.nn.utils.rnn.pad_sequence([s["old_values"] for s in samples], batch_first=True)  # [N, T]
+    response_mask = torch.arange(old_values.shape[1])[None] < lengths[:, None]  # [N, T]
+    token_rewards = torch.zeros_like(old_values)  # [N, T]: the graded reward on each response's last token
+    nonempty = lengths > 0  # a prompt that filled the context gets an empty response: no token to reward
+    token_rewards[nonempty.nonzero().squeeze(-1), lengths[nonempty] - 1] = rewards[nonempty]
+    advantages, returns = gae_advantages(token_rewards, old_values, response_mask, gamma, lam)  # [N, T]
+    flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask)
+    flat_advantages, flat_returns = advantages[response_mask], returns[response_mask]
+    if flat_mask.any():  # whitening statistics over the masked tokens of the whole iteration batch
+        flat_advantages = whiten(flat_advantages, flat_mask)
+    split = lengths.tolist()
+    for s, mask, whitened, targets in zip(samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)):
+        s["loss_mask"], s["advantages"], s["returns"] = mask, whitened, targets
+    return advantages
+
+
+def accumulate_gradients(
+    model, critic: Critic, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float,
+    beta: float, value_clip_eps: float, pad_id: int,
+) -> dict:
     """Forward/backward one optimizer batch through policy and critic in micro-batches; each model's
     gradients add up to its full-batch gradient."""
     batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))  # policy: masked tokens
     value_tokens = max(1, sum(len(s["response_ids"]) for s in batch_samples))  # critic: every response token
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0, "value_loss": 0.0, "value_clip_count": 0.0}
-    for start in range(0, len(batch_samples), args.micro_batch_size):
-        batch = collate(batch_samples[start : start + args.micro_batch_size], pad_id, model.device)
-        logps = response_logprobs(model, batch, args.temperature)
+    for start in range(0, len(batch_samples), micro_batch_size):
+        batch = collate(batch_samples[start : start + micro_batch_size], pad_id, model.device)
+        logps = response_logprobs(model, batch, temperature)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            args.clip_eps, args.beta, batch_tokens, len(batch_samples),
+            clip_eps, beta, batch_tokens, len(batch_samples),
         )
         loss.backward()
         stats["loss"] += loss.item()
         values = response_values(critic, batch)
         critic_loss, critic_micro = value_loss(
-            values, batch["old_values"], batch["returns"], batch["response_mask"], args.value_clip_eps, value_tokens,
+            values, batch["old_values"], batch["returns"], batch["response_mask"], value_clip_eps, value_tokens,
         )
         critic_loss.backward()
         for key, value in {**micro, **critic_micro}.items():
@@ -493,7 +550,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Main loop
+# Setup: the settings check, the run directory, the models, the data, the optimizers; the log
 
 
 def validate(args: Args) -> None:
@@ -514,206 +571,311 @@ def validate(args: Args) -> None:
         raise ev.UsageError("; ".join(problems))
 
 
-def main(args: Args) -> dict:
-    validate(args)
-    torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    # Run directory: new, or the one being resumed.
+def open_run(args: Args) -> tuple[Path, Path | None]:
+    """The run directory (a new one, or --resume's) and its newest intact checkpoint (None: start over); records
+    the settings (args.json) and this start (starts.jsonl)."""
     if args.resume:
         run_dir = Path(args.resume)
-        checkpoint = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
-        if checkpoint is None and not (run_dir / "args.json").exists():
+        checkpoint_dir = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
+        if checkpoint_dir is None and not (run_dir / "args.json").exists():
             raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
         ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint = Path(args.output_dir) / run_name, None
+        run_dir, checkpoint_dir = Path(args.output_dir) / run_name, None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
     ev.record_start(run_dir, resumed=bool(args.resume))
+    return run_dir, checkpoint_dir
 
-    model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
+
+def load_models(args: Args, checkpoint_dir: Path | None, device: str) -> tuple:
+    """(policy, tokenizer, critic, reference model): the policy from the checkpoint when resuming, else from --model;
+    the critic from the policy's weights, or the checkpoint's critic.pt; the frozen reference model from --model
+    (None with --beta 0), parked on the CPU except while its log-probs are computed."""
+    model, tokenizer = ev.load_model(str(checkpoint_dir) if checkpoint_dir else args.model, dtype=torch.float32, device=device)
     ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
-    critic = make_critic(model)  # from the policy's weights; a resumed run overwrites them with its critic.pt
-    if checkpoint:
-        critic.load_state_dict(torch.load(checkpoint / "critic.pt", map_location=device, weights_only=True))
+    critic = make_critic(model)
+    if checkpoint_dir:
+        critic.load_state_dict(torch.load(checkpoint_dir / "critic.pt", map_location=device, weights_only=True))
     reference = None
-    if args.beta > 0:  # parked on the CPU except while its log-probs are computed
+    if args.beta > 0:
         reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
         reference.requires_grad_(False)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
         critic.backbone.activation_checkpointing_enable()
-    pad_id = tokenizer.pad_token_id
-    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
-    eval_examples = ev.load_task(args.eval_task or args.task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
-    train_examples = ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True)
-    eval_examples = ev.check_prompt_room(eval_examples, args.context, f"--eval-task {args.eval_task or args.task}", drop=False)
-    stop = ev.stop_strings(tokenizer)
-    sampler = ev.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
-        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-    )
+    return model, tokenizer, critic, reference
 
-    steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
-    total_steps = args.iterations * steps_per_iteration
+
+def load_examples(args: Args, eval_task: str, tokenizer) -> tuple[list[ev.Example], list[ev.Example]]:
+    """Training and held-out questions. A prompt without room for a response in --context is dropped from training
+    and kept in evaluation, where it scores 0 (the accuracy keeps its denominator); either way with a warning."""
+    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
+    eval_examples = ev.load_task(eval_task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
+    return (ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True),
+            ev.check_prompt_room(eval_examples, args.context, f"--eval-task {eval_task}", drop=False))
+
+
+def make_optimizers(args: Args, model, critic: Critic, checkpoint_dir: Path | None) -> tuple:
+    """The policy's and the critic's AdamW, each with its schedule (--warmup-ratio linear warmup, then linear decay
+    to 0 over all iterations' steps), restored from the checkpoint when resuming; returns (optimizer, scheduler,
+    critic_optimizer, critic_scheduler, first iteration to run)."""
+    total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
     critic_scheduler = get_linear_schedule_with_warmup(critic_optimizer, int(args.warmup_ratio * total_steps), total_steps)
-    start_iteration = 1
-    if checkpoint:
-        state = torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        critic_optimizer.load_state_dict(state["critic_optimizer"])
-        critic_scheduler.load_state_dict(state["critic_scheduler"])
-        start_iteration = state["iteration"] + 1
+    if checkpoint_dir is None:
+        return optimizer, scheduler, critic_optimizer, critic_scheduler, 1
+    state = torch.load(checkpoint_dir / "trainer_state.pt", map_location=model.device, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    critic_optimizer.load_state_dict(state["critic_optimizer"])
+    critic_scheduler.load_state_dict(state["critic_scheduler"])
+    return optimizer, scheduler, critic_optimizer, critic_scheduler, state["iteration"] + 1
 
-    # Metrics after the checkpoint belong to iterations that will be redone: drop them.
-    metrics_path = run_dir / "metrics.jsonl"
-    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
-    metrics_path.write_text("".join(line + "\n" for line in kept))
-    train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
-    writer = SummaryWriter(str(run_dir / "tensorboard"))
-    if args.track:
-        import wandb
 
-        wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+class RunLog:
+    """A run's metrics: runs/<run>/metrics.jsonl, TensorBoard, and W&B with --track.
 
-    def log(iteration: int, metrics: dict) -> None:
-        with metrics_path.open("a") as f:
+    Lines of iterations >= start_iteration belong to iterations that will be redone after a resume: they are
+    dropped, and train_seconds (the training time so far, evaluation not counted) continues from the kept ones.
+    """
+
+    def __init__(self, run_dir: Path, start_iteration: int, args: Args):
+        self.path = run_dir / "metrics.jsonl"
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+            self.wandb = wandb
+
+    def write(self, iteration: int, metrics: dict) -> None:
+        with self.path.open("a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         for key, value in metrics.items():
-            writer.add_scalar(key, value, iteration)
-        if args.track:
-            wandb.log(metrics, step=iteration)
+            self.writer.add_scalar(key, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=iteration)
 
-    def run_eval(iteration: int) -> float:
-        result = ev.evaluate(
-            model, tokenizer, args.eval_task or args.task, examples=eval_examples, samples=args.eval_samples,
-            temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
-            context=args.context, sampler=sampler, seed=args.seed,
-        )
-        log(iteration, {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-                        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]})
-        return result["accuracy"]
+    def close(self) -> None:
+        self.writer.close()
 
-    accuracy_before = run_eval(start_iteration - 1) if start_iteration == 1 else None
-    accuracy_after, non_finite_in_a_row = accuracy_before, 0
+
+# ----------------------------------------------------------------------------------------------
+# One iteration's pieces around the algorithm: seeding, the update loop, evaluation, metrics, samples
+
+
+def reseed(seed: int, iteration: int, sampler) -> random.Random:
+    """Seed torch and the sampler from (seed, iteration) and return the iteration's question RNG: a resumed run
+    samples exactly what the uninterrupted one would."""
+    iteration_seed = seed * 1_000_003 + iteration
+    torch.manual_seed(iteration_seed)
+    if hasattr(sampler, "generator"):
+        sampler.generator.manual_seed(iteration_seed)
+    return random.Random(iteration_seed)
+
+
+def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
+    """Whether this batch's update must be skipped because its policy or value loss is not finite (with a warning).
+    streak[0] counts such batches in a row, across iterations; the third is one clear error, not a run of no-ops."""
+    if math.isfinite(stats["loss"]) and math.isfinite(stats["value_loss"]):
+        streak[0] = 0
+        return False
+    streak[0] += 1
+    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+    if streak[0] >= 3:
+        raise ev.UsageError("three non-finite losses in a row: lower --lr / --critic-lr, or check the model and data")
+    return True
+
+
+def update_policy(
+    model, critic: Critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples: list[dict], args: Args,
+    pad_id: int, iteration: int, streak: list[int],
+) -> list[dict]:
+    """--epochs passes over the iteration's samples in shuffled batches of --batch-size, policy and critic on the
+    same batches, one optimizer step each per batch; returns the stats of the steps taken."""
+    step_stats = []
+    model.train()
+    critic.train()
+    for _ in range(args.epochs):
+        order = torch.randperm(len(samples)).tolist()
+        for start in range(0, len(order), args.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            critic_optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(
+                model, critic, [samples[i] for i in order[start : start + args.batch_size]], micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, value_clip_eps=args.value_clip_eps, pad_id=pad_id,
+            )
+            if not skipped_non_finite(stats, iteration, streak):
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
+                optimizer.step()
+                critic_optimizer.step()
+                step_stats.append(stats)
+            scheduler.step()  # a skipped update still uses up its step of the schedule
+            critic_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    critic_optimizer.zero_grad(set_to_none=True)
+    return step_stats
+
+
+def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list[ev.Example], args: Args) -> dict:
+    """The eval/... metrics of the current policy on the held-out questions (the --eval-* settings)."""
+    result = ev.evaluate(
+        model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples, temperature=args.eval_temperature,
+        top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,
+    )
+    return {
+        "eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"],
+    }
+
+
+def iteration_metrics(
+    completions: list[ev.Completion], rewards: torch.Tensor, samples: list[dict], step_stats: list[dict], lr: float,
+    critic_lr: float, seconds: dict[str, float],
+) -> dict:
+    """One iteration's training metrics (losses/ averaged over the optimizer steps taken); `seconds` holds its
+    rollout, update, iteration and train timings."""
+    generated = sum(len(c.ids) for c in completions)
+    flat_mask = torch.cat([s["loss_mask"] for s in samples])  # every response token of the iteration
+    flat_values, flat_returns = torch.cat([s["old_values"] for s in samples]), torch.cat([s["returns"] for s in samples])
+    metrics = {
+        "charts/reward": rewards.mean().item(),
+        "charts/response_tokens": generated / len(completions),
+        "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "charts/lr": lr,
+        "charts/critic_lr": critic_lr,
+        "charts/tokens_per_second": generated / max(seconds["rollout"], 1e-9),
+        "charts/loss_mask_fraction": flat_mask.float().mean().item(),
+        "charts/mean_value": flat_values.mean().item() if len(flat_values) else 0.0,
+        "charts/generated_tokens": generated,
+        "time/rollout_seconds": seconds["rollout"],
+        "time/update_seconds": seconds["update"],
+        "time/iteration_seconds": seconds["iteration"],  # without evaluation and checkpoint
+        "time/train_seconds": seconds["train"],
+    }
+    # Explained variance of the rollout's values against the returns: 1 = perfect critic, 0 = no better
+    # than a constant, undefined (not logged) when every return is the same.
+    if len(flat_returns) > 1 and flat_returns.var() > 0:
+        metrics["losses/explained_variance"] = (1 - (flat_returns - flat_values).var() / flat_returns.var()).item()
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "value_loss", "value_clip_frac", "critic_grad_norm"):
+        if step_stats:
+            metrics[f"losses/{key}"] = sum(stats[key] for stats in step_stats) / len(step_stats)
+    return metrics
+
+
+def sample_records(
+    iteration: int, questions: list[ev.Example], answers: list[str], completions: list[ev.Completion], rewards: torch.Tensor,
+    samples: list[dict], gae: torch.Tensor, tokenizer, args: Args,
+) -> list[dict]:
+    """The --save-samples records (viewer.py's format) of the first --save-questions questions' responses."""
+    return [
+        {
+            "algorithm": "ppo", "iteration": iteration, "question_index": i // args.group_size,
+            "question": questions[i // args.group_size].question, "reference": answers[i],
+            "prompt": questions[i // args.group_size].prompt, "reward": rewards[i].item(),
+            "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
+            "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
+            "advantages": gae[i, : len(completions[i].ids)].tolist(),  # GAE, before whitening
+            "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
+            "cutpoints": None, "cutpoint_values": None, "values": samples[i]["old_values"].tolist(),
+        }
+        for i in range(min(args.save_questions, args.questions) * args.group_size)
+    ]
+
+
+def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float, eval_task: str) -> dict:
+    """Close the logs, write summary.json and print the one-line result."""
+    log.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
+    print(f"accuracy {before} -> {accuracy_after:.3f} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Main loop
+
+
+def main(args: Args) -> dict:
+    validate(args)
+    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
+        return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run_dir, checkpoint_dir = open_run(args)
+
+    model, tokenizer, critic, reference = load_models(args, checkpoint_dir, device)
+    train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
+    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
+    sampler = ev.make_sampler(
+        args.backend, model, tokenizer, str(checkpoint_dir) if checkpoint_dir else args.model, seed=args.seed,
+        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
+    optimizer, scheduler, critic_optimizer, critic_scheduler, start_iteration = make_optimizers(args, model, critic, checkpoint_dir)
+    log, streak = RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
+    accuracy_before = accuracy_after = None
+    if start_iteration == 1:  # a resumed run has no "before"
+        log.write(0, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+        accuracy_before = accuracy_after = evaluation["eval/accuracy"]
+
     progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
     for iteration in progress:
-        # Reseeding from (seed, iteration) makes a resumed run sample exactly what the uninterrupted one would.
-        rng = random.Random(args.seed * 1_000_003 + iteration)
-        torch.manual_seed(args.seed * 1_000_003 + iteration)
-        if hasattr(sampler, "generator"):
-            sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
+        rng = reseed(args.seed, iteration, sampler)
 
         # 1. Rollout: G responses per question.
-        started = iteration_started = time.time()
+        iteration_started = time.time()
         questions = [rng.choice(train_examples) for _ in range(args.questions)]
         groups = sampler.sample(
             [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
             max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
         )
-        rollout_seconds = time.time() - started
+        rollout_seconds = time.time() - iteration_started
 
         # 2. Rewards: graded final answer; unfinished responses score 0.
         completions = [c for group in groups for c in group]
         texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
-        references = [q.answer for q in questions for _ in range(args.group_size)]
-        scores = ev.grade(texts, references, args.task)
-        rewards = torch.tensor([s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)])
+        answers = [q.answer for q in questions for _ in range(args.group_size)]
+        scores = ev.grade(texts, answers, args.task)
+        rewards = torch.tensor([score if c.finish_reason == "stop" else 0.0 for score, c in zip(scores, completions)])
 
         # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch.
         samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
-        for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
-            s["old_logps"] = s["ref_logps"] = logps
-        if reference is not None:
-            reference.to(device)
-            for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
-                s["ref_logps"] = logps
-            reference.to("cpu")
-        for s, values in zip(samples, sample_values(critic, samples, args.micro_batch_size, pad_id)):
-            s["old_values"] = values
-        lengths = torch.tensor([len(s["response_ids"]) for s in samples])
-        old_values = torch.nn.utils.rnn.pad_sequence([s["old_values"] for s in samples], batch_first=True)  # [N, T]
-        response_mask = torch.arange(old_values.shape[1])[None] < lengths[:, None]  # [N, T]
-        token_rewards = torch.zeros_like(old_values)  # [N, T]: the graded reward on each response's last token
-        nonempty = lengths > 0  # a prompt that filled the context gets an empty response: no token to reward
-        token_rewards[nonempty.nonzero().squeeze(-1), lengths[nonempty] - 1] = rewards[nonempty]
-        advantages, returns = gae_advantages(token_rewards, old_values, response_mask, args.gamma, args.lam)  # [N, T]
-        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-        flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
-        flat_advantages, flat_returns, flat_values = advantages[response_mask], returns[response_mask], old_values[response_mask]
-        if flat_mask.any():  # whitening statistics over the masked tokens of the whole iteration batch
-            flat_advantages = whiten(flat_advantages, flat_mask)
-        split = lengths.tolist()
-        for s, mask, advantage, target in zip(samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)):
-            s["loss_mask"], s["advantages"], s["returns"] = mask, advantage, target
+        add_old_logprobs_and_values(
+            samples, model, reference, critic, micro_batch_size=args.micro_batch_size, temperature=args.temperature, pad_id=pad_id,
+        )
+        gae = add_advantages_and_returns(  # [N, T], before whitening
+            samples, rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask,
+        )
 
         # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches.
         sampler.sleep()
-        started, model_stats = time.time(), []
-        model.train()
-        critic.train()
-        for _ in range(args.epochs):
-            order = torch.randperm(len(samples)).tolist()
-            for start in range(0, len(order), args.batch_size):
-                optimizer.zero_grad(set_to_none=True)
-                critic_optimizer.zero_grad(set_to_none=True)
-                stats = accumulate_gradients(model, critic, [samples[i] for i in order[start : start + args.batch_size]], args, pad_id)
-                if not (math.isfinite(stats["loss"]) and math.isfinite(stats["value_loss"])):
-                    non_finite_in_a_row += 1
-                    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
-                    if non_finite_in_a_row >= 3:
-                        raise ev.UsageError("three non-finite losses in a row: lower --lr / --critic-lr, or check the model and data")
-                    scheduler.step()
-                    critic_scheduler.step()
-                    continue
-                non_finite_in_a_row = 0
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
-                optimizer.step()
-                critic_optimizer.step()
-                scheduler.step()
-                critic_scheduler.step()
-                model_stats.append(stats)
-        optimizer.zero_grad(set_to_none=True)
-        critic_optimizer.zero_grad(set_to_none=True)
-        update_seconds = time.time() - started
+        update_started = time.time()
+        step_stats = update_policy(
+            model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args, pad_id, iteration, streak,
+        )
+        update_seconds = time.time() - update_started
         sampler.wake_up()
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
-        train_seconds += iteration_seconds
-        last = iteration == args.iterations or (args.max_minutes is not None and train_seconds >= 60 * args.max_minutes)
+        log.train_seconds += iteration_seconds
+        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
 
         # 5. Log, save samples, evaluate, checkpoint.
-        generated = sum(len(c.ids) for c in completions)
-        metrics = {
-            "charts/reward": rewards.mean().item(),
-            "charts/response_tokens": generated / len(completions),
-            "charts/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "charts/lr": scheduler.get_last_lr()[0],
-            "charts/critic_lr": critic_scheduler.get_last_lr()[0],
-            "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
-            "charts/loss_mask_fraction": flat_mask.float().mean().item(),
-            "charts/mean_value": flat_values.mean().item() if len(flat_values) else 0.0,
-            "charts/generated_tokens": generated,
-            "time/rollout_seconds": rollout_seconds,
-            "time/update_seconds": update_seconds,
-            "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
-            "time/train_seconds": train_seconds,
-        }
-        # Explained variance of the rollout's values against the returns: 1 = perfect critic, 0 = no better
-        # than a constant, undefined (not logged) when every return is the same.
-        if len(flat_returns) > 1 and flat_returns.var() > 0:
-            metrics["losses/explained_variance"] = (1 - (flat_returns - flat_values).var() / flat_returns.var()).item()
-        for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "value_loss", "value_clip_frac", "critic_grad_norm"):
-            if model_stats:
-                metrics[f"losses/{key}"] = sum(s[key] for s in model_stats) / len(model_stats)
-        log(iteration, metrics)
+        seconds = {"rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds}
+        metrics = iteration_metrics(completions, rewards, samples, step_stats, scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0], seconds)
+        log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         tqdm.tqdm.write(
             f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
@@ -721,21 +883,11 @@ def main(args: Args) -> dict:
             f"rollout {rollout_seconds:.1f}s  update {update_seconds:.1f}s"
         )
         if args.save_samples and iteration % args.save_samples == 0:
-            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", [
-                {
-                    "algorithm": "ppo", "iteration": iteration, "question_index": i // args.group_size,
-                    "question": questions[i // args.group_size].question, "reference": references[i],
-                    "prompt": questions[i // args.group_size].prompt, "reward": rewards[i].item(),
-                    "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-                    "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
-                    "advantages": advantages[i, : lengths[i]].tolist(),  # GAE, before whitening
-                    "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
-                    "cutpoints": None, "cutpoint_values": None, "values": samples[i]["old_values"].tolist(),
-                }
-                for i in range(min(args.save_questions, args.questions) * args.group_size)
-            ])
+            records = sample_records(iteration, questions, answers, completions, rewards, samples, gae, tokenizer, args)
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", records)
         if iteration % args.eval_every == 0 or last:
-            accuracy_after = run_eval(iteration)
+            log.write(iteration, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            accuracy_after = evaluation["eval/accuracy"]
         if iteration % args.save_every == 0 or last:
             trainer_state = {
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -746,12 +898,7 @@ def main(args: Args) -> dict:
         if last:
             break
 
-    writer.close()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
-    print(f"accuracy {before} -> {accuracy_after:.3f} on {args.eval_task or args.task}; metrics {metrics_path}; checkpoint {run_dir / 'checkpoint'}")
-    return summary
+    return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""ppo_baseline.py: GAE, clipped value loss, the critic (init, layout, shapes), micro-batch invariance, smoke run, resume."""
+"""ppo_baseline.py: GAE, clipped value loss, the critic (init, layout, shapes), micro-batch invariance, non-finite guard,
+--dry-run, smoke run, resume."""
 
 import json
 import subprocess
@@ -179,8 +180,10 @@ def test_gradients_do_not_depend_on_micro_batch_split(tiny_model_dir):
     for micro in (1, 2, 6):
         model.zero_grad()
         critic.zero_grad()
-        args = ppo.Args(micro_batch_size=micro, batch_size=6, beta=0.1, temperature=0.7, value_clip_eps=0.05)
-        stats = ppo.accumulate_gradients(model, critic, samples, args, tokenizer.pad_token_id)
+        stats = ppo.accumulate_gradients(
+            model, critic, samples, micro_batch_size=micro, temperature=0.7, clip_eps=0.2, beta=0.1, value_clip_eps=0.05,
+            pad_id=tokenizer.pad_token_id,
+        )
         assert stats["value_clip_frac"] > 0  # the clipped branch is exercised
         policy_grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         critic_grads.append(torch.cat([p.grad.flatten() for p in critic.parameters()]))
@@ -217,6 +220,28 @@ def test_bad_configuration_is_one_clear_error():
         ppo.validate(ppo.Args(batch_size=6, micro_batch_size=4))
     with pytest.raises(ev.UsageError, match="--lam"):
         ppo.validate(ppo.Args(lam=1.5))
+
+
+def test_three_non_finite_losses_in_a_row_are_one_clear_error():
+    streak, finite, non_finite = [0], {"loss": 0.5, "value_loss": 0.1}, {"loss": 0.5, "value_loss": float("nan")}
+    with pytest.warns(UserWarning, match="iteration 4: non-finite loss, update skipped"):
+        assert ppo.skipped_non_finite(non_finite, 4, streak) and ppo.skipped_non_finite(non_finite, 4, streak)
+    assert not ppo.skipped_non_finite(finite, 5, streak) and streak == [0]  # a finite loss ends the streak
+    with pytest.warns(UserWarning):
+        assert ppo.skipped_non_finite(non_finite, 6, streak) and ppo.skipped_non_finite(non_finite, 6, streak)
+    with pytest.warns(UserWarning), pytest.raises(ev.UsageError, match="three non-finite losses in a row"):
+        ppo.skipped_non_finite({"loss": float("inf"), "value_loss": 0.1}, 6, streak)  # the policy loss counts too
+
+
+def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert ppo.main(ppo.Args(dry_run=True, output_dir=str(runs)))["differences"] == []  # the defaults are the paper's run
+    result = ppo.main(ev.cli(ppo.Args, ["--dry-run", "--lam", "0.96", "--output-dir", str(runs)]))
+    assert result["differences"] == ["lam"]
+    assert result["resolved"] == {"eval_task": "gsm8k", "model_id": "realtreetune/rho-1b-sft-GSM8K"}
+    assert "* --lam" in capsys.readouterr().out
+    assert ppo.main(ppo.Args(dry_run=True, task="math", output_dir=str(runs)))["resolved"]["eval_task"] == "math500"
+    assert not runs.exists()  # nothing loaded, nothing written
 
 
 def test_cli_bad_input_prints_one_error_line(tmp_path):
