@@ -21,16 +21,23 @@ Choices the paper leaves open, made here:
 - a stop string that straddles a segment boundary ends the response there (the sampler is told how many
   of its prompt tokens the policy generated, and looks for stop strings across them);
 - edges wait in the replay buffer for at most --buffer-max-age iterations; an edge taken for training
-  leaves the buffer (as in the paper's code), so each edge is trained on once, with the old log-probs
-  of the policy that generated it;
-- the learning rate schedule advances once per iteration, since the number of edges per iteration varies.
+  leaves the buffer (as in the paper's code), so each edge is trained on in one iteration only, with the
+  old log-probs of the policy that generated it;
+- every iteration trains on exactly --samples-per-iteration segment samples, as the authors' episode
+  generator does (512 MATH, 1024 GSM8K): a random subset of the edges the buffer offers when it offers
+  more (the others go back to the buffer, keeping their age), edges repeated at random when it offers
+  fewer (a repeat counts once per copy in the whitening and the loss normalisation); 0 trains every
+  offered edge once;
+- the learning rate schedule advances once per iteration, not per optimizer step: with
+  --samples-per-iteration 0 the number of edges, and so of steps, per iteration varies, and an iteration
+  without edges still moves the schedule on; with a fixed count the two differ only within an iteration.
 
   python spo_tree.py                                       # paper long-CoT run: R1-Distill-Qwen-1.5B on MATH, 6-6-6, M=600, 2K context
-  python spo_tree.py --model rho-1b-sft-gsm8k --task gsm8k --segment-tokens 30 --questions 16 --context 2047 \\
-      --max-new-tokens 1024 --top-p 0.9 --eval-samples 16 --eval-temperature 0.35 --eval-top-p 1.0   # paper GSM8K run
+  python spo_tree.py --model rho-1b-sft-gsm8k --task gsm8k --segment-tokens 30 --questions 16 --samples-per-iteration 1024 \\
+      --context 2047 --max-new-tokens 1024 --top-p 0.9 --eval-samples 16 --eval-temperature 0.35 --eval-top-p 0.9   # paper GSM8K run
   python spo_tree.py --model smollm2-135m --task rg:chain_sum:min_terms=2,max_terms=2,max_digits=1 --tree 3,3 \\
-      --segment-tokens 16 --iterations 2 --questions 2 --batch-size 8 --micro-batch-size 4 --max-new-tokens 64 \\
-      --context 512 --eval-limit 10 --eval-samples 1                                   # offline CPU
+      --segment-tokens 16 --iterations 2 --questions 2 --samples-per-iteration 16 --batch-size 8 --micro-batch-size 4 \\
+      --max-new-tokens 64 --context 512 --eval-limit 10 --eval-samples 1               # offline CPU
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ class Args:
     track: bool = False
     """also log to Weights & Biases"""
     dry_run: bool = False
-    """print the resolved configuration as JSON and exit without loading any model or data"""
+    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
 
     iterations: int = 1000
     """training iterations (tree rollout + update)"""
@@ -147,6 +154,8 @@ class Args:
     """iterations an edge may wait in the replay buffer (1: only this iteration's edges are used)"""
     edges_per_question: int = 32
     """edges taken from the buffer per question per iteration, at random; the rest wait"""
+    samples_per_iteration: int = 512
+    """segment samples trained on per iteration (paper: 512 MATH, 1024 GSM8K): a random subset of the edges the buffer offers when it offers more (the rest stay in the buffer), edges repeated at random when it offers fewer; 0: every edge the buffer offers, once"""
 
 
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
@@ -269,6 +278,27 @@ def walk(root: Node) -> Iterator[tuple[Node, list[int]]]:
         stack += [(child, before + node.tokens) for child in reversed(node.children)]
 
 
+def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advantage: str) -> tuple[list[dict], int]:
+    """Replay-buffer edges of one iteration's trees (tree_segments of each, with the question's index and the
+    iteration it was born in) and the number of edges with a non-zero advantage. An empty segment (a stop
+    string that began in the parent's segment) has no token to train and makes no edge, but is counted.
+
+    >>> tree = Node([9], [Node([1], reward=1.0), Node([2], reward=0.0)])
+    >>> edges, nonzero = tree_edges([tree], [7], iteration=3, advantage="rloo")
+    >>> [(e["question"], e["born"], e["prompt_ids"], e["response_ids"], e["advantage"]) for e in edges], nonzero
+    ([(7, 3, [9], [1], 0.5), (7, 3, [9], [2], -0.5)], 2)
+    """
+    edges, nonzero = [], 0
+    for question_id, tree in zip(question_ids, trees):
+        segments = tree_segments(tree, advantage)
+        nonzero += len(segments)
+        edges += [
+            {"question": question_id, "born": iteration, "prompt_ids": query, "response_ids": segment, "advantage": edge_advantage}
+            for query, segment, edge_advantage in segments if segment
+        ]
+    return edges, nonzero
+
+
 def sample_buffer(
     buffer: list[dict], iteration: int, max_age: int, per_question: int, rng: random.Random
 ) -> tuple[list[dict], list[dict]]:
@@ -288,6 +318,35 @@ def sample_buffer(
     taken = [edge for i, edge in enumerate(alive) if i in chosen]
     remaining = [edge for i, edge in enumerate(alive) if i not in chosen]
     return taken, remaining
+
+
+def fill_samples(taken: list[dict], remaining: list[dict], n: int, rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """Exactly `n` segment samples from the edges sample_buffer took, as the authors' episode generator makes
+    them: a random subset of n when it took more (the others go back to the buffer), every edge once plus
+    n - len(taken) drawn again with replacement when it took fewer. n = 0, n = len(taken) or no edges at all:
+    the taken edges unchanged. Returns (samples, remaining); samples keep the buffer's order, repeats last.
+
+    A repeat is the same dict as its edge: setting a sample's tensors sets every copy's, which would get the
+    same values anyway, and each copy still counts in the per-sample statistics (whitening, loss normalisation).
+    An edge that goes back keeps its "born" iteration; `remaining` stays oldest first, the edge behind those of
+    its own iteration that stayed.
+
+    >>> edges = [{"id": i, "born": 2} for i in range(4)]
+    >>> samples, buffer = fill_samples(edges, [{"id": 8, "born": 1}, {"id": 9, "born": 2}], 2, random.Random(0))
+    >>> [e["id"] for e in samples], [e["id"] for e in buffer]
+    ([1, 3], [8, 9, 0, 2])
+    >>> samples, buffer = fill_samples(edges[:2], [], 5, random.Random(0))
+    >>> [e["id"] for e in samples], buffer
+    ([0, 1, 1, 1, 0], [])
+    """
+    if n == 0 or not taken or len(taken) == n:
+        return taken, remaining
+    if len(taken) > n:
+        chosen = set(rng.sample(range(len(taken)), n))
+        samples = [edge for i, edge in enumerate(taken) if i in chosen]
+        returned = [edge for i, edge in enumerate(taken) if i not in chosen]
+        return samples, sorted(remaining + returned, key=lambda edge: edge["born"])  # stable: both lists are oldest first
+    return taken + [rng.choice(taken) for _ in range(n - len(taken))], remaining
 
 
 def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool) -> torch.Tensor:
@@ -494,16 +553,45 @@ def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperatu
     return out
 
 
-def accumulate_gradients(model, batch_samples: list[dict], args: Args, pad_id: int) -> dict:
+def attach_targets(
+    samples: list[dict], reference, *, device, micro_batch_size: int, temperature: float, pad_id: int,
+    prob_threshold: float, prob_mask: bool,
+) -> None:
+    """Set what the loss needs on every sample: "ref_logps" (the frozen reference model's log-probs; the old ones
+    when there is no reference model, beta = 0), "loss_mask" (response tokens, with the probability mask only
+    those with p_t < prob_threshold) and "advantages" (the edge's advantage on each token, whitened over the
+    masked tokens of all samples). A sample listed twice (fill_samples) counts twice in the whitening."""
+    if not samples:
+        return
+    edges = list({id(s): s for s in samples}.values())  # each edge once: a repeat is the same dict
+    for s in edges:
+        s["ref_logps"] = s["old_logps"]
+    if reference is not None:  # parked on the CPU the rest of the time
+        reference.to(device)
+        for s, logps in zip(edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id)):
+            s["ref_logps"] = logps
+        reference.to("cpu")
+    lengths = [len(s["response_ids"]) for s in samples]
+    flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # [tokens], p_t of every response token
+    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask)  # [tokens]
+    flat_advantages = torch.repeat_interleave(torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths))  # [tokens]
+    flat_advantages = whiten(flat_advantages, flat_mask)  # statistics over the masked tokens of the whole iteration batch
+    for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
+        s["loss_mask"], s["advantages"] = mask, advantage
+
+
+def accumulate_gradients(
+    model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float, pad_id: int,
+) -> dict:
     """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient."""
     batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
-    for start in range(0, len(batch_samples), args.micro_batch_size):
-        batch = collate(batch_samples[start : start + args.micro_batch_size], pad_id, model.device)
-        logps = response_logprobs(model, batch, args.temperature)
+    for start in range(0, len(batch_samples), micro_batch_size):
+        batch = collate(batch_samples[start : start + micro_batch_size], pad_id, model.device)
+        logps = response_logprobs(model, batch, temperature)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            args.clip_eps, args.beta, batch_tokens, len(batch_samples),
+            clip_eps, beta, batch_tokens, len(batch_samples),
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -594,6 +682,8 @@ def validate(args: Args) -> list[int]:
         problems.append(f"--advantage must be {' or '.join(ADVANTAGES)}, not {args.advantage!r}")
     if args.buffer_max_age < 1 or args.edges_per_question < 1:
         problems.append("--buffer-max-age and --edges-per-question must be positive")
+    if args.samples_per_iteration < 0:
+        problems.append(f"--samples-per-iteration ({args.samples_per_iteration}) must be at least 0 (0: every edge the buffer offers)")
     if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
         problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     if problems:
@@ -601,21 +691,9 @@ def validate(args: Args) -> list[int]:
     return branches
 
 
-def main(args: Args) -> dict:
-    branches = validate(args)
-    eval_task = args.eval_task or ("math500" if args.task == "math" else args.task)
-    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]
-        config = {**asdict(args), "resolved": {
-            "model_id": ev.ALIASES.get(args.model, args.model), "eval_task": eval_task, "branches": branches,
-            "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1],
-        }}
-        print(json.dumps(config, indent=1))
-        return config
-    torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    # Run directory: new, or the one being resumed.
+def open_run(args: Args) -> tuple[Path, Path | None]:
+    """The run directory (new, or --resume's) and its newest intact checkpoint (None: start over); writes
+    args.json and records the start in the run."""
     if args.resume:
         run_dir = Path(args.resume)
         checkpoint = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
@@ -628,74 +706,269 @@ def main(args: Args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
     ev.record_start(run_dir, resumed=bool(args.resume))
+    return run_dir, checkpoint
 
+
+def load_models(args: Args, checkpoint: Path | None, device: str) -> tuple:
+    """The policy (from the checkpoint when resuming, fp32 master weights), its tokenizer and the frozen
+    reference model (the starting model, parked on the CPU except while its log-probs are computed; None when
+    beta = 0)."""
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
     ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
     reference = None
-    if args.beta > 0:  # parked on the CPU except while its log-probs are computed
+    if args.beta > 0:
         reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
         reference.requires_grad_(False)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()
-    pad_id = tokenizer.pad_token_id
+    return model, tokenizer, reference
+
+
+def load_examples(args: Args, eval_task: str, tokenizer) -> tuple[list, list]:
+    """Training and held-out questions with their prompts. A prompt that leaves no room for a response within
+    --context is dropped from training but kept (scoring 0) in evaluation, which keeps its denominator."""
     train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
     eval_examples = ev.load_task(eval_task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
     train_examples = ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True)
     eval_examples = ev.check_prompt_room(eval_examples, args.context, f"--eval-task {eval_task}", drop=False)
-    stop = ev.stop_strings(tokenizer)
+    return train_examples, eval_examples
+
+
+def make_optimizer(args: Args, model, checkpoint: Path | None) -> tuple:
+    """AdamW and its schedule (--warmup-ratio linear warmup, then linear decay, stepped once per iteration),
+    restored from the checkpoint when resuming; returns (optimizer, scheduler, first iteration to run, replay
+    buffer: the edges waiting to be trained on, oldest first)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * args.iterations), args.iterations)
+    if checkpoint is None:
+        return optimizer, scheduler, 1, []
+    # On the CPU: the buffer's log-probs stay there with the new edges'; the optimizer moves its state to the parameters.
+    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return optimizer, scheduler, state["iteration"] + 1, state["buffer"]
+
+
+class RunLog:
+    """The run's metrics: runs/<run>/metrics.jsonl (one line per iteration and per evaluation), TensorBoard, and
+    Weights & Biases with --track. Lines of iterations >= start_iteration are dropped (they will be redone), and
+    `train_seconds` continues from the kept lines."""
+
+    def __init__(self, run_dir: Path, start_iteration: int, args: Args):
+        self.path, self.wandb = run_dir / "metrics.jsonl", None
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if args.track:
+            import wandb
+
+            wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+            self.wandb = wandb
+
+    def write(self, iteration: int, metrics: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=iteration)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list, args: Args) -> dict:
+    """Held-out accuracy of the current policy (--eval-samples per question), as eval/... metrics."""
+    result = ev.evaluate(
+        model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples,
+        temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
+        context=args.context, sampler=sampler, seed=args.seed,
+    )
+    return {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+            "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]}
+
+
+def reseed(seed: int, iteration: int, sampler) -> random.Random:
+    """Seed torch and the sampler from (seed, iteration) and return the iteration's random.Random (questions, buffer):
+    a resumed run samples exactly what the uninterrupted one would."""
+    iteration_seed = seed * 1_000_003 + iteration
+    torch.manual_seed(iteration_seed)
+    if hasattr(sampler, "generator"):
+        sampler.generator.manual_seed(iteration_seed)
+    return random.Random(iteration_seed)
+
+
+def node_probs(model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int) -> dict[int, list[float]]:
+    """p_t of every token of every non-root node of `trees` (zero-advantage nodes too), keyed by id(node): what
+    --save-samples shows, computed before the update."""
+    nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
+    logps = sample_logprobs(
+        model, [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes],
+        micro_batch_size, temperature, pad_id,
+    )
+    return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
+
+
+def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
+    """True when a batch's loss is not finite (its update is skipped); `streak` counts such batches in a row,
+    across iterations, and the third ends the run."""
+    if math.isfinite(stats["loss"]):
+        streak[0] = 0
+        return False
+    streak[0] += 1
+    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+    if streak[0] >= 3:
+        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
+    return True
+
+
+def update_policy(model, optimizer, scheduler, samples: list[dict], iteration: int, streak: list[int], pad_id: int, args: Args) -> list[dict]:
+    """--epochs passes over the samples in shuffled batches of --batch-size, each accumulated in micro-batches
+    and clipped into one optimizer step; then one scheduler step. Returns the stats of the steps taken."""
+    model.train()
+    model_stats = []
+    for _ in range(args.epochs if samples else 0):
+        order = torch.randperm(len(samples)).tolist()
+        for start in range(0, len(order), args.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(
+                model, [samples[i] for i in order[start : start + args.batch_size]], micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id,
+            )
+            if skipped_non_finite(stats, iteration, streak):
+                continue
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            optimizer.step()
+            model_stats.append(stats)
+    optimizer.zero_grad(set_to_none=True)
+    # Once per iteration, not per step: one rule whether the number of steps varies (--samples-per-iteration 0) or not.
+    with warnings.catch_warnings():  # an iteration without edges makes no optimizer step; the schedule still advances
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()
+    return model_stats
+
+
+def iteration_metrics(
+    iteration: int, trees: list[Node], samples: list[dict], buffer: list[dict], *, nonzero_edges: int,
+    model_stats: list[dict], lr: float, level_seconds: list[float], rollout_seconds: float, update_seconds: float,
+    iteration_seconds: float, train_seconds: float,
+) -> dict:
+    """The iteration's metrics: the trees (rewards, shape), the samples trained on, the buffer, the losses and times."""
+    nodes = [node for tree in trees for node, _ in walk(tree)]
+    leaves = [node for node in nodes if not node.children]
+    generated = sum(len(node.tokens) for node in nodes)
+    metrics = {
+        "charts/reward": sum(leaf.reward for leaf in leaves) / len(leaves),  # mean over leaves
+        "charts/root_value": sum(tree.value for tree in trees) / len(trees),  # the trees' accuracy (values backed up)
+        "charts/truncation_rate": sum(leaf.finish_reason != "stop" for leaf in leaves) / len(leaves),
+        "charts/generated_tokens_per_question": generated / len(trees),
+        "charts/generated_tokens": generated,
+        "charts/segment_tokens": sum(len(s["response_ids"]) for s in samples) / max(1, len(samples)),
+        "charts/samples": len(samples),  # repeats of an edge (fill_samples) counted once per copy
+        "charts/unique_samples": len({id(s) for s in samples}),
+        "charts/zero_advantage_fraction": 1 - nonzero_edges / len(nodes),
+        "charts/lr": lr,
+        "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
+        "charts/loss_mask_fraction": torch.cat([s["loss_mask"] for s in samples]).float().mean().item() if samples else 0.0,
+        "tree/nodes": len(nodes) / len(trees),
+        "tree/leaves": len(leaves) / len(trees),
+        "buffer/size": len(buffer),
+        "buffer/mean_age": sum(iteration - edge["born"] for edge in buffer) / max(1, len(buffer)),
+        "buffer/taken_mean_age": sum(iteration - s["born"] for s in samples) / max(1, len(samples)),
+        "time/rollout_seconds": rollout_seconds,
+        "time/update_seconds": update_seconds,
+        "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
+        "time/train_seconds": train_seconds,
+    }
+    for depth in range(1, len(level_seconds)):  # one entry per tree level
+        metrics[f"tree/early_leaves_depth{depth}"] = sum(leaf.depth == depth and leaf.finish_reason == "stop" for leaf in leaves) / len(trees)
+    for depth, seconds in enumerate(level_seconds, 1):
+        metrics[f"time/level{depth}_seconds"] = seconds
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
+        if model_stats:
+            metrics[f"losses/{key}"] = sum(step[key] for step in model_stats) / len(model_stats)
+    return metrics
+
+
+def progress_line(iteration: int, metrics: dict, level_seconds: list[float]) -> str:
+    """The one line printed per iteration."""
+    return (
+        f"iter {iteration}: reward {metrics['charts/reward']:.3f}  root value {metrics['charts/root_value']:.3f}  "
+        f"edges {metrics['charts/samples']}  kl {metrics.get('losses/kl', 0):.2e}  rollout {metrics['time/rollout_seconds']:.1f}s "
+        f"({' / '.join(f'{seconds:.1f}' for seconds in level_seconds)})  update {metrics['time/update_seconds']:.1f}s"
+    )
+
+
+def node_record(node: Node, advantage: float | None, probs: dict[int, list[float]], tokenizer, estimator: str) -> dict:
+    """A saved tree node and its subtree, as viewer.py reads them: tokens, p_t (`probs`, by id(node)), value,
+    `advantage` (None for the root; its children's by `estimator`, rloo or grpo), reward and finish reason."""
+    ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
+    return {
+        "token_ids": ids, "tokens": ev.token_pieces(tokenizer, ids),
+        "probs": probs[id(node)] if node.depth else [], "value": node.value, "advantage": advantage,
+        "reward": node.reward, "finish_reason": node.finish_reason,
+        "children": [
+            node_record(child, child_advantage, probs, tokenizer, estimator)
+            for child, child_advantage in zip(node.children, edge_advantages(node, estimator))
+        ],
+    }
+
+
+def sample_records(trees: list[Node], questions: list, probs: dict[int, list[float]], iteration: int, tokenizer, args: Args) -> list[dict]:
+    """The --save-samples records of the first --save-questions trees (written by write_samples)."""
+    return [
+        {
+            "algorithm": "spo_tree", "iteration": iteration, "question_index": i, "question": questions[i].question,
+            "reference": questions[i].answer, "prompt": questions[i].prompt, "prob_threshold": args.prob_threshold,
+            "tree": node_record(tree, None, probs, tokenizer, args.advantage),
+        }
+        for i, tree in enumerate(trees[: args.save_questions])
+    ]
+
+
+def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float, eval_task: str) -> dict:
+    """Close the log, write summary.json and print the run's one-line result."""
+    log.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
+    print(f"accuracy {before} -> {accuracy_after:.3f} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary
+
+
+def main(args: Args) -> dict:
+    branches = validate(args)
+    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
+        full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level without early leaves
+        return ev.dry_run(args, PAPER_SETTINGS, resolved={
+            "eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model), "branches": branches,
+            "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1],
+        })
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run_dir, checkpoint = open_run(args)
+
+    model, tokenizer, reference = load_models(args, checkpoint, device)
+    train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
+    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = ev.make_sampler(
         args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
         max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
     )
+    optimizer, scheduler, start_iteration, buffer = make_optimizer(args, model, checkpoint)
+    log = RunLog(run_dir, start_iteration, args)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * args.iterations), args.iterations)
-    start_iteration, buffer = 1, []  # buffer: edges waiting to be trained on, oldest first
-    if checkpoint:
-        # On the CPU: the buffer's log-probs stay there with the new edges'; the optimizer moves its state to the parameters.
-        state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_iteration, buffer = state["iteration"] + 1, state["buffer"]
-
-    # Metrics after the checkpoint belong to iterations that will be redone: drop them.
-    metrics_path = run_dir / "metrics.jsonl"
-    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["iteration"] < start_iteration] if metrics_path.exists() else []
-    metrics_path.write_text("".join(line + "\n" for line in kept))
-    train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
-    writer = SummaryWriter(str(run_dir / "tensorboard"))
-    if args.track:
-        import wandb
-
-        wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
-
-    def log(iteration: int, metrics: dict) -> None:
-        with metrics_path.open("a") as f:
-            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
-        for key, value in metrics.items():
-            writer.add_scalar(key, value, iteration)
-        if args.track:
-            wandb.log(metrics, step=iteration)
-
-    def run_eval(iteration: int) -> float:
-        result = ev.evaluate(
-            model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples,
-            temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
-            context=args.context, sampler=sampler, seed=args.seed,
-        )
-        log(iteration, {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-                        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]})
-        return result["accuracy"]
-
-    accuracy_before = run_eval(start_iteration - 1) if start_iteration == 1 else None
-    accuracy_after, non_finite_in_a_row = accuracy_before, 0
+    accuracy_before = accuracy_after = None
+    if start_iteration == 1:
+        log.write(0, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+        accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
+    streak = [0]  # non-finite losses in a row
     progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
     for iteration in progress:
-        # Reseeding from (seed, iteration) makes a resumed run sample exactly what the uninterrupted one would.
-        rng = random.Random(args.seed * 1_000_003 + iteration)
-        torch.manual_seed(args.seed * 1_000_003 + iteration)
-        if hasattr(sampler, "generator"):
-            sampler.generator.manual_seed(args.seed * 1_000_003 + iteration)
+        rng = reseed(args.seed, iteration, sampler)
 
         # 1. Rollout: one tree per question, grown level by level across all trees.
         started = iteration_started = time.time()
@@ -711,146 +984,49 @@ def main(args: Args) -> dict:
         grade_trees(trees, [q.answer for q in questions], tokenizer, args.task)
 
         # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
-        new_edges, nonzero_edges = [], 0
-        for question_id, tree in zip(question_ids, trees):
-            segments = tree_segments(tree, args.advantage)
-            nonzero_edges += len(segments)
-            for query, segment, advantage in segments:
-                if segment:  # an empty segment (cut by a straddling stop string) has no token to train
-                    new_edges.append({"question": question_id, "born": iteration, "prompt_ids": query, "response_ids": segment,
-                                      "advantage": advantage})
+        new_edges, nonzero_edges = tree_edges(trees, question_ids, iteration, args.advantage)
         for edge, logps in zip(new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id)):
             edge["old_logps"] = logps
         saving = args.save_samples and iteration % args.save_samples == 0
-        if saving:  # p_t of every node of the saved trees (zero-advantage ones too), before the update
-            saved_nodes = [(tree, node, before) for tree in trees[: args.save_questions] for node, before in walk(tree)]
-            saved_logps = sample_logprobs(
-                model, [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in saved_nodes],
-                args.micro_batch_size, args.temperature, pad_id,
-            )
-            saved_probs = {id(node): logps.exp().tolist() for (_, node, _), logps in zip(saved_nodes, saved_logps)}
+        saved_probs = node_probs(model, trees[: args.save_questions], args.micro_batch_size, args.temperature, pad_id) if saving else {}
 
-        # 4. Replay buffer: take at most --edges-per-question edges per question; reference log-probs, mask, whitening.
-        samples, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
-        flat_mask = torch.zeros(0, dtype=torch.bool)
-        if samples:
-            for s in samples:
-                s["ref_logps"] = s["old_logps"]
-            if reference is not None:
-                reference.to(device)
-                for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
-                    s["ref_logps"] = logps
-                reference.to("cpu")
-            lengths = [len(s["response_ids"]) for s in samples]
-            flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-            flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
-            flat_advantages = torch.repeat_interleave(torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths))
-            flat_advantages = whiten(flat_advantages, flat_mask)  # statistics over the masked tokens of the whole iteration batch
-            for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
-                s["loss_mask"], s["advantages"] = mask, advantage
+        # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
+        #    samples of them; reference log-probs, loss mask, whitened advantages.
+        taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
+        samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)  # the buffer the checkpoint keeps
+        attach_targets(samples, reference, device=device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+                       pad_id=pad_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
 
-        # 5. Update: epochs x shuffled batches x micro-batches.
+        # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.
         sampler.sleep()
-        started, model_stats, lr = time.time(), [], scheduler.get_last_lr()[0]
-        model.train()
-        for _ in range(args.epochs if samples else 0):
-            order = torch.randperm(len(samples)).tolist()
-            for start in range(0, len(order), args.batch_size):
-                optimizer.zero_grad(set_to_none=True)
-                stats = accumulate_gradients(model, [samples[i] for i in order[start : start + args.batch_size]], args, pad_id)
-                if not math.isfinite(stats["loss"]):
-                    non_finite_in_a_row += 1
-                    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
-                    if non_finite_in_a_row >= 3:
-                        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
-                    continue
-                non_finite_in_a_row = 0
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                optimizer.step()
-                model_stats.append(stats)
-        optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # an iteration without edges makes no optimizer step; the schedule still advances
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-            scheduler.step()
+        started, lr = time.time(), scheduler.get_last_lr()[0]
+        model_stats = update_policy(model, optimizer, scheduler, samples, iteration, streak, pad_id, args)
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
-        train_seconds += iteration_seconds
-        last = iteration == args.iterations or (args.max_minutes is not None and train_seconds >= 60 * args.max_minutes)
+        log.train_seconds += iteration_seconds
+        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
 
         # 6. Log, save samples, evaluate, checkpoint.
-        nodes = [node for tree in trees for node, _ in walk(tree)]
-        leaves = [node for node in nodes if not node.children]
-        generated = sum(len(node.tokens) for node in nodes)
-        metrics = {
-            "charts/reward": sum(leaf.reward for leaf in leaves) / len(leaves),  # mean over leaves
-            "charts/root_value": sum(tree.value for tree in trees) / len(trees),  # the trees' accuracy (values backed up)
-            "charts/truncation_rate": sum(leaf.finish_reason != "stop" for leaf in leaves) / len(leaves),
-            "charts/generated_tokens_per_question": generated / len(trees),
-            "charts/generated_tokens": generated,
-            "charts/segment_tokens": sum(len(s["response_ids"]) for s in samples) / max(1, len(samples)),
-            "charts/samples": len(samples),
-            "charts/zero_advantage_fraction": 1 - nonzero_edges / len(nodes),
-            "charts/lr": lr,
-            "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
-            "charts/loss_mask_fraction": flat_mask.float().mean().item() if samples else 0.0,
-            "tree/nodes": len(nodes) / len(trees),
-            "tree/leaves": len(leaves) / len(trees),
-            "buffer/size": len(buffer),
-            "buffer/mean_age": sum(iteration - edge["born"] for edge in buffer) / max(1, len(buffer)),
-            "buffer/taken_mean_age": sum(iteration - s["born"] for s in samples) / max(1, len(samples)),
-            "time/rollout_seconds": rollout_seconds,
-            "time/update_seconds": update_seconds,
-            "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
-            "time/train_seconds": train_seconds,
-        }
-        for depth in range(1, len(branches)):
-            metrics[f"tree/early_leaves_depth{depth}"] = sum(leaf.depth == depth and leaf.finish_reason == "stop" for leaf in leaves) / len(trees)
-        for depth, seconds in enumerate(level_seconds, 1):
-            metrics[f"time/level{depth}_seconds"] = seconds
-        for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-            if model_stats:
-                metrics[f"losses/{key}"] = sum(s[key] for s in model_stats) / len(model_stats)
-        log(iteration, metrics)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(
-            f"iter {iteration}: reward {metrics['charts/reward']:.3f}  root value {metrics['charts/root_value']:.3f}  "
-            f"edges {len(samples)}  kl {metrics.get('losses/kl', 0):.2e}  rollout {rollout_seconds:.1f}s "
-            f"({' / '.join(f'{s:.1f}' for s in level_seconds)})  update {update_seconds:.1f}s"
+        metrics = iteration_metrics(
+            iteration, trees, samples, buffer, nonzero_edges=nonzero_edges, model_stats=model_stats, lr=lr,
+            level_seconds=level_seconds, rollout_seconds=rollout_seconds, update_seconds=update_seconds,
+            iteration_seconds=iteration_seconds, train_seconds=log.train_seconds,
         )
+        log.write(iteration, metrics)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
+        tqdm.tqdm.write(progress_line(iteration, metrics, level_seconds))
         if saving:
-
-            def node_record(node: Node, advantage: float | None) -> dict:
-                ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
-                return {
-                    "token_ids": ids, "tokens": ev.token_pieces(tokenizer, ids),
-                    "probs": saved_probs[id(node)] if node.depth else [], "value": node.value, "advantage": advantage,
-                    "reward": node.reward, "finish_reason": node.finish_reason,
-                    "children": [node_record(child, a) for child, a in zip(node.children, edge_advantages(node, args.advantage))],
-                }
-
-            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", [
-                {
-                    "algorithm": "spo_tree", "iteration": iteration, "question_index": i, "question": questions[i].question,
-                    "reference": questions[i].answer, "prompt": questions[i].prompt, "prob_threshold": args.prob_threshold,
-                    "tree": node_record(tree, None),
-                }
-                for i, tree in enumerate(trees[: args.save_questions])
-            ])
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(trees, questions, saved_probs, iteration, tokenizer, args))
         if iteration % args.eval_every == 0 or last:
-            accuracy_after = run_eval(iteration)
+            log.write(iteration, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            accuracy_after = eval_metrics["eval/accuracy"]
         if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration, buffer)
         if last:
             break
-
-    writer.close()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
-    print(f"accuracy {before} -> {accuracy_after:.3f} on {eval_task}; metrics {metrics_path}; checkpoint {run_dir / 'checkpoint'}")
-    return summary
+    return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 
 if __name__ == "__main__":

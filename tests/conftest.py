@@ -87,7 +87,7 @@ SMOKE_SETTINGS = {
     "spo_tree": dict(
         backend="hf", iterations=2, questions=3, tree="4,3", segment_tokens=2, max_new_tokens=5, context=160,
         batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=1,
-        edges_per_question=4, buffer_max_age=2,
+        edges_per_question=4, buffer_max_age=2, samples_per_iteration=0,
     ),
 }
 

@@ -1,4 +1,5 @@
-"""spo_tree.py: tree parsing, value backup, segment advantages, tree rollout, replay buffer, loss, smoke run, resume."""
+"""spo_tree.py: tree parsing, value backup, segment advantages, tree rollout, replay buffer, samples per iteration,
+loss, smoke run, resume."""
 
 import json
 import math
@@ -293,6 +294,103 @@ def test_buffer_loop_trains_each_edge_at_most_once_and_never_too_old():
 
 
 # ----------------------------------------------------------------------------------------------
+# Samples per iteration (fill_samples)
+
+
+def edges(*specs):
+    """Edges named by (id, born)."""
+    return [{"id": i, "born": born} for i, born in specs]
+
+
+def ids(edge_list):
+    return [e["id"] for e in edge_list]
+
+
+def test_fill_samples_takes_a_random_subset_and_returns_the_rest_to_the_buffer():
+    taken = edges((1, 3), (4, 4), (5, 5), (7, 5), (8, 5))
+    remaining = edges((0, 3), (2, 4), (3, 4), (6, 5))
+    samples, buffer = spo.fill_samples(taken, remaining, 3, random.Random(0))
+    chosen = sorted(random.Random(0).sample(range(5), 3))  # one rng.sample of the taken positions
+    assert ids(samples) == [ids(taken)[i] for i in chosen]  # the buffer's order kept
+    returned = [e for e in taken if e not in samples]
+    assert len(returned) == 2 and all(e in buffer for e in returned)  # nothing is lost
+    assert sorted(ids(buffer)) == sorted(ids(remaining) + ids(returned)) and len(buffer) == 6
+    assert [e["born"] for e in buffer] == sorted(e["born"] for e in buffer)  # still oldest first, ages kept
+    again, _ = spo.fill_samples(taken, remaining, 3, random.Random(0))
+    assert ids(again) == ids(samples)
+
+
+def test_fill_samples_by_hand():
+    taken = edges((10, 2), (11, 2), (12, 2))
+    remaining = edges((1, 1), (13, 2))
+    # Choose positions {0, 2}: 11 goes back, behind 13 (same iteration), after the older 1.
+    class Fixed(random.Random):
+        def sample(self, population, k):
+            return [2, 0]
+
+    samples, buffer = spo.fill_samples(taken, remaining, 2, Fixed())
+    assert ids(samples) == [10, 12] and ids(buffer) == [1, 13, 11]
+    assert buffer[2] is taken[1] and buffer[2]["born"] == 2  # the same edge, its age unchanged
+
+
+def test_fill_samples_repeats_edges_when_the_buffer_offers_fewer():
+    taken = edges((1, 3), (2, 4))
+    remaining = edges((0, 3))
+    samples, buffer = spo.fill_samples(taken, remaining, 7, random.Random(5))
+    reference_rng = random.Random(5)
+    assert ids(samples) == [1, 2] + [reference_rng.choice([1, 2]) for _ in range(5)]  # every edge once, then draws
+    assert samples[0] is taken[0] and all(s is taken[0] or s is taken[1] for s in samples)  # repeats are the edges themselves
+    assert buffer is remaining  # nothing goes back: all taken edges are trained
+
+
+@pytest.mark.parametrize("taken, n", [(edges((1, 1), (2, 1)), 2), (edges((1, 1), (2, 1)), 0), ([], 4), ([], 0)])
+def test_fill_samples_leaves_equal_empty_and_n_0_unchanged(taken, n):
+    remaining = edges((0, 1))
+    rng = random.Random(3)
+    state = rng.getstate()
+    samples, buffer = spo.fill_samples(taken, remaining, n, rng)
+    assert samples is taken and buffer is remaining
+    assert rng.getstate() == state  # no draw: the rest of the iteration samples what it would without the step
+
+
+def test_buffer_loop_with_fill_trains_exactly_n_per_iteration_and_each_edge_in_one_iteration():
+    rng, buffer, trained_in = random.Random(2), [], {}
+    for iteration in range(1, 40):
+        new = [{"question": (iteration + k) % 4, "born": iteration, "id": (iteration, k)} for k in range(rng.randint(0, 14))]
+        taken, buffer = spo.sample_buffer(buffer + new, iteration, max_age=3, per_question=3, rng=rng)
+        samples, buffer = spo.fill_samples(taken, buffer, 6, rng)
+        assert len(samples) == (6 if taken else 0)
+        assert all(iteration - e["born"] < 3 for e in samples + buffer)
+        assert not {id(e) for e in samples} & {id(e) for e in buffer}  # a trained edge leaves the buffer
+        for e in samples:
+            assert trained_in.setdefault(e["id"], iteration) == iteration  # copies only within one iteration
+    assert len(trained_in) > 0
+
+
+def test_repeats_count_once_per_copy_in_the_whitening_and_the_reference_runs_once_per_edge(monkeypatch):
+    a = {"prompt_ids": [5], "response_ids": [6], "advantage": 1.0, "old_logps": torch.log(torch.tensor([0.5]))}
+    b = {"prompt_ids": [5], "response_ids": [7], "advantage": -1.0, "old_logps": torch.log(torch.tensor([0.5]))}
+    calls = []
+
+    def fake_logprobs(model, samples, micro_batch_size, temperature, pad_id):
+        calls.append(len(samples))
+        return [torch.full((len(s["response_ids"]),), -2.0) for s in samples]
+
+    class Reference:
+        def to(self, device):
+            return self
+
+    monkeypatch.setattr(spo, "sample_logprobs", fake_logprobs)
+    spo.attach_targets([a, b, a, a], Reference(), device="cpu", micro_batch_size=4, temperature=1.0, pad_id=0,
+                       prob_threshold=0.9, prob_mask=True)
+    assert calls == [2]  # two edges, not four samples
+    # Token advantages [1, -1, 1, 1]: mean 0.5, std sqrt(0.75) (the copies of a count three times).
+    assert a["advantages"].tolist() == pytest.approx([0.5 / math.sqrt(0.75)], rel=1e-6)
+    assert b["advantages"].tolist() == pytest.approx([-1.5 / math.sqrt(0.75)], rel=1e-6)
+    assert a["ref_logps"].tolist() == [-2.0] and a["loss_mask"].tolist() == [True]
+
+
+# ----------------------------------------------------------------------------------------------
 # Loss
 
 
@@ -319,7 +417,8 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
     grads = []
     for micro in (1, 2, 6):
         model.zero_grad()
-        spo.accumulate_gradients(model, samples, spo.Args(micro_batch_size=micro, batch_size=6, beta=0.1, temperature=0.7), tokenizer.pad_token_id)
+        spo.accumulate_gradients(model, samples, micro_batch_size=micro, temperature=0.7, clip_eps=0.2, beta=0.1,
+                                 pad_id=tokenizer.pad_token_id)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
@@ -340,12 +439,13 @@ def sevens(tmp_path_factory):
 
 def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(sevens, tmp_path):
     model_dir, data = sevens
-    summary = spo.main(smoke_args(spo, model_dir, data, tmp_path))
+    summary = spo.main(smoke_args(spo, model_dir, data, tmp_path, samples_per_iteration=0))  # 0: every edge offered, once
     metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and math.isfinite(v) for m in metrics for v in m.values())
     assert all("losses/kl" in m and "losses/grad_norm" in m and m["charts/samples"] > 0 for m in train)
+    assert all(m["charts/unique_samples"] == m["charts/samples"] for m in train)
     for m in train:  # tree 4,3: every depth-1 node that did not stop has 3 children (the context never binds here)
         open_nodes = 4 - m["tree/early_leaves_depth1"]
         assert m["tree/nodes"] == pytest.approx(4 + 3 * open_nodes) and m["tree/leaves"] == pytest.approx(4 - open_nodes + 3 * open_nodes)
@@ -360,9 +460,37 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
     assert result["examples"] == 2
 
 
+def test_samples_per_iteration_trains_exactly_that_many_samples(sevens, tmp_path, monkeypatch):
+    model_dir, data = sevens
+    offered, trained, real_fill, real_step = [], [], spo.fill_samples, spo.accumulate_gradients
+
+    def recording_fill(taken, remaining, n, rng):
+        offered.append(len(taken))
+        return real_fill(taken, remaining, n, rng)
+
+    def recording_step(model, batch_samples, **kwargs):
+        trained.append(batch_samples)
+        return real_step(model, batch_samples, **kwargs)
+
+    monkeypatch.setattr(spo, "fill_samples", recording_fill)
+    monkeypatch.setattr(spo, "accumulate_gradients", recording_step)
+    summary = spo.main(smoke_args(spo, model_dir, data, tmp_path, samples_per_iteration=6))
+    train = [m for m in read_metrics(summary["run_dir"]) if "charts/samples" in m]
+    assert offered == [4, 7]  # seed 1: iteration 1 offers fewer edges than 6 (repeats), iteration 2 more (one goes back)
+    assert [m["charts/samples"] for m in train] == [6, 6] and [m["charts/unique_samples"] for m in train] == [4, 6]
+    assert [len(batch) for batch in trained] == [6, 6]  # batch 8: one optimizer step of 6 samples per iteration
+    assert len({id(s) for s in trained[0]}) == 4  # the repeats are trained as copies
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    assert len(state["buffer"]) == train[-1]["buffer/size"] >= 1  # the edge that went back is kept for the next iteration
+    assert not any("loss_mask" in edge for edge in state["buffer"])  # and was not trained on
+
+
 def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path, monkeypatch):
     model_dir, data = sevens
-    full = spo.main(smoke_args(spo, model_dir, data, tmp_path / "full", iterations=3, seed=3))  # seed 3: iteration 3 trains on kept edges
+    # seed 1, 5 samples per iteration: iteration 1 repeats edges, iteration 2 sends 2 back to the buffer,
+    # iteration 3 trains on the edges the checkpoint kept.
+    settings = dict(iterations=3, seed=1, samples_per_iteration=5)
+    full = spo.main(smoke_args(spo, model_dir, data, tmp_path / "full", **settings))
 
     class Killed(Exception):
         pass
@@ -377,17 +505,18 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
 
     monkeypatch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
     with pytest.raises(Killed):
-        spo.main(smoke_args(spo, model_dir, data, tmp_path / "killed", iterations=3, seed=3))
+        spo.main(smoke_args(spo, model_dir, data, tmp_path / "killed", **settings))
     monkeypatch.undo()
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = spo.main(smoke_args(spo, model_dir, data, tmp_path / "unused", iterations=3, seed=3, resume=str(run_dir)))
+    resumed = spo.main(smoke_args(spo, model_dir, data, tmp_path / "unused", **settings, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)
     expected = read_metrics(full["run_dir"])
     assert read_metrics(run_dir) == expected  # same seed: same numbers with or without the kill
-    last = [m for m in expected if m["iteration"] == 3 and "charts/samples" in m][0]
-    assert last["charts/samples"] > 0 and last["buffer/taken_mean_age"] > 0  # iteration 3 trained on edges the checkpoint kept
+    train = [m for m in expected if "charts/samples" in m]
+    assert [m["charts/samples"] for m in train] == [5, 5, 5]
+    assert train[1]["buffer/size"] > 0 and train[2]["buffer/taken_mean_age"] > 0  # iteration 3 trained on edges the checkpoint kept
 
 
 def test_reward_rises_on_a_trivially_learnable_task(sevens, tmp_path):
@@ -396,7 +525,7 @@ def test_reward_rises_on_a_trivially_learnable_task(sevens, tmp_path):
     summary = spo.main(spo.Args(
         model=str(model_dir), task=str(data), backend="hf", iterations=14, questions=8, tree="4,4", segment_tokens=1,
         max_new_tokens=3, context=64, batch_size=64, micro_batch_size=64, lr=1e-2, beta=0.0, warmup_ratio=0.0,
-        edges_per_question=8, buffer_max_age=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6,
+        edges_per_question=8, samples_per_iteration=0, buffer_max_age=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6,
         save_every=1000, output_dir=str(tmp_path / "runs"),
     ))
     values = [m["charts/root_value"] for m in read_metrics(summary["run_dir"]) if "charts/root_value" in m]
@@ -412,13 +541,18 @@ def test_dry_run_resolves_the_paper_config_and_loads_nothing(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stderr
-    config = json.loads(result.stdout)
-    assert config["resolved"]["model_id"] == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
-    assert config["resolved"]["branches"] == [6, 6, 6] and config["resolved"]["nodes_per_full_tree"] == 6 + 36 + 216
-    assert config["resolved"]["eval_task"] == "math500"
-    assert (config["task"], config["segment_tokens"], config["context"], config["questions"]) == ("math", 600, 2048, 32)
-    assert (config["batch_size"], config["epochs"], config["temperature"], config["top_p"]) == (128, 1, 0.6, 1.0)
-    assert (config["lr"], config["beta"], config["prob_mask"]) == (1e-6, 1e-4, True)
+    assert "0 difference(s)" in result.stdout.strip().splitlines()[-1], result.stdout
+    assert "nodes_per_full_tree 258" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+    config = spo.main(spo.Args(model="deepseek-r1-distill-qwen-1.5b", tree="6,6,6", dry_run=True, output_dir=str(tmp_path / "runs")))
+    resolved, settings = config["resolved"], config["settings"]
+    assert resolved["model_id"] == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" and resolved["eval_task"] == "math500"
+    assert resolved["branches"] == [6, 6, 6] and resolved["nodes_per_full_tree"] == 6 + 36 + 216 and resolved["leaves_per_full_tree"] == 216
+    assert (settings["task"], settings["segment_tokens"], settings["context"], settings["questions"]) == ("math", 600, 2048, 32)
+    assert (settings["batch_size"], settings["epochs"], settings["temperature"], settings["top_p"]) == (128, 1, 0.6, 1.0)
+    assert (settings["lr"], settings["beta"], settings["prob_mask"], settings["samples_per_iteration"]) == (1e-6, 1e-4, True, 512)
+    assert config["paper_run"] == "math" and config["differences"] == []
     assert not (tmp_path / "runs").exists()
 
 
@@ -439,6 +573,9 @@ def test_impossible_configurations_are_one_clear_error():
         spo.validate(spo.Args(tree="2,2,2", segment_tokens=600, max_new_tokens=1024))
     with pytest.raises(ev.UsageError, match="--advantage"):
         spo.validate(spo.Args(advantage="ppo"))
+    with pytest.raises(ev.UsageError, match=r"--samples-per-iteration \(-1\) must be at least 0"):
+        spo.validate(spo.Args(samples_per_iteration=-1))
+    spo.validate(spo.Args(samples_per_iteration=0))  # 0: every edge the buffer offers
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_the_trees(tiny_model_dir, gsm8k_jsonl, tmp_path):
