@@ -156,6 +156,9 @@ def saved_settings(args_class, run_dir: str | Path):
         raise UsageError(f"--resume {run_dir}: cannot read the run's settings {path} ({error}); give a run directory "
                          "this script made") from None
     fields = {f.name for f in dataclasses.fields(args_class)}
+    # A setting added to the script after the run started is taken at its default when it cannot change the
+    # algorithm (e.g. --dry-run); any other difference means another script or version made the run.
+    saved |= {f.name: f.default for f in dataclasses.fields(args_class) if f.name not in saved and f.name in RESUMABLE_SETTINGS}
     if set(saved) != fields:
         foreign = sorted(set(saved) ^ fields)
         raise UsageError(f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "

@@ -426,7 +426,7 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
     return run_dir, checkpoint
 
 
-def load_policy(args: Args, checkpoint: Path | None, device: str):
+def load_models(args: Args, checkpoint: Path | None, device: str):
     """The policy (fp32 master weights) from the checkpoint or --model, its tokenizer, and the frozen reference
     model (None with --beta 0), which is parked on the CPU except while its log-probs are computed."""
     model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
@@ -579,6 +579,13 @@ def iteration_metrics(
     return metrics
 
 
+def progress_line(iteration: int, metrics: dict) -> str:
+    """The one line printed per iteration."""
+    return (f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
+            f"kl {metrics.get('losses/kl', 0):.2e}  rollout {metrics['time/rollout_seconds']:.1f}s  "
+            f"update {metrics['time/update_seconds']:.1f}s")
+
+
 def sample_records(
     iteration: int, questions: list[ev.Example], completions: list[ev.Completion], rewards: torch.Tensor,
     advantages: torch.Tensor, samples: list[dict], tokenizer, args: Args,
@@ -621,7 +628,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     run_dir, checkpoint = open_run(args)
-    model, tokenizer, reference = load_policy(args, checkpoint, device)
+    model, tokenizer, reference = load_models(args, checkpoint, device)
     train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = ev.make_sampler(
@@ -701,10 +708,7 @@ def main(args: Args) -> dict:
         })
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(
-            f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-            f"kl {metrics.get('losses/kl', 0):.2e}  rollout {rollout_seconds:.1f}s  update {update_seconds:.1f}s"
-        )
+        tqdm.tqdm.write(progress_line(iteration, metrics))
         if args.save_samples and iteration % args.save_samples == 0:
             write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl",
                           sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args))

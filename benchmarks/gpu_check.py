@@ -96,7 +96,7 @@ def main() -> None:
         for module, name, specific in [
             (grpo_baseline, "grpo", dict(group_size=8)),
             (spo_chain, "spo_chain", dict(group_size=8, mc_samples=9)),
-            (spo_tree, "spo_tree", dict(tree="6,6", segment_tokens=30)),
+            (spo_tree, "spo_tree", dict(tree="6,6", segment_tokens=30, samples_per_iteration=64)),
             (ppo_baseline, "ppo", dict(group_size=8)),
         ]:
             results[name] = run_script(module, name, model, task, tmp / "runs", **specific)

@@ -37,7 +37,8 @@ ALGORITHMS = {
     "spo_chain": ["spo_chain.py", "--questions", "4", "--group-size", "4", "--mc-samples", "4", "--epochs", "1"],
     # SmolLM2 at temperature 0.6 has ~50 low-probability tokens per 100: int5 makes ~10 cutpoints per response.
     "spo_chain_int20": ["spo_chain.py", "--questions", "4", "--group-size", "4", "--mc-samples", "4", "--epochs", "1", "--interval", "20"],
-    "spo_tree": ["spo_tree.py", "--questions", "4", "--tree", "4,4", "--segment-tokens", "24", "--epochs", "1"],
+    # --samples-per-iteration 0: every edge the buffer offers, once (4 small trees give far fewer than the paper's 512).
+    "spo_tree": ["spo_tree.py", "--questions", "4", "--tree", "4,4", "--segment-tokens", "24", "--epochs", "1", "--samples-per-iteration", "0"],
     "ppo": ["ppo_baseline.py", "--questions", "8", "--group-size", "8", "--epochs", "1"],
 }
 

@@ -56,6 +56,18 @@ def test_saved_settings_round_trip(module, tmp_path):
     assert ev.saved_settings(module.Args, tmp_path / "run") == saved
 
 
+def test_a_run_saved_before_a_new_setting_resumes_only_if_that_setting_cannot_change_the_algorithm(tmp_path):
+    saved = _saved_run(spo_tree, tmp_path / "run")
+    settings = json.loads((tmp_path / "run" / "args.json").read_text())
+    settings.pop("dry_run")  # a run started before --dry-run existed
+    (tmp_path / "run" / "args.json").write_text(json.dumps(settings))
+    assert ev.saved_settings(spo_tree.Args, tmp_path / "run") == saved
+    settings.pop("samples_per_iteration")  # one before --samples-per-iteration: its default would change the run
+    (tmp_path / "run" / "args.json").write_text(json.dumps(settings))
+    with pytest.raises(ev.UsageError, match=r"differing: samples_per_iteration\)"):
+        ev.saved_settings(spo_tree.Args, tmp_path / "run")
+
+
 def _cli(*flags, cwd):
     return subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), *flags], capture_output=True, text=True,
                           cwd=cwd, timeout=300)
