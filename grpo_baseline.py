@@ -52,7 +52,7 @@ class Args:
     task: str = "gsm8k"
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     eval_task: str | None = None
-    """held-out task (default: the training task's test split)"""
+    """held-out task (default: the training task's test split; MATH500 for --task math)"""
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
     output_dir: str = "runs"
@@ -314,7 +314,7 @@ def accumulate_gradients(
     Each sample holds prompt_ids, response_ids, advantages, loss_mask, and old_logps and ref_logps (both
     optional: without ref_logps the KL term is 0; with on_policy=True pi_old is this forward pass's own
     log-probs, detached, which is exact when the policy has not moved since the rollout). Returns the summed
-    stats and every sample's detached log-probs (1-D, CPU): pi_old's, when on_policy.
+    stats and, when on_policy, every sample's pi_old log-probs (1-D, CPU; an empty list otherwise).
     """
     batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
     stats, sample_logps = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}, []
@@ -331,7 +331,8 @@ def accumulate_gradients(
         stats["loss"] += loss.item()
         for key in micro:
             stats[key] += micro[key]
-        sample_logps += [row[: len(s["response_ids"])].detach().cpu() for row, s in zip(logps, micro_samples)]
+        if on_policy:
+            sample_logps += [row[: len(s["response_ids"])].detach().cpu() for row, s in zip(logps, micro_samples)]
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
     return stats, sample_logps
 
@@ -520,8 +521,8 @@ def update_policy(
     model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, on_policy: bool, iteration: int, streak: list[int],
 ) -> tuple[list[dict], list[torch.Tensor | None]]:
     """--epochs passes over the samples in shuffled batches of --batch-size, one optimizer step per batch.
-    Returns the stats of every step taken and each sample's log-probs in its last forward pass (pi_old's when
-    on_policy, since then the only step is the first)."""
+    Returns the stats of every step taken and, when on_policy (one step per iteration), each sample's pi_old
+    log-probs from that step's forward pass (None otherwise)."""
     steps, forward_logps = [], [None] * len(samples)
     model.train()
     for _ in range(args.epochs):

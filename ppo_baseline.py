@@ -773,6 +773,13 @@ def iteration_metrics(
     return metrics
 
 
+def progress_line(iteration: int, metrics: dict) -> str:
+    """The one line printed per iteration."""
+    return (f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
+            f"kl {metrics.get('losses/kl', 0):.2e}  value loss {metrics.get('losses/value_loss', 0):.3f}  "
+            f"rollout {metrics['time/rollout_seconds']:.1f}s  update {metrics['time/update_seconds']:.1f}s")
+
+
 def sample_records(
     iteration: int, questions: list[ev.Example], answers: list[str], completions: list[ev.Completion], rewards: torch.Tensor,
     samples: list[dict], gae: torch.Tensor, tokenizer, args: Args,
@@ -877,11 +884,7 @@ def main(args: Args) -> dict:
         metrics = iteration_metrics(completions, rewards, samples, step_stats, scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0], seconds)
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(
-            f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-            f"kl {metrics.get('losses/kl', 0):.2e}  value loss {metrics.get('losses/value_loss', 0):.3f}  "
-            f"rollout {rollout_seconds:.1f}s  update {update_seconds:.1f}s"
-        )
+        tqdm.tqdm.write(progress_line(iteration, metrics))
         if args.save_samples and iteration % args.save_samples == 0:
             records = sample_records(iteration, questions, answers, completions, rewards, samples, gae, tokenizer, args)
             write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", records)

@@ -58,7 +58,7 @@ class Args:
     task: str = "gsm8k"
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     eval_task: str | None = None
-    """held-out task (default: the training task's test split)"""
+    """held-out task (default: the training task's test split; MATH500 for --task math)"""
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
     output_dir: str = "runs"
@@ -659,7 +659,7 @@ def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
 
 
 def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int,
-                  non_finite_streak: list[int]) -> list[dict]:
+                  streak: list[int]) -> list[dict]:
     """--epochs passes over the iteration's samples in shuffled batches of --batch-size: one clipped optimizer step
     per batch. A skipped (non-finite) batch still steps the scheduler. Returns the stats of the steps taken."""
     model.train()
@@ -672,7 +672,7 @@ def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, 
                 model, [samples[i] for i in order[start : start + args.batch_size]], micro_batch_size=args.micro_batch_size,
                 temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id,
             )
-            if not skipped_non_finite(stats, iteration, non_finite_streak):
+            if not skipped_non_finite(stats, iteration, streak):
                 stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 optimizer.step()
                 steps.append(stats)
@@ -781,7 +781,7 @@ def main(args: Args) -> dict:
     if start_iteration == 1:
         log.write(0, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = eval_metrics["eval/accuracy"]
-    accuracy_after, non_finite_streak = accuracy_before, [0]
+    accuracy_after, streak = accuracy_before, [0]
     progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
     for iteration in progress:
         # 1. Rollout: G responses per question (reseeded per iteration: a resumed run samples the same).
@@ -802,9 +802,9 @@ def main(args: Args) -> dict:
         # 3. Old and reference log-probs, once; p_t = exp(old log-prob) comes from the same forward pass.
         samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": completion.ids}
                    for i, completion in enumerate(completions)]
-        logps = old_and_reference_logprobs(model, reference, samples, args.micro_batch_size, args.temperature, pad_id)
-        for s, old_logps, ref_logps in zip(samples, *logps):
-            s["old_logps"], s["ref_logps"] = old_logps, ref_logps
+        old_logps, ref_logps = old_and_reference_logprobs(model, reference, samples, args.micro_batch_size, args.temperature, pad_id)
+        for s, old, ref in zip(samples, old_logps, ref_logps):
+            s["old_logps"], s["ref_logps"] = old, ref
         lengths = [len(s["response_ids"]) for s in samples]
         flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # [all response tokens], p_t
         probs = [p.tolist() for p in flat_probs.split(lengths)]
@@ -834,7 +834,7 @@ def main(args: Args) -> dict:
         # 7. Update: epochs x shuffled batches x micro-batches.
         sampler.sleep()
         started = time.time()
-        model_stats = update_policy(model, optimizer, scheduler, samples, args, pad_id, iteration, non_finite_streak)
+        model_stats = update_policy(model, optimizer, scheduler, samples, args, pad_id, iteration, streak)
         seconds["update"] = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)

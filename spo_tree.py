@@ -824,7 +824,7 @@ def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
     return True
 
 
-def update_policy(model, optimizer, scheduler, samples: list[dict], iteration: int, streak: list[int], pad_id: int, args: Args) -> list[dict]:
+def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int, streak: list[int]) -> list[dict]:
     """--epochs passes over the samples in shuffled batches of --batch-size, each accumulated in micro-batches
     and clipped into one optimizer step; then one scheduler step. Returns the stats of the steps taken."""
     model.train()
@@ -901,22 +901,22 @@ def progress_line(iteration: int, metrics: dict, level_seconds: list[float]) -> 
     )
 
 
-def node_record(node: Node, advantage: float | None, probs: dict[int, list[float]], tokenizer, estimator: str) -> dict:
+def node_record(node: Node, advantage: float | None, probs: dict[int, list[float]], tokenizer, advantage_kind: str) -> dict:
     """A saved tree node and its subtree, as viewer.py reads them: tokens, p_t (`probs`, by id(node)), value,
-    `advantage` (None for the root; its children's by `estimator`, rloo or grpo), reward and finish reason."""
+    `advantage` (None for the root; its children's by `advantage_kind`, rloo or grpo), reward and finish reason."""
     ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
     return {
         "token_ids": ids, "tokens": ev.token_pieces(tokenizer, ids),
         "probs": probs[id(node)] if node.depth else [], "value": node.value, "advantage": advantage,
         "reward": node.reward, "finish_reason": node.finish_reason,
         "children": [
-            node_record(child, child_advantage, probs, tokenizer, estimator)
-            for child, child_advantage in zip(node.children, edge_advantages(node, estimator))
+            node_record(child, child_advantage, probs, tokenizer, advantage_kind)
+            for child, child_advantage in zip(node.children, edge_advantages(node, advantage_kind))
         ],
     }
 
 
-def sample_records(trees: list[Node], questions: list, probs: dict[int, list[float]], iteration: int, tokenizer, args: Args) -> list[dict]:
+def sample_records(iteration: int, trees: list[Node], questions: list, probs: dict[int, list[float]], tokenizer, args: Args) -> list[dict]:
     """The --save-samples records of the first --save-questions trees (written by write_samples)."""
     return [
         {
@@ -1000,7 +1000,7 @@ def main(args: Args) -> dict:
         # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.
         sampler.sleep()
         started, lr = time.time(), scheduler.get_last_lr()[0]
-        model_stats = update_policy(model, optimizer, scheduler, samples, iteration, streak, pad_id, args)
+        model_stats = update_policy(model, optimizer, scheduler, samples, args, pad_id, iteration, streak)
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
@@ -1018,7 +1018,7 @@ def main(args: Args) -> dict:
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         tqdm.tqdm.write(progress_line(iteration, metrics, level_seconds))
         if saving:
-            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(trees, questions, saved_probs, iteration, tokenizer, args))
+            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(iteration, trees, questions, saved_probs, tokenizer, args))
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = eval_metrics["eval/accuracy"]
