@@ -47,6 +47,7 @@ import tqdm
 import tyro
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 
 class UsageError(Exception):
@@ -130,11 +131,12 @@ def _discard_untrained_run() -> None:
 
 
 # Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs,
-# and memory knobs that leave the update unchanged (the gradient does not depend on the micro-batch split).
+# memory knobs that leave the update unchanged (the gradient does not depend on the micro-batch split), and
+# the matmul precision (a resume on another machine may need another; the choice is logged per start).
 # Anything else would change the algorithm mid-run.
 RESUMABLE_SETTINGS = (
     "resume", "dry_run", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
-    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization",
+    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "precision",
 )
 
 
@@ -177,16 +179,17 @@ def check_resume_settings(args, run_dir: str | Path) -> None:
 
 
 def record_start(run_dir: Path, resumed: bool) -> None:
-    """Append this start or resume (time, command line, commit) to RUN/starts.jsonl."""
+    """Append this start or resume (time, command line, commit, set_precision's choice) to RUN/starts.jsonl."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
                                 text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": commit}
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": commit,
+             "precision": _PRECISION.get("line")}
+    _active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)  # first: a Ctrl-C from here on names the run
     with (run_dir / "starts.jsonl").open("a") as f:
         f.write(json.dumps(entry) + "\n")
-    _active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)
 
 
 def setting_problems(args) -> list[str]:
@@ -443,6 +446,60 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
     return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Precision: fp32 master weights always; matmuls in bf16 autocast where the device does bf16 fast.
+# Like torch.backends' own precision switches, the choice is process-wide: set_precision() once in main,
+# and every forward pass (sampler, log-probs, update) enters autocast(device_type).
+
+_BF16_DEVICES = {"cuda"}  # device types whose forward passes run in bf16 autocast (until set_precision)
+_PRECISION: dict[str, str] = {}  # "line": what set_precision chose, for RUN/starts.jsonl
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def fast_bf16(device_type: str) -> tuple[bool, str]:
+    """Whether bf16 matmuls are faster than fp32 on this device type, and why."""
+    if device_type == "cuda":
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return True, "the GPU has bf16"
+        return False, "the GPU has no bf16"
+    if device_type == "cpu":
+        found = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())
+        if found:
+            return True, f"the CPU has {' and '.join(found)}"
+        return False, "the CPU has neither AVX-512 BF16 nor AMX, so bf16 matmuls would be slower than fp32"
+    return False, f"no bf16 autocast is used on {device_type}"
+
+
+def set_precision(precision: str, device: str) -> str:
+    """Choose the matmul precision for the training device (and the CPU, where a reference model may be
+    parked): "auto" = bf16 where fast_bf16, "bf16" or "fp32" to force. Returns the line to print and log."""
+    device_type = torch.device(device).type
+    chosen = {}
+    for kind in dict.fromkeys([device_type, "cpu"]):
+        fast, why = fast_bf16(kind)
+        use = precision == "bf16" or (precision == "auto" and fast)
+        chosen[kind] = ("bf16 autocast" if use else "fp32") + (f" ({why})" if precision == "auto" else f" (--precision {precision})")
+        (_BF16_DEVICES.add if use else _BF16_DEVICES.discard)(kind)
+    line = "precision: " + "; ".join(f"{kind} {what}" for kind, what in chosen.items())
+    _PRECISION["line"] = line
+    return line
+
+
+def autocast(device_type: str):
+    """The autocast context for a forward pass on device_type: bf16 where set_precision chose it, else off."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type in _BF16_DEVICES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1079,16 +1136,83 @@ def token_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str
     return pieces
 
 
-def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """Sample one token per row from logits [rows, vocab] with temperature and nucleus (top-p) filtering."""
+def _next_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, candidates: int = 64
+) -> torch.Tensor:
+    """Sample one token per row from logits [rows, vocab] with temperature and nucleus (top-p) filtering.
+
+    Exact, without sorting the vocabulary every step (a full sort and a full-vocabulary multinomial cost
+    more than the model's forward pass for a small model): the draw is made by inverse CDF among the
+    `candidates` most likely tokens, where the nucleus nearly always lies. A row whose nucleus reaches past
+    them is drawn from its fully sorted distribution; with top_p = 1, a draw that lands in the remaining
+    mass is drawn from the remaining tokens in proportion to their probabilities.
+    """
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [rows, vocab]
+    scaled = logits.float() / temperature  # [rows, vocab]
+    vocab = scaled.shape[-1]
+    top_logits, top_ids = scaled.topk(min(candidates, vocab), dim=-1)  # [rows, k], most likely first
+    top_probs = (top_logits - scaled.logsumexp(-1, keepdim=True)).exp()  # [rows, k]
+    if top_p < 1.0:  # the nucleus keeps a token while the mass before it is at most top_p
+        top_probs = top_probs.masked_fill(top_probs.cumsum(-1) - top_probs > top_p, 0.0)
+    cdf = top_probs.cumsum(-1)  # [rows, k]
+    draw = torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device)  # [rows, 1]
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps the token that crosses top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [rows]
+        draw = draw * cdf[:, -1:]  # within the nucleus
+    pick = torch.searchsorted(cdf, draw, right=True).clamp(max=cdf.shape[-1] - 1)  # [rows, 1]
+    chosen = top_ids.gather(-1, pick).squeeze(-1)  # [rows]
+    if vocab > top_ids.shape[-1]:
+        # Rows the candidates do not settle: a nucleus that reaches past them, or (top_p = 1) a draw beyond their mass.
+        beyond = top_probs[:, -1] > 0 if top_p < 1.0 else draw.squeeze(-1) >= cdf[:, -1]  # [rows]
+        if bool(beyond.any()):
+            probs = torch.softmax(scaled[beyond], dim=-1)  # [beyond, vocab]
+            if top_p < 1.0:  # the full sort, for these rows only
+                sorted_probs, order = probs.sort(dim=-1, descending=True)
+                sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs > top_p, 0.0)
+                chosen[beyond] = order.gather(-1, torch.multinomial(sorted_probs, 1, generator=generator)).squeeze(-1)
+            else:  # the draw fell past the candidates' mass: one of the other tokens, in proportion
+                probs = probs.scatter(-1, top_ids[beyond], 0.0)
+                chosen[beyond] = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return chosen
+
+
+class _GrowingKV(DynamicLayer):
+    """One layer's KV cache in a buffer with room to grow: a decode step writes its position in place, where
+    DynamicLayer concatenates (copies) the whole cache every step. keys/values are views of the filled part."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
+        self.key_buffer = self._with_room(keys, room)  # [rows, kv_heads, length + room, head_dim]
+        self.value_buffer = self._with_room(values, room)
+        self._views()
+
+    def _with_room(self, filled: torch.Tensor, room: int) -> torch.Tensor:
+        buffer = filled.new_empty((*filled.shape[:-2], self.length + room, filled.shape[-1]))
+        buffer[..., : self.length, :] = filled[..., : self.length, :]
+        return buffer
+
+    def _views(self) -> None:
+        self.keys, self.values = self.key_buffer[..., : self.length, :], self.value_buffer[..., : self.length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = key_states.shape[-2]
+        if self.length + new > self.key_buffer.shape[-2]:  # full: double the room (amortised O(1) per token)
+            room = max(new, self.key_buffer.shape[-2])
+            self.key_buffer, self.value_buffer = self._with_room(self.keys, room), self._with_room(self.values, room)
+        self.key_buffer[..., self.length : self.length + new, :] = key_states
+        self.value_buffer[..., self.length : self.length + new, :] = value_states
+        self.length += new
+        self._views()
+        return self.keys, self.values
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.key_buffer, self.value_buffer = self.key_buffer.repeat_interleave(repeats, 0), self.value_buffer.repeat_interleave(repeats, 0)
+        self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+        self._views()
 
 
 class HFSampler:
@@ -1096,10 +1220,15 @@ class HFSampler:
 
     The n continuations of a prefix share one prefill: the prompt's KV cache is computed once and
     repeated n times, which is what makes SPO's Monte-Carlo rollouts (K per cutpoint) affordable.
+    A batch holds at most `batch_size` rows and `max_batch_tokens` cached positions (rows x (prompt + new
+    tokens)): prompts of similar length go together, so little of the batch is padding.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0, batch_size: int = 64):
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0, batch_size: int = 256,
+        max_batch_tokens: int = 2**16,
+    ):
+        self.model, self.tokenizer, self.batch_size, self.max_batch_tokens = model, tokenizer, batch_size, max_batch_tokens
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self._stop_enders: dict[tuple, torch.Tensor] = {}
 
@@ -1124,6 +1253,22 @@ class HFSampler:
     def wake_up(self) -> None:
         pass
 
+    def chunks(self, prompts: list[list[int]], limits: list[int], n: int) -> list[list[int]]:
+        """Prompt indices in batches: by length (less padding), each within batch_size rows and
+        max_batch_tokens cached positions (at least one prompt each)."""
+        batches: list[list[int]] = []
+        for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+            batch = batches[-1] if batches else []
+            grown = batch + [i]
+            width = max(len(prompts[j]) for j in grown) + max(limits[j] for j in grown)
+            if batch and (len(grown) * n > self.batch_size or len(grown) * n * width > self.max_batch_tokens):
+                batches.append([i])
+            elif batch:
+                batch.append(i)
+            else:
+                batches.append(grown)
+        return batches
+
     def sample(
         self,
         prompts: list[list[int]],
@@ -1136,6 +1281,7 @@ class HFSampler:
         context: int | None = None,
         progress: str | None = None,
         generated: int | list[int] = 0,
+        ignore_eos: bool = False,
     ) -> list[list[Completion]]:
         """n completions for each prompt (token ids).
 
@@ -1143,26 +1289,28 @@ class HFSampler:
         generated: how many of each prompt's last tokens the policy sampled itself (the response so far,
         one count or one per prompt). A stop string that begins there and ends in the new tokens stops the
         completion too, which is then cut where it begins: to nothing when it begins before the new tokens.
+        ignore_eos: sample past EOS to the token limit (as vLLM's option; for benchmarks at equal lengths).
         """
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
-        limits = [min(b, context - len(p)) if context else b for p, b in zip(prompts, budgets)]
+        limits = [max(0, min(b, context - len(p)) if context else b) for p, b in zip(prompts, budgets)]
         histories = stop_histories(prompts, generated, stop)
-        per_chunk = max(1, self.batch_size // n)
-        results: list[list[Completion]] = []
-        chunks = range(0, len(prompts), per_chunk)
+        results: list[list[Completion]] = [[] for _ in prompts]
         device = self.model.device.type
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):  # training keeps fp32 weights
-            for start in tqdm.tqdm(chunks, desc=progress, leave=False, disable=progress is None):
-                end = start + per_chunk
-                results += self._sample_chunk(prompts[start:end], limits[start:end], histories[start:end], n, temperature, top_p, stop)
+        with autocast(device):  # training keeps fp32 weights
+            for batch in tqdm.tqdm(self.chunks(prompts, limits, n), desc=progress, leave=False, disable=progress is None):
+                groups = self._sample_chunk([prompts[i] for i in batch], [limits[i] for i in batch],
+                                            [histories[i] for i in batch], n, temperature, top_p, stop, ignore_eos)
+                for i, group in zip(batch, groups):
+                    results[i] = group
         return results
 
     @torch.no_grad()
-    def _sample_chunk(self, prompts, limits, histories, n, temperature, top_p, stop) -> list[list[Completion]]:
+    def _sample_chunk(self, prompts, limits, histories, n, temperature, top_p, stop, ignore_eos) -> list[list[Completion]]:
         model, device = self.model, self.model.device
         was_training = model.training
         model.eval()
-        limits = torch.tensor(limits, device=device).clamp(min=0).repeat_interleave(n)  # [rows]
+        limits = torch.tensor(limits, device=device).repeat_interleave(n)  # [rows]
+        steps = int(limits.max())
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [prompts, width], left-padded
@@ -1171,49 +1319,52 @@ class HFSampler:
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = out.cache
         cache.batch_repeat_interleave(n)  # one prefill, n continuations
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [rows, vocab]
-        attention = attention.repeat_interleave(n, dim=0)  # [rows, width]
-        next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [rows, 1]
+        # Decode steps write into buffers with room instead of concatenating the whole cache each step.
+        cache.layers = [_GrowingKV(layer.keys, layer.values, min(steps, 256)) if type(layer) is DynamicLayer else layer
+                        for layer in cache.layers]
+        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [batch, vocab]
+        attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(n, dim=0)  # [batch, width + steps]
+        next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [batch, 1]
 
         rows = len(prompts) * n
-        eos = torch.tensor(sorted(eos_ids(model, self.tokenizer)), device=device)
-        tokens = torch.full((rows, max(1, int(limits.max()))), pad, dtype=torch.long, device=device)  # [rows, steps]
+        eos = torch.tensor([] if ignore_eos else sorted(eos_ids(model, self.tokenizer)), dtype=torch.long, device=device)
+        tokens = torch.full((rows, max(1, steps)), pad, dtype=torch.long, device=device)  # [rows, steps]
         lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens sampled per row
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)  # ended by EOS or a stop string
-        active = torch.arange(rows, device=device)  # rows still in the model's batch (and in its KV cache)
+        batch_rows = torch.arange(rows, device=device)  # [batch]: the row each batch position samples for
+        alive = limits > 0  # [batch]: still sampling; finished rows stay in the batch until enough have finished
         tail = max((len(s) for s in stop), default=0) + 2  # decoded tokens enough to contain a stop string
 
-        def keep_rows(keep: torch.Tensor) -> None:
-            # Finished rows leave the batch: one long response no longer makes every row pay for it.
-            nonlocal active, attention, next_position, logits
-            index = keep.nonzero().flatten()
-            cache.batch_select_indices(index)
-            active, attention, next_position, logits = active[index], attention[index], next_position[index], logits[index]
-
-        if not bool((limits > 0).all()):
-            keep_rows(limits > 0)
-        for step in range(int(limits.max())):
-            chosen = _next_tokens(logits, temperature, top_p, self.generator)  # [active]
-            tokens[active, step] = chosen
-            lengths[active] += 1
-            finished = torch.isin(chosen, eos)  # [active]
+        for step in range(steps):
+            if not bool(alive.any()):
+                break
+            chosen = _next_tokens(logits, temperature, top_p, self.generator)  # [batch]
+            live = alive.nonzero().flatten()  # batch positions still sampling
+            live_rows, live_chosen = batch_rows[live], chosen[live]
+            tokens[live_rows, step] = live_chosen
+            lengths[live_rows] += 1
+            finished = torch.isin(live_chosen, eos)  # [live]
             if stop:
-                candidates = ~finished & self._can_end_stop(stop, logits.shape[-1])[chosen]  # [active]
+                candidates = ~finished & self._can_end_stop(stop, logits.shape[-1])[live_chosen]  # [live]
                 for i in candidates.nonzero().flatten().tolist():
-                    row, first = int(active[i]), step + 1 - tail
+                    row, first = int(live_rows[i]), step + 1 - tail
                     window = (histories[row // n][first:] if first < 0 else []) + tokens[row, max(0, first) : step + 1].tolist()
                     if any(s in self.tokenizer.decode(window) for s in stop):
                         finished[i] = True
-            stopped[active] = finished
-            keep = ~finished & (lengths[active] < limits[active])
-            if not bool(keep.any()):
+            stopped[live_rows] = finished
+            alive[live[finished | (lengths[live_rows] >= limits[live_rows])]] = False
+            if step + 1 == steps or not bool(alive.any()):
                 break
-            if not bool(keep.all()):
-                chosen = chosen[keep]
-                keep_rows(keep)
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            out = model(input_ids=chosen[:, None], attention_mask=attention, position_ids=next_position, cache=cache, use_cache=True)
-            cache, logits, next_position = out.cache, out.logits[:, -1], next_position + 1
+            if int((~alive).sum()) >= max(1, len(alive) // 8):
+                # Finished rows leave the batch once they are an eighth of it: one long response no longer makes
+                # every row pay for it, and the cache is copied only now and then.
+                keep = alive.nonzero().flatten()
+                cache.batch_select_indices(keep)
+                batch_rows, alive, chosen = batch_rows[keep], alive[keep], chosen[keep]
+                attention, next_position = attention[keep], next_position[keep]
+            out = model(input_ids=chosen[:, None], attention_mask=attention[:, : width + step + 1], position_ids=next_position,
+                        cache=cache, use_cache=True)
+            logits, next_position = out.logits[:, -1], next_position + 1
         model.train(was_training)
 
         eos_set = set(eos.tolist())
@@ -1477,6 +1628,9 @@ class EvalArgs:
     """hf | vllm | auto (vllm when installed and a GPU is present)"""
     seed: int = 0
     """sampling seed"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """matmul precision on the CPU: auto = bf16 autocast where the CPU has AVX-512 BF16 or AMX, else fp32 (a GPU
+    evaluates bf16 weights)"""
     output: str | None = None
     """results JSON path (default: runs/eval/<model>__<task>__<time>.json)"""
 
@@ -1507,6 +1661,7 @@ def validate_eval_args(args: EvalArgs) -> None:
 
 def main(args: EvalArgs) -> dict:
     validate_eval_args(args)
+    print(set_precision(args.precision, "cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = load_model(args.model)
     sampler = make_sampler(args.backend, model, tokenizer, args.model, seed=args.seed, max_model_len=args.context or 4096)
     result = evaluate(

@@ -61,6 +61,9 @@ class Args:
     """held-out task (default: the training task's test split; MATH500 for --task math)"""
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """matmul precision: auto = bf16 autocast where the device has fast bf16 (CUDA; CPUs with AVX-512 BF16 or
+    AMX), else fp32; fp32 master weights always"""
     output_dir: str = "runs"
     """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
     resume: str | None = None
@@ -384,8 +387,8 @@ def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int 
     """
     response_len = batch["response_mask"].shape[1]
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    # fp32 weights (a 1e-6 step vanishes in bf16), bf16 compute on GPU.
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"):
+    # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where ev.set_precision chose it.
+    with ev.autocast(model.device.type):
         hidden = model.base_model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False,
         ).last_hidden_state[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
@@ -766,6 +769,7 @@ def main(args: Args) -> dict:
         return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(ev.set_precision(args.precision, device))
     run_dir, checkpoint = open_run(args)
     model, tokenizer, reference = load_models(args, checkpoint, device)
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)

@@ -18,6 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repository root
+import eval as ev  # noqa: E402
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
@@ -57,6 +58,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def fp32_unless_a_test_sets_precision():
+    """ev.set_precision is process-wide (as in a real run): a test's main() must not change the next test's precision."""
+    saved = set(ev._BF16_DEVICES)
+    yield
+    ev._BF16_DEVICES.clear()
+    ev._BF16_DEVICES.update(saved)
+
+
 @pytest.fixture(scope="session")
 def gsm8k_jsonl(tmp_path_factory) -> Path:
     """A small GSM8K-format file: full solutions ending in "#### <answer>", one with a calculator annotation."""
@@ -86,7 +96,7 @@ SMOKE_SETTINGS = {
     ),
     "spo_tree": dict(
         backend="hf", iterations=2, questions=3, tree="4,3", segment_tokens=2, max_new_tokens=5, context=160,
-        batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=1,
+        batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=3,
         edges_per_question=4, buffer_max_age=2, samples_per_iteration=0,
     ),
 }

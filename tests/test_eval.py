@@ -160,6 +160,24 @@ def test_sampling_returns_n_per_prompt_with_limits_and_seeded(tiny):
     assert max(len(c.ids) for c in groups[1]) <= 10
 
 
+@pytest.mark.parametrize("candidates", [2, 3, 64])
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.6])
+def test_next_tokens_draws_exactly_from_the_nucleus(top_p, candidates):
+    # candidates=2 or 3 on 8 tokens takes the paths where the nucleus or the draw reaches past the candidates.
+    rows, temperature = 40_000, 0.7
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2])
+    probs = torch.softmax(logits / temperature, -1)
+    sorted_probs, order = probs.sort(descending=True)
+    kept = sorted_probs.cumsum(-1) - sorted_probs <= top_p  # SPEC: the mass before a kept token is at most top_p
+    expected = torch.zeros(8).index_put_((order[kept],), sorted_probs[kept])
+    expected /= expected.sum()
+    chosen = ev._next_tokens(logits.repeat(rows, 1), temperature, top_p, torch.Generator().manual_seed(0), candidates=candidates)
+    seen = torch.bincount(chosen, minlength=8).double() / rows
+    tolerance = 5 * (expected * (1 - expected) / rows).sqrt() + 1e-9  # five standard errors
+    assert ((seen - expected).abs() <= tolerance).all(), (seen, expected)
+    assert (seen[expected == 0] == 0).all()  # nothing outside the nucleus, ever
+
+
 def boost(logits, token):
     """Forward hook helper: make `token` the certain next token."""
     logits[..., token] += 1e4
@@ -338,3 +356,40 @@ def test_only_tokens_that_can_complete_a_stop_string_are_checked(tiny):
     colon, letter = tokenizer(":")["input_ids"][0], tokenizer("P")["input_ids"][0]
     assert enders[colon] and not enders[letter]  # "...Problem:" can only be complete after a ":"
     assert enders[-2:].all()  # ids the tokenizer does not know are always checked
+
+
+# ---- precision
+
+
+def test_precision_auto_uses_bf16_only_where_the_device_has_it(monkeypatch):
+    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "fma"})
+    line = ev.set_precision("auto", "cpu")
+    assert "cpu fp32" in line and "neither AVX-512 BF16 nor AMX" in line
+    with ev.autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert "cpu bf16 autocast (the CPU has avx512_bf16)" in ev.set_precision("auto", "cpu")
+    with ev.autocast("cpu"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16  # fp32 tensors, bf16 matmul
+    assert "cpu fp32 (--precision fp32)" in ev.set_precision("fp32", "cpu")
+    with ev.autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    monkeypatch.setattr(ev, "cpu_flags", lambda: set())
+    assert "cpu bf16 autocast (--precision bf16)" in ev.set_precision("bf16", "cpu")
+    with ev.autocast("cpu"):
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_sampler_follows_the_chosen_precision(tiny, monkeypatch):
+    model, tokenizer = tiny
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: seen.append(logits.dtype))
+    try:
+        for precision in ("fp32", "bf16"):
+            ev.set_precision(precision, "cpu")
+            ev.HFSampler(model, tokenizer).sample([[12, 13]], 2, temperature=1.0, top_p=0.9, max_new_tokens=3)
+    finally:
+        hook.remove()
+    assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32

@@ -51,7 +51,7 @@ def test_ctrl_c_keeps_a_resumable_run(when, tiny_model_dir, gsm8k_jsonl, tmp_pat
     out = tmp_path / "runs"
     process = _start(tiny_model_dir, gsm8k_jsonl, out, tmp_path)
     if when == "before the first checkpoint":
-        _wait_for(lambda: any(out.glob("*/args.json")), process)
+        _wait_for(lambda: any(out.glob("*/starts.jsonl")), process)  # the start is recorded: the run is named
     else:
         _wait_for(lambda: any(out.glob("*/checkpoint/trainer_state.pt")), process)
     line = _interrupt(process)

@@ -1,0 +1,55 @@
+"""--precision: every forward pass of a run (rollouts, MC values / trees, log-probs, the update, evaluation) follows
+the chosen precision, the master weights stay fp32, and the choice is recorded with each start of the run."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_metrics, smoke_args
+
+import eval as ev
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+
+SCRIPTS = [grpo_baseline, ppo_baseline, spo_chain, spo_tree]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(script, tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+    dtypes, load = [], ev.load_model
+
+    def load_and_watch(*args, **kwargs):
+        model, tokenizer = load(*args, **kwargs)
+        model.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: dtypes.append(logits.dtype))
+        return model, tokenizer
+
+    monkeypatch.setattr(ev, "load_model", load_and_watch)
+    check = ev.check_logits_from_hidden  # a structural check of the model, in fp32 on 4 tokens: not counted
+    monkeypatch.setattr(ev, "check_logits_from_hidden", lambda model: (check(model), dtypes.clear()))
+    summary = script.main(smoke_args(script, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="bf16"))
+    run_dir = Path(summary["run_dir"])
+    assert dtypes and set(dtypes) == {torch.bfloat16}  # sampler, log-prob passes, update and evaluation alike
+    start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[-1])
+    assert "cpu bf16 autocast (--precision bf16)" in start["precision"]
+    weights, _ = load(str(run_dir / "checkpoint"))
+    assert all(p.dtype == torch.float32 for p in weights.parameters())
+    assert all(v == v for m in read_metrics(run_dir) for v in m.values() if isinstance(v, float))  # finite, no NaN
+
+
+def test_fp32_run_computes_in_fp32(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+    dtypes, load = [], ev.load_model
+
+    def load_and_watch(*args, **kwargs):
+        model, tokenizer = load(*args, **kwargs)
+        model.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: dtypes.append(logits.dtype))
+        return model, tokenizer
+
+    monkeypatch.setattr(ev, "load_model", load_and_watch)
+    check = ev.check_logits_from_hidden  # a structural check of the model, in fp32 on 4 tokens: not counted
+    monkeypatch.setattr(ev, "check_logits_from_hidden", lambda model: (check(model), dtypes.clear()))
+    summary = grpo_baseline.main(smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="fp32"))
+    assert dtypes and set(dtypes) == {torch.float32}
+    start = json.loads((Path(summary["run_dir"]) / "starts.jsonl").read_text().splitlines()[-1])
+    assert "cpu fp32 (--precision fp32)" in start["precision"]
