@@ -136,7 +136,7 @@ def _discard_untrained_run() -> None:
 # Anything else would change the algorithm mid-run.
 RESUMABLE_SETTINGS = (
     "resume", "dry_run", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
-    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "precision",
+    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "precision", "eval_before",
 )
 
 

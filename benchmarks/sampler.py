@@ -1,9 +1,16 @@
-"""Sampler throughput: eval.HFSampler (one prefill per prefix, KV cache repeated K times) against
-plain `model.generate(..., num_return_sequences=K)` (which prefills every copy), on SmolLM2-135M.
+"""Sampler throughput against the machine's limit: eval.HFSampler (one prefill per prefix, KV cache repeated K
+times) against plain `model.generate(..., num_return_sequences=K)` (what a user would write; it prefills every
+copy), on SmolLM2-135M, at equal output lengths.
 
-Cases: the SPO-chain Monte-Carlo case (K = 9 continuations of 64 new tokens from ~256-token prefixes)
-and the SPO-tree case (K = 6 from short prompts). Same sampling settings and seed for both; reports
-generated tokens per second, the ratio, and the length distribution of the outputs.
+Fair by construction: EOS is ignored on both sides (HFSampler's ignore_eos, generate's min_new_tokens), so every
+row generates exactly max_new_tokens and both sides do the same useful work. Cases: the SPO-chain Monte-Carlo case
+(4 prefixes of 256 tokens, K = 9) and the SPO-tree case (4 short prompts, K = 6), 64 new tokens each.
+
+Reported per side: seconds per call (median of 3), generated tokens per second, and the achieved model FLOP/s:
+the useful work (every distinct prompt token prefilled once, every generated token, 2 FLOPs per weight of each
+linear layer plus attention over the context) over the seconds, as a fraction of the matmul peak measured in this
+run (2048 x 2048 x 2048) in the same dtype. bf16 autocast is measured where the CPU has fast bf16
+(eval.fast_bf16); elsewhere the JSON says why it was left out and how fast a bf16 matmul is here.
 
   python benchmarks/sampler.py                 # writes benchmarks/results/sampler.json
 """
@@ -20,6 +27,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
 
 REPEATS = 3
+TEMPERATURE, TOP_P = 0.6, 0.9
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Median FLOP/s of a size^3 matmul in `dtype` on this machine, now."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * size**3 / statistics.median(times)
+
+
+def model_flops(model, prompts: list[list[int]], k: int, new_tokens: int) -> float:
+    """Useful FLOPs of sampling k continuations of new_tokens from each prompt: each prompt token once, each
+    generated token once; 2 per linear weight, and 4 x layers x attention width x positions attended."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    config = model.config
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    total = 0.0
+    for prompt in prompts:
+        total += sum(2 * linear + attention * (i + 1) for i in range(len(prompt)))
+        total += k * sum(2 * linear + attention * (len(prompt) + j + 1) for j in range(new_tokens))
+    return total
 
 
 def long_prefixes(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -34,58 +67,70 @@ def long_prefixes(tokenizer, count: int, length: int) -> list[list[int]]:
     return prefixes
 
 
-def run_hf_sampler(model, tokenizer, prompts, k, max_new_tokens):
-    sampler = ev.HFSampler(model, tokenizer, seed=0, batch_size=len(prompts) * k)
+def run_hf_sampler(model, tokenizer, prompts, k, new_tokens) -> tuple[float, int]:
+    sampler = ev.HFSampler(model, tokenizer, seed=0)
     started = time.perf_counter()
-    groups = sampler.sample(prompts, k, temperature=0.6, top_p=0.9, max_new_tokens=max_new_tokens)
-    seconds = time.perf_counter() - started
-    return seconds, [len(c.ids) for g in groups for c in g]
+    groups = sampler.sample(prompts, k, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=new_tokens, ignore_eos=True)
+    return time.perf_counter() - started, sum(len(c.ids) for g in groups for c in g)
 
 
-def run_generate(model, tokenizer, prompts, k, max_new_tokens):
+def run_generate(model, tokenizer, prompts, k, new_tokens) -> tuple[float, int]:
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     torch.manual_seed(0)
     started = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=0.6, top_p=0.9, top_k=0,
-                             max_new_tokens=max_new_tokens, num_return_sequences=k, pad_token_id=pad)
-    seconds = time.perf_counter() - started
-    eos = ev.eos_ids(model, tokenizer)
-    lengths = []
-    for row in out[:, width:].tolist():
-        ends = [i for i, t in enumerate(row) if t in eos]
-        lengths.append(ends[0] + 1 if ends else len(row))
-    return seconds, lengths
+    with torch.no_grad(), ev.autocast("cpu"):
+        out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P,
+                             top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=k, pad_token_id=pad)
+    return time.perf_counter() - started, out[:, width:].numel()
 
 
-def measure(model, tokenizer, prompts, k, max_new_tokens) -> dict:
-    result = {"prompts": len(prompts), "k": k, "prompt_tokens": statistics.mean(len(p) for p in prompts), "max_new_tokens": max_new_tokens}
+def measure(model, tokenizer, prompts, k, new_tokens, peak: float) -> dict:
+    flops = model_flops(model, prompts, k, new_tokens)
+    result = {"prompts": len(prompts), "k": k, "prompt_tokens": statistics.mean(len(p) for p in prompts),
+              "new_tokens": new_tokens, "useful_gflop": flops / 1e9}
     for name, fn in (("hf_sampler", run_hf_sampler), ("generate", run_generate)):
-        runs = [fn(model, tokenizer, prompts, k, max_new_tokens) for _ in range(REPEATS)]
-        rates = [sum(lengths) / seconds for seconds, lengths in runs]
-        lengths = [n for _, ls in runs for n in ls]
-        result[name] = {"tokens_per_second": statistics.median(rates), "runs_tokens_per_second": rates,
-                        "mean_length": statistics.mean(lengths), "std_length": statistics.pstdev(lengths)}
-    result["speedup"] = result["hf_sampler"]["tokens_per_second"] / result["generate"]["tokens_per_second"]
+        runs = [fn(model, tokenizer, prompts, k, new_tokens) for _ in range(REPEATS)]
+        assert all(tokens == len(prompts) * k * new_tokens for _, tokens in runs), "unequal output lengths"
+        seconds = statistics.median(s for s, _ in runs)
+        result[name] = {"seconds": seconds, "runs_seconds": [s for s, _ in runs], "tokens_per_second": runs[0][1] / seconds,
+                        "model_gflops": flops / seconds / 1e9, "fraction_of_matmul_peak": flops / seconds / peak}
+    result["speedup"] = result["generate"]["seconds"] / result["hf_sampler"]["seconds"]
     return result
 
 
 def main() -> None:
-    torch.set_num_threads(torch.get_num_threads())
     model, tokenizer = ev.load_model("smollm2-135m")
     short = [e.prompt_ids for e in ev.load_task("rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "train", limit=4, tokenizer=tokenizer)]
-    cases = {
-        "mc_k9_prefix256": measure(model, tokenizer, long_prefixes(tokenizer, 4, 256), 9, 64),
-        "tree_k6_short": measure(model, tokenizer, short, 6, 64),
-    }
+    long = long_prefixes(tokenizer, 4, 256)
+    fast, why = ev.fast_bf16("cpu")
+    peaks = {"fp32": matmul_peak(torch.float32)}
+    peaks["bf16"] = matmul_peak(torch.bfloat16) if fast else matmul_peak(torch.bfloat16, size=512, repeats=3)
+    results = {"model": "smollm2-135m", "device": "cpu", "threads": torch.get_num_threads(), "fast_bf16": fast, "why": why,
+               "matmul_peak_gflops": {k: v / 1e9 for k, v in peaks.items()}, "precisions": {}}
+    for precision in ("fp32", "bf16"):
+        if precision == "bf16" and not fast:
+            results["precisions"]["bf16"] = {"skipped": f"{why} (bf16 matmul here: {peaks['bf16'] / 1e9:.1f} GFLOP/s)"}
+            continue
+        ev.set_precision(precision, "cpu")
+        results["precisions"][precision] = {
+            "mc_k9_prefix256": measure(model, tokenizer, long, 9, 64, peaks[precision]),
+            "tree_k6_short": measure(model, tokenizer, short, 6, 64, peaks[precision]),
+        }
     output = Path(__file__).parent / "results" / "sampler.json"
-    output.write_text(json.dumps({"model": "smollm2-135m", "device": "cpu", "threads": torch.get_num_threads(), "cases": cases}, indent=1))
-    for name, case in cases.items():
-        print(f"{name}: HFSampler {case['hf_sampler']['tokens_per_second']:.0f} tok/s, generate {case['generate']['tokens_per_second']:.0f} tok/s, "
-              f"speedup {case['speedup']:.2f}x (mean lengths {case['hf_sampler']['mean_length']:.1f} vs {case['generate']['mean_length']:.1f})")
+    output.write_text(json.dumps(results, indent=1))
+    print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s ({why})")
+    for precision, cases in results["precisions"].items():
+        for name, case in cases.items():
+            if name == "skipped":
+                print(f"{precision}: skipped, {case}")
+                continue
+            ours, theirs = case["hf_sampler"], case["generate"]
+            print(f"{precision} {name}: HFSampler {ours['seconds']:.1f} s ({ours['tokens_per_second']:.0f} tok/s, "
+                  f"{ours['model_gflops']:.1f} GFLOP/s = {ours['fraction_of_matmul_peak']:.0%} of peak), generate {theirs['seconds']:.1f} s "
+                  f"({theirs['tokens_per_second']:.0f} tok/s, {theirs['fraction_of_matmul_peak']:.0%}), speedup {case['speedup']:.2f}x")
     print(f"-> {output}")
 
 

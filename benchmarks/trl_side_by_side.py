@@ -41,7 +41,8 @@ where said):
   normalisation; "bnpo" would normalise per micro-batch and "grpo" per sequence.
 - log-probs: neither side holds the [rows, T, vocab] logits: TRL projects through its fused, tiled LM
   head (and also computes per-token entropies), grpo_baseline.py runs the LM head on chunks of 512
-  response positions, recomputed in the backward pass. Padding: grpo_baseline.py pads each micro-batch to its own longest response, TRL pads every
+  response positions, recomputed in the backward pass. Padding: grpo_baseline.py groups the batch's sequences by
+  length into micro-batches (micro_batches) and pads each to its own longest prompt and response; TRL pads every
   micro-batch to the longest completion of the generation batch.
 - optimizer and schedule: both torch.optim.AdamW (betas 0.9/0.999, eps 1e-8, no weight decay, gradient
   clipping at 1.0; TRL optim="adamw_torch", its default is the fused AdamW) and the same linear decay
@@ -471,6 +472,7 @@ def run_ours(args: Args, work: Path, round_index: int, env: dict) -> dict:
         "--eval-every", str(NEVER), "--eval-limit", "1", "--eval-samples", "1", "--save-every", str(NEVER),
         "--save-samples", str(args.steps), "--save-questions", str(args.questions),  # the last step's questions, for the prompt check
         "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
+        "--precision", "fp32",  # TRL runs fp32 too (its bf16 default is turned off)
     ]
     marks, totals = watch(command, env, work / f"ours_r{round_index}.log", lambda: list(output_dir.glob("*/metrics.jsonl")), args.poll_seconds)
     run_dir = next(output_dir.glob("*/metrics.jsonl")).parent
