@@ -1180,16 +1180,18 @@ class _GrowingKV(DynamicLayer):
     """One layer's KV cache in a buffer with room to grow: a decode step writes its position in place, where
     DynamicLayer concatenates (copies) the whole cache every step. keys/values are views of the filled part."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1):
         super().__init__()
         self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
-        self.key_buffer = self._with_room(keys, room)  # [rows, kv_heads, length + room, head_dim]
-        self.value_buffer = self._with_room(values, room)
+        self.key_buffer = self._with_room(keys, room, repeats)  # [rows x repeats, kv_heads, length + room, head_dim]
+        self.value_buffer = self._with_room(values, room, repeats)
         self._views()
 
-    def _with_room(self, filled: torch.Tensor, room: int) -> torch.Tensor:
-        buffer = filled.new_empty((*filled.shape[:-2], self.length + room, filled.shape[-1]))
-        buffer[..., : self.length, :] = filled[..., : self.length, :]
+    def _with_room(self, filled: torch.Tensor, room: int, repeats: int = 1) -> torch.Tensor:
+        """A new buffer with `room` free positions, holding each row of `filled` `repeats` times in a row."""
+        rows, heads, _, dim = filled.shape
+        buffer = filled.new_empty((rows * repeats, heads, self.length + room, dim))
+        buffer.view(rows, repeats, heads, -1, dim)[:, :, :, : self.length] = filled[:, None, :, : self.length]
         return buffer
 
     def _views(self) -> None:
@@ -1219,7 +1221,8 @@ class HFSampler:
     """Batched sampling with transformers on any device.
 
     The n continuations of a prefix share one prefill: the prompt's KV cache is computed once and
-    repeated n times, which is what makes SPO's Monte-Carlo rollouts (K per cutpoint) affordable.
+    repeated n times, which is what makes SPO's Monte-Carlo rollouts (K per cutpoint) affordable; a prompt
+    that begins another one of the batch (the cutpoint states of one response) is read off its prefill.
     A batch holds at most `batch_size` rows and `max_batch_tokens` cached positions (rows x (prompt + new
     tokens)): prompts of similar length go together, so little of the batch is padding.
     """
@@ -1228,6 +1231,7 @@ class HFSampler:
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0, batch_size: int = 256,
         max_batch_tokens: int = 2**16,
     ):
+        check_logits_from_hidden(model)  # _prefill applies the LM head to the hidden states itself
         self.model, self.tokenizer, self.batch_size, self.max_batch_tokens = model, tokenizer, batch_size, max_batch_tokens
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self._stop_enders: dict[tuple, torch.Tensor] = {}
@@ -1305,6 +1309,48 @@ class HFSampler:
         return results
 
     @torch.no_grad()
+    def _prefill(self, prompts: list[list[int]], width: int, pad: int):
+        """Next-token logits [prompts, vocab] and a KV cache [prompts, kv_heads, width, head_dim] per layer, left-padded.
+
+        A prompt that begins another prompt of the batch is not prefilled on its own: the KV at position i depends
+        only on tokens <= i, so it is read off the longer one's prefill (SPO-chain's Monte-Carlo states of one
+        response are all prefixes of it: the response is prefilled once, not once per cutpoint).
+        """
+        model, device = self.model, self.model.device
+        roots: list[list[int]] = []  # prompts that begin no longer prompt of the batch, longest first
+        root_of = [0] * len(prompts)
+        for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+            prompt = prompts[i]
+            root_of[i] = next((r for r, root in enumerate(roots) if root[: len(prompt)] == prompt), len(roots))
+            if root_of[i] == len(roots):
+                roots.append(prompt)
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in roots], device=device)  # [roots, width], left-padded
+        attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in roots], device=device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        if not all(type(layer) is DynamicLayer for layer in out.cache.layers):
+            return self._prefill_each(prompts, width, pad)  # e.g. sliding-window layers keep only their window
+        source = torch.tensor(root_of, device=device)  # [prompts]: the root each prompt is read from
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        shift = lengths - torch.tensor([len(roots[r]) for r in root_of], device=device)  # <= 0: where the prompt ends in its root
+        last = (width - 1 + shift)  # [prompts]: the column of each prompt's last token in its root
+        logits = model.get_output_embeddings()(out.last_hidden_state[source, last])  # [prompts, vocab]
+        columns = (torch.arange(width, device=device)[None] + shift[:, None]).clamp(min=0)  # [prompts, width]; pad columns: any
+        for layer in out.cache.layers:
+            index = columns[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])  # [prompts, kv_heads, width, head_dim]
+            layer.keys, layer.values = layer.keys[source].gather(2, index), layer.values[source].gather(2, index)
+        return logits, out.cache
+
+    def _prefill_each(self, prompts: list[list[int]], width: int, pad: int):
+        """_prefill without shared prefixes: every prompt prefilled on its own row."""
+        device = self.model.device
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [prompts, width], left-padded
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], out.cache
+
+    @torch.no_grad()
     def _sample_chunk(self, prompts, limits, histories, n, temperature, top_p, stop, ignore_eos) -> list[list[Completion]]:
         model, device = self.model, self.model.device
         was_training = model.training
@@ -1313,16 +1359,16 @@ class HFSampler:
         steps = int(limits.max())
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [prompts, width], left-padded
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # [prompts, width], left-padded
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache = out.cache
-        cache.batch_repeat_interleave(n)  # one prefill, n continuations
+        logits, cache = self._prefill(prompts, width, pad)  # [prompts, vocab]; cache rows left-padded to width
         # Decode steps write into buffers with room instead of concatenating the whole cache each step.
-        cache.layers = [_GrowingKV(layer.keys, layer.values, min(steps, 256)) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:  # e.g. a sliding-window layer: repeated as transformers keeps it
+                layer.batch_repeat_interleave(n)
+        cache.layers = [_GrowingKV(layer.keys, layer.values, min(steps, 256), repeats=n) if type(layer) is DynamicLayer else layer
                         for layer in cache.layers]
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # [batch, vocab]
+        logits = logits.repeat_interleave(n, dim=0)  # [batch, vocab]: one prefill, n continuations
         attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(n, dim=0)  # [batch, width + steps]
         next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [batch, 1]
 

@@ -144,6 +144,28 @@ def test_greedy_sampling_matches_step_by_step_forward(tiny):
         assert group[0].ids == group[1].ids == ids[len(prompt) :]
 
 
+def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(tiny):
+    model, tokenizer = tiny
+    long = tokenizer("[MATH_TASK] Problem:\n12+7\n\nSolution: 1")["input_ids"]
+    prompts = [long[:6], long, tokenizer("x y")["input_ids"], long[:11], long[:6]]  # three prefixes of `long`, one repeated
+    prefill_rows = []
+    hook = model.base_model.register_forward_pre_hook(lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        groups = ev.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6)
+    finally:
+        hook.remove()
+    assert [tuple(shape) for shape in prefill_rows if shape[1] == len(long)] == [(2, len(long))]  # only `long` and "x y"
+    for prompt, group in zip(prompts, groups):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                next_id = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                ids.append(next_id)
+                if next_id == tokenizer.eos_token_id:
+                    break
+        assert group[0].ids == group[1].ids == ids[len(prompt) :]
+
+
 def test_sampling_returns_n_per_prompt_with_limits_and_seeded(tiny):
     model, tokenizer = tiny
     prompts = [[10] * 5, [11] * 50]
