@@ -59,8 +59,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def fp32_unless_a_test_sets_precision():
-    """ev.set_precision is process-wide (as in a real run): a test's main() must not change the next test's precision."""
+def fp32_unless_a_test_sets_precision(monkeypatch):
+    """Tests compute in fp32 on every CPU: --precision auto sees no bf16 hardware (so results do not depend on the
+    machine CI runs on; tests of the choice set the flags they need). ev.set_precision is process-wide, as in a
+    real run: a test's main() must not change the next test's precision."""
+    flags = ev.cpu_flags
+    monkeypatch.setattr(ev, "cpu_flags", lambda: flags() - {"avx512_bf16", "amx_bf16"})
     saved = set(ev._BF16_DEVICES)
     yield
     ev._BF16_DEVICES.clear()
