@@ -134,14 +134,18 @@ def test_greedy_sampling_matches_step_by_step_forward(tiny):
     prompts = [tokenizer("[MATH_TASK] Problem:\n1+1\n\nSolution:")["input_ids"], tokenizer("x")["input_ids"]]
     groups = ev.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=8)
     for prompt, group in zip(prompts, groups):
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(8):
-                next_id = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-                ids.append(next_id)
-                if next_id == tokenizer.eos_token_id:
-                    break
-        assert group[0].ids == group[1].ids == ids[len(prompt) :]
+        assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 8, tokenizer.eos_token_id)
+
+
+def greedy_by_full_forwards(model, prompt: list[int], steps: int, eos: int) -> list[int]:
+    """Greedy continuation of `prompt`, one full forward pass (no cache) per token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == eos:
+                break
+    return ids[len(prompt) :]
 
 
 def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(tiny):
@@ -156,14 +160,7 @@ def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(
         hook.remove()
     assert [tuple(shape) for shape in prefill_rows if shape[1] == len(long)] == [(2, len(long))]  # only `long` and "x y"
     for prompt, group in zip(prompts, groups):
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(6):
-                next_id = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-                ids.append(next_id)
-                if next_id == tokenizer.eos_token_id:
-                    break
-        assert group[0].ids == group[1].ids == ids[len(prompt) :]
+        assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 6, tokenizer.eos_token_id)
 
 
 def test_sampling_returns_n_per_prompt_with_limits_and_seeded(tiny):

@@ -16,9 +16,11 @@ import spo_tree
 SCRIPTS = [grpo_baseline, ppo_baseline, spo_chain, spo_tree]
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(script, tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
-    dtypes, load = [], ev.load_model
+@pytest.fixture
+def lm_head_dtypes(monkeypatch) -> list:
+    """The output dtype of every LM-head call of the models a run loads (the 4-token model check, fp32 by design,
+    excluded)."""
+    dtypes, load, check = [], ev.load_model, ev.check_logits_from_hidden
 
     def load_and_watch(*args, **kwargs):
         model, tokenizer = load(*args, **kwargs)
@@ -26,30 +28,24 @@ def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(scr
         return model, tokenizer
 
     monkeypatch.setattr(ev, "load_model", load_and_watch)
-    check = ev.check_logits_from_hidden  # a structural check of the model, in fp32 on 4 tokens: not counted
     monkeypatch.setattr(ev, "check_logits_from_hidden", lambda model: (check(model), dtypes.clear()))
+    return dtypes
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(script, tiny_model_dir, gsm8k_jsonl, tmp_path, lm_head_dtypes):
     summary = script.main(smoke_args(script, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="bf16"))
     run_dir = Path(summary["run_dir"])
-    assert dtypes and set(dtypes) == {torch.bfloat16}  # sampler, log-prob passes, update and evaluation alike
+    assert lm_head_dtypes and set(lm_head_dtypes) == {torch.bfloat16}  # sampler, log-prob passes, update and evaluation alike
     start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[-1])
     assert "cpu bf16 autocast (--precision bf16)" in start["precision"]
-    weights, _ = load(str(run_dir / "checkpoint"))
+    weights, _ = ev.load_model(str(run_dir / "checkpoint"))
     assert all(p.dtype == torch.float32 for p in weights.parameters())
     assert all(v == v for m in read_metrics(run_dir) for v in m.values() if isinstance(v, float))  # finite, no NaN
 
 
-def test_fp32_run_computes_in_fp32(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
-    dtypes, load = [], ev.load_model
-
-    def load_and_watch(*args, **kwargs):
-        model, tokenizer = load(*args, **kwargs)
-        model.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: dtypes.append(logits.dtype))
-        return model, tokenizer
-
-    monkeypatch.setattr(ev, "load_model", load_and_watch)
-    check = ev.check_logits_from_hidden  # a structural check of the model, in fp32 on 4 tokens: not counted
-    monkeypatch.setattr(ev, "check_logits_from_hidden", lambda model: (check(model), dtypes.clear()))
+def test_fp32_run_computes_in_fp32(tiny_model_dir, gsm8k_jsonl, tmp_path, lm_head_dtypes):
     summary = grpo_baseline.main(smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="fp32"))
-    assert dtypes and set(dtypes) == {torch.float32}
+    assert lm_head_dtypes and set(lm_head_dtypes) == {torch.float32}
     start = json.loads((Path(summary["run_dir"]) / "starts.jsonl").read_text().splitlines()[-1])
     assert "cpu fp32 (--precision fp32)" in start["precision"]
