@@ -1176,6 +1176,14 @@ def _next_tokens(
     return chosen
 
 
+def _left_padded(sequences: list[list[int]], width: int, pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention mask and position ids [rows, width] of token sequences left-padded to width; positions
+    count from each sequence's first real token, so a token's KV does not depend on its row's padding."""
+    input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences], device=device)
+    attention = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    return input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
+
+
 class _GrowingKV(DynamicLayer):
     """One layer's KV cache in a buffer with room to grow: a decode step writes its position in place, where
     DynamicLayer concatenates (copies) the whole cache every step. keys/values are views of the filled part."""
@@ -1324,9 +1332,7 @@ class HFSampler:
             root_of[i] = next((r for r, root in enumerate(roots) if root[: len(prompt)] == prompt), len(roots))
             if root_of[i] == len(roots):
                 roots.append(prompt)
-        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in roots], device=device)  # [roots, width], left-padded
-        attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in roots], device=device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention, positions = _left_padded(roots, width, pad, device)  # [roots, width]
         out = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         if not all(type(layer) is DynamicLayer for layer in out.cache.layers):
             return self._prefill_each(prompts, width, pad)  # e.g. sliding-window layers keep only their window
@@ -1343,10 +1349,7 @@ class HFSampler:
 
     def _prefill_each(self, prompts: list[list[int]], width: int, pad: int):
         """_prefill without shared prefixes: every prompt prefilled on its own row."""
-        device = self.model.device
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [prompts, width], left-padded
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention, positions = _left_padded(prompts, width, pad, self.model.device)  # [prompts, width]
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1], out.cache
 
@@ -1360,7 +1363,6 @@ class HFSampler:
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # [prompts, width], left-padded
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._prefill(prompts, width, pad)  # [prompts, vocab]; cache rows left-padded to width
         # Decode steps write into buffers with room instead of concatenating the whole cache each step.
         for layer in cache.layers:
@@ -1370,7 +1372,7 @@ class HFSampler:
                         for layer in cache.layers]
         logits = logits.repeat_interleave(n, dim=0)  # [batch, vocab]: one prefill, n continuations
         attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(n, dim=0)  # [batch, width + steps]
-        next_position = positions[:, -1:].repeat_interleave(n, dim=0) + 1  # [batch, 1]
+        next_position = torch.tensor([[len(p)] for p in prompts], device=device).repeat_interleave(n, dim=0)  # [batch, 1]
 
         rows = len(prompts) * n
         eos = torch.tensor([] if ignore_eos else sorted(eos_ids(model, self.tokenizer)), dtype=torch.long, device=device)
