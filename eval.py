@@ -1269,16 +1269,16 @@ class HFSampler:
         """Prompt indices in batches: by length (less padding), each within batch_size rows and
         max_batch_tokens cached positions (at least one prompt each)."""
         batches: list[list[int]] = []
+        longest_limit = 0  # of the last batch; its longest prompt is the one being added (shortest first)
         for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-            batch = batches[-1] if batches else []
-            grown = batch + [i]
-            width = max(len(prompts[j]) for j in grown) + max(limits[j] for j in grown)
-            if batch and (len(grown) * n > self.batch_size or len(grown) * n * width > self.max_batch_tokens):
-                batches.append([i])
-            elif batch:
-                batch.append(i)
-            else:
-                batches.append(grown)
+            if batches:
+                rows, width = (len(batches[-1]) + 1) * n, len(prompts[i]) + max(longest_limit, limits[i])
+                if rows <= self.batch_size and rows * width <= self.max_batch_tokens:
+                    batches[-1].append(i)
+                    longest_limit = max(longest_limit, limits[i])
+                    continue
+            batches.append([i])
+            longest_limit = limits[i]
         return batches
 
     def sample(
