@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 import torch
+import torch.distributed as dist
 import tqdm
 import tyro
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -500,6 +501,128 @@ def set_precision(precision: str, device: str) -> str:
 def autocast(device_type: str):
     """The autocast context for a forward pass on device_type: bf16 where set_precision chose it, else off."""
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type in _BF16_DEVICES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Many processes: `torchrun --nproc_per_node N script.py ...` starts N copies of a script, one per GPU (or N CPU
+# processes over gloo). Each rank samples and grades its own share of an iteration's questions; whatever the
+# definitions take over the iteration batch (whitening, the loss's token and sequence counts, the SPO-tree
+# buffer) is summed or gathered over ranks by these helpers, so N ranks make the update one process would make
+# from the union of their samples. Plain `python script.py` is world size 1: no process group, and every
+# helper below is the identity.
+
+
+def init_distributed() -> str:
+    """Join torchrun's process group when it started this process (WORLD_SIZE > 1); returns the device to train on
+    ("cuda" is then this rank's own GPU, LOCAL_RANK)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _collective_device() -> torch.device:
+    """Where a collective's tensors must live: the rank's GPU for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over ranks, as a new tensor on values' device (world size 1: values itself)."""
+    if world_size() == 1:
+        return values
+    total = values.detach().to(_collective_device(), copy=True)
+    dist.all_reduce(total)
+    return total.to(values.device)
+
+
+def sum_over_ranks(stats: dict[str, float]) -> dict[str, float]:
+    """A dict of numbers, each summed over ranks (one collective)."""
+    if world_size() == 1:
+        return stats
+    keys = sorted(stats)
+    total = all_sum(torch.tensor([float(stats[key]) for key in keys], dtype=torch.float64))
+    return dict(zip(keys, total.tolist()))
+
+
+def gather(items):
+    """Every rank's list (or tensor, concatenated along dim 0), in rank order, on every rank."""
+    if world_size() == 1:
+        return items
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, items)
+    if isinstance(items, torch.Tensor):
+        return torch.cat([part.to(items.device) for part in parts])
+    return [item for part in parts for item in part]
+
+
+def shard(items: list) -> list:
+    """This rank's contiguous share of `items` (sizes differ by at most one): the shards of ranks 0..N-1,
+    concatenated, are `items` again, which is how gather() puts results back in order."""
+    n, r, w = len(items), rank(), world_size()
+    return items[r * n // w : (r + 1) * n // w]
+
+
+def broadcast(value):
+    """Rank 0's `value` (any picklable object) on every rank."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def print0(line: str, write=print) -> None:
+    """Print on rank 0 only (under torchrun every rank runs the same lines)."""
+    if rank() == 0:
+        write(line)
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
+    """Under torchrun: settings that must split evenly over the ranks (so every rank takes the same number of
+    optimizer steps), and what is not supported yet. Nothing at world size 1."""
+    world = world_size()
+    if world == 1:
+        return []
+    problems = [f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
+                for flag, value in per_rank.items() if value % world]
+    if getattr(args, "backend", "hf") != "hf":
+        problems.append(f"--backend {args.backend} under torchrun is not supported yet; use --backend hf (each rank samples with its own replica)")
+    return problems
+
+
+def check_world_size(trainer_state: dict, checkpoint: Path) -> None:
+    """Refuse to resume a checkpoint at another world size: each rank's questions and random streams depend on it,
+    so the run would not continue as it started (checkpoints from before torchrun support count as world size 1)."""
+    saved = trainer_state.get("world_size", 1)
+    if saved != world_size():
+        launch = "python SCRIPT.py" if saved == 1 else f"torchrun --nproc_per_node {saved} SCRIPT.py (or that many processes over nodes)"
+        raise UsageError(f"--resume: {checkpoint} was trained by {saved} process(es), this is {world_size()}; the split of "
+                         f"questions and the random streams per rank depend on it, so resume with {launch}, or start a new run")
+
+
+def all_reduce_gradients(*models: torch.nn.Module) -> None:
+    """Sum every parameter's gradient over ranks, once per optimizer step (what DDP does; the scripts call the
+    base model and the LM head separately, which DDP's wrapper would not see). Each rank's loss is already
+    divided by the whole batch's counts, so the sum is the gradient of the whole batch."""
+    if world_size() == 1:
+        return
+    works = [dist.all_reduce(p.grad, async_op=True) for model in models for p in model.parameters() if p.grad is not None]
+    for work in works:
+        work.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1309,7 +1432,7 @@ class HFSampler:
         results: list[list[Completion]] = [[] for _ in prompts]
         device = self.model.device.type
         with autocast(device):  # training keeps fp32 weights
-            for batch in tqdm.tqdm(self.chunks(prompts, limits, n), desc=progress, leave=False, disable=progress is None):
+            for batch in tqdm.tqdm(self.chunks(prompts, limits, n), desc=progress, leave=False, disable=progress is None or rank() > 0):
                 groups = self._sample_chunk([prompts[i] for i in batch], [limits[i] for i in batch],
                                             [histories[i] for i in batch], n, temperature, top_p, stop, ignore_eos)
                 for i, group in zip(batch, groups):
@@ -1498,7 +1621,7 @@ class VLLMSampler:
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                  max_tokens=budgets[i], stop=stop) for i in live]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in live],
-                                 sampling_params=params, use_tqdm=progress is not None)
+                                 sampling_params=params, use_tqdm=progress is not None and rank() == 0)
         assert len(outs) == len(live)
         for i, out in zip(live, outs):
             assert len(out.outputs) == n
@@ -1621,6 +1744,7 @@ def evaluate(
             examples = check_prompt_room(examples, context, f"--task {task}", drop=False)
     sampler = sampler or HFSampler(model, tokenizer, seed=seed)
     started = time.time()
+    examples = shard(examples)  # under torchrun each rank evaluates its share; the records are gathered below
     completions = sampler.sample(
         [e.prompt_ids for e in examples], samples, temperature=temperature, top_p=top_p,
         max_new_tokens=max_new_tokens, stop=stop_strings(tokenizer), context=context, progress="eval",
@@ -1635,18 +1759,20 @@ def evaluate(
         majority = votes.most_common(1)[0][0]
         records.append({
             "question": example.question, "answer": example.answer, "responses": texts[i], "scores": scores,
-            "finish_reasons": [c.finish_reason for c in group], "majority_correct": scores[[final_answer(t) for t in texts[i]].index(majority)],
+            "finish_reasons": [c.finish_reason for c in group], "response_tokens": [len(c.ids) for c in group],
+            "majority_correct": scores[[final_answer(t) for t in texts[i]].index(majority)],
         })
-    all_completions = [c for group in completions for c in group]
+    records = gather(records)  # every rank's, in the examples' order
+    finish_reasons = [reason for r in records for reason in r["finish_reasons"]]
     return {
         "task": task,
-        "examples": len(examples),
+        "examples": len(records),
         "samples": samples,
         "accuracy": sum(sum(r["scores"]) for r in records) / (len(records) * samples),
         f"pass@{samples}": sum(pass_at_k(samples, int(sum(r["scores"])), samples) for r in records) / len(records),
         "majority_accuracy": sum(r["majority_correct"] for r in records) / len(records),
-        "truncation_rate": sum(c.finish_reason == "length" for c in all_completions) / len(all_completions),
-        "response_tokens": sum(len(c.ids) for c in all_completions) / len(all_completions),
+        "truncation_rate": finish_reasons.count("length") / len(finish_reasons),
+        "response_tokens": sum(n for r in records for n in r["response_tokens"]) / len(finish_reasons),
         "seconds": time.time() - started,
         "records": records,
     }

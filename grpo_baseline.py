@@ -30,7 +30,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import tqdm
@@ -166,10 +166,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-8) 
     return ((groups - mean) / (std + eps)).view_as(rewards)
 
 
-def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool) -> torch.Tensor:
+def loss_mask(
+    response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool, all_sum: Callable = lambda x: x,
+) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
-    Falls back to all response tokens when no token of the batch is below the threshold.
+    Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
+    over the processes that share the batch (ev.all_sum under torchrun; the identity in one process).
 
     >>> response = torch.tensor([[True, True, True, False]])  # the last column is padding
     >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=True)
@@ -182,19 +185,23 @@ def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float
     if not prob_mask:
         return response_mask
     masked = response_mask & (probs < threshold)
-    return masked if masked.any() else response_mask
+    return masked if all_sum(masked.sum()) > 0 else response_mask
 
 
-def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
-    shifted and scaled too, but do not count in the statistics.
+    shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
+    `all_sum` sums a tensor over the processes that share the batch (ev.all_sum under torchrun), so the
+    statistics are those of the whole batch.
 
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
     """
-    count = mask.sum()
-    mean = (advantages * mask).sum() / count
-    std = (((advantages - mean) ** 2 * mask).sum() / count).sqrt()
+    count, total = all_sum(torch.stack([mask.sum().to(advantages.dtype), (advantages * mask).sum()]))
+    if count == 0:
+        return advantages
+    mean = total / count
+    std = (all_sum(((advantages - mean) ** 2 * mask).sum()) / count).sqrt()
     return (advantages - mean) / (std + eps)
 
 
@@ -325,16 +332,19 @@ def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperatu
 
 def accumulate_gradients(
     model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float,
-    pad_id: int, on_policy: bool = False,
+    pad_id: int, on_policy: bool = False, all_sum: Callable = lambda x: x,
 ) -> tuple[dict, list[torch.Tensor]]:
     """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
+    Under torchrun each rank passes its share of the batch and `all_sum=ev.all_sum`: the loss is normalised by
+    the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch.
 
     Each sample holds prompt_ids, response_ids, advantages, loss_mask, and old_logps and ref_logps (both
     optional: without ref_logps the KL term is 0; with on_policy=True pi_old is this forward pass's own
     log-probs, detached, which is exact when the policy has not moved since the rollout). Returns the summed
     stats and, when on_policy, every sample's pi_old log-probs (1-D, CPU; an empty list otherwise).
     """
-    batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
+    counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
+    batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
     stats, sample_logps = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}, [None] * len(batch_samples)
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
@@ -342,7 +352,7 @@ def accumulate_gradients(
         old_logps = logps.detach() if on_policy else batch["old_logps"]  # [rows, R]
         ref_logps = batch.get("ref_logps", old_logps)  # without a reference model (beta 0) the KL term is 0
         loss, micro = policy_loss(
-            logps, old_logps, ref_logps, batch["advantages"], batch["loss_mask"], clip_eps, beta, batch_tokens, len(batch_samples),
+            logps, old_logps, ref_logps, batch["advantages"], batch["loss_mask"], clip_eps, beta, batch_tokens, batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -352,6 +362,29 @@ def accumulate_gradients(
             sample_logps[i] = row[: len(batch_samples[i]["response_ids"])].detach().cpu()
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
     return stats, sample_logps if on_policy else []
+
+
+def attach_targets(samples: list[dict], advantages: torch.Tensor, model, reference, args: Args, pad_id: int, on_policy: bool) -> torch.Tensor:
+    """Set what the loss needs on every sample: "old_logps" (one no-grad pass; skipped on-policy, where the update's
+    own forward pass provides them), "ref_logps" (the frozen reference model's, when beta > 0), "loss_mask" and
+    "advantages" (the response's group advantage on each token, whitened over the masked tokens of the whole
+    iteration batch, all ranks included). Returns the flat loss mask over all response tokens."""
+    lengths = [len(s["response_ids"]) for s in samples]
+    flat_mask = torch.ones(sum(lengths), dtype=torch.bool)  # on-policy: every response token
+    if not on_policy:
+        for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
+            s["old_logps"] = logps
+        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+        flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask, all_sum=ev.all_sum)
+    if reference is not None:
+        reference.to(model.device)  # parked on the CPU the rest of the time
+        for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
+            s["ref_logps"] = logps
+        reference.to("cpu")
+    flat_advantages = whiten(torch.repeat_interleave(advantages, torch.tensor(lengths)), flat_mask, all_sum=ev.all_sum)
+    for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
+        s["loss_mask"], s["advantages"] = mask, advantage
+    return flat_mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,7 +412,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, itera
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration}, staging / "trainer_state.pt")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration,
+                "world_size": ev.world_size()}, staging / "trainer_state.pt")
     if final.exists():
         final.rename(previous)
     staging.rename(final)
@@ -419,6 +453,7 @@ def validate(args: Args) -> None:
         problems.append("--context, --max-new-tokens and --temperature must be positive")
     if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
         problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
+    problems += ev.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise ev.UsageError("; ".join(problems))
 
@@ -437,10 +472,12 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
         ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint = Path(args.output_dir) / run_name, None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-    ev.record_start(run_dir, resumed=bool(args.resume))
+        run_dir, checkpoint = ev.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
+    if ev.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+        ev.record_start(run_dir, resumed=bool(args.resume))
+    ev.barrier()
     return run_dir, checkpoint
 
 
@@ -474,6 +511,7 @@ def make_optimizer(args: Args, model, checkpoint: Path | None, total_steps: int)
     if checkpoint is None:
         return optimizer, scheduler, 1
     state = torch.load(checkpoint / "trainer_state.pt", map_location=model.device, weights_only=False)
+    ev.check_world_size(state, checkpoint)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return optimizer, scheduler, state["iteration"] + 1
@@ -484,13 +522,14 @@ class RunLog:
     after its checkpoint (they are redone) and continues the training-time count of the kept ones."""
 
     def __init__(self, run_dir: Path, start_iteration: int, args: Args):
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.train_seconds, self.writer, self.wandb = run_dir / "metrics.jsonl", 0.0, None, None
+        if ev.rank() > 0:  # under torchrun only rank 0 logs (the metrics are already reduced over ranks)
+            return
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
         self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.wandb = None
         if args.track:
             import wandb
 
@@ -498,6 +537,8 @@ class RunLog:
             self.wandb = wandb
 
     def write(self, iteration: int, metrics: dict) -> None:
+        if self.writer is None:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         for key, value in metrics.items():
@@ -506,7 +547,8 @@ class RunLog:
             self.wandb.log(metrics, step=iteration)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,10 +556,13 @@ class RunLog:
 
 
 def reseed(seed: int, iteration: int, sampler) -> random.Random:
-    """Seed everything from (seed, iteration), so a resumed run samples exactly what the uninterrupted one would."""
-    torch.manual_seed(seed * 1_000_003 + iteration)
+    """Seed everything from (seed, iteration, rank), so a resumed run samples exactly what the uninterrupted one
+    would (at the same world size). The returned generator is the same on every rank (it picks the questions);
+    torch's and the sampler's differ per rank, so ranks draw different responses."""
+    rank_seed = seed * 1_000_003 + iteration + (ev.rank() << 32)  # rank 0: the seed of a single-process run
+    torch.manual_seed(rank_seed)
     if hasattr(sampler, "generator"):
-        sampler.generator.manual_seed(seed * 1_000_003 + iteration)
+        sampler.generator.manual_seed(rank_seed)
     return random.Random(seed * 1_000_003 + iteration)
 
 
@@ -537,25 +582,28 @@ def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
 def update_policy(
     model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, on_policy: bool, iteration: int, streak: list[int],
 ) -> tuple[list[dict], list[torch.Tensor | None]]:
-    """--epochs passes over the samples in shuffled batches of --batch-size, one optimizer step per batch.
-    Returns the stats of every step taken and, when on_policy (one step per iteration), each sample's pi_old
+    """--epochs passes over the samples in shuffled batches of --batch-size, one optimizer step per batch (under
+    torchrun each rank takes --batch-size / world size of its own samples, and the gradients are summed). Returns the stats of every step taken and, when on_policy (one step per iteration), each sample's pi_old
     log-probs from that step's forward pass (None otherwise)."""
     steps, forward_logps = [], [None] * len(samples)
     model.train()
+    batch_size = args.batch_size // ev.world_size()  # this rank's share of each batch
     for _ in range(args.epochs):
         order = torch.randperm(len(samples)).tolist()
-        for start in range(0, len(order), args.batch_size):
-            batch = order[start : start + args.batch_size]
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
             optimizer.zero_grad(set_to_none=True)
             stats, logps = accumulate_gradients(
                 model, [samples[i] for i in batch], micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-                clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, on_policy=on_policy,
+                clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, on_policy=on_policy, all_sum=ev.all_sum,
             )
             for i, sample_logps in zip(batch, logps):
                 forward_logps[i] = sample_logps
+            stats = ev.sum_over_ranks(stats)  # every rank takes the same decision below
             if skipped_non_finite(stats, iteration, streak):
                 scheduler.step()  # the schedule counts optimizer steps planned, taken or skipped
                 continue
+            ev.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
             optimizer.step()
             scheduler.step()
@@ -610,7 +658,7 @@ def sample_records(
 ) -> list[dict]:
     """The first --save-questions groups as viewer.py records: tokens, p_t, advantage (before whitening), loss mask."""
     records = []
-    for i in range(min(args.save_questions, args.questions) * args.group_size):
+    for i in range(min(args.save_questions, len(questions)) * args.group_size):
         question = questions[i // args.group_size]
         records.append({
             "algorithm": "grpo", "iteration": iteration, "question_index": i // args.group_size,
@@ -625,9 +673,11 @@ def sample_records(
 
 
 def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
-    """Close the log, write summary.json and print the one-line result."""
+    """Close the log, write summary.json and print the one-line result (rank 0 under torchrun)."""
     log.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    if ev.rank() > 0:
+        return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
     after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
@@ -640,13 +690,13 @@ def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accura
 
 
 def main(args: Args) -> dict:
+    device = ev.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
         return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
     torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(ev.set_precision(args.precision, device))
+    ev.print0(ev.set_precision(args.precision, device))
     run_dir, checkpoint = open_run(args)
     model, tokenizer, reference = load_models(args, checkpoint, device)
     train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
@@ -666,13 +716,14 @@ def main(args: Args) -> dict:
         log.write(0, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = accuracy_after = evaluation["eval/accuracy"]
 
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
+                         total=args.iterations, disable=ev.rank() > 0)
     for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
-        # 1. Rollout: G responses per question.
+        # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
         started = iteration_started = time.time()
-        questions = [rng.choice(train_examples) for _ in range(args.questions)]
+        questions = ev.shard([rng.choice(train_examples) for _ in range(args.questions)])
         groups = sampler.sample(
             [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
             max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
@@ -685,28 +736,13 @@ def main(args: Args) -> dict:
         scores = ev.grade(texts, [q.answer for q in questions for _ in range(args.group_size)], args.task)
         rewards = torch.tensor([s if completion.finish_reason == "stop" else 0.0 for s, completion in zip(scores, completions)])
 
-        # 3. Advantages: group-normalised, broadcast to every token, whitened over the iteration's masked tokens.
+        # 3. Advantages: group-normalised, broadcast to every token, whitened over the iteration's masked tokens
+        #    (of all ranks: ev.all_sum).
         #    pi_old and the reference model's log-probs come from one no-grad pass each; on-policy, pi_old comes
         #    from the update's own forward pass instead (step 4), and every token is in the loss mask.
         advantages = group_advantages(rewards, args.group_size)
         samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
-        lengths = [len(completion.ids) for completion in completions]
-        flat_mask = torch.ones(sum(lengths), dtype=torch.bool)
-        if not on_policy:
-            for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)):
-                s["old_logps"] = logps
-            flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-            flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask)
-        if reference is not None:
-            reference.to(device)
-            for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id)):
-                s["ref_logps"] = logps
-            reference.to("cpu")
-        flat_advantages = torch.repeat_interleave(advantages, torch.tensor(lengths))
-        if flat_mask.any():
-            flat_advantages = whiten(flat_advantages, flat_mask)
-        for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
-            s["loss_mask"], s["advantages"] = mask, advantage
+        flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, on_policy)
 
         # 4. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
@@ -720,23 +756,24 @@ def main(args: Args) -> dict:
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
         log.train_seconds += iteration_seconds
-        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        last = ev.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
 
-        # 5. Log, save samples, evaluate, checkpoint.
-        metrics = iteration_metrics(rewards, completions, flat_mask, steps, scheduler.get_last_lr()[0], args.group_size, {
+        # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
+        metrics = iteration_metrics(ev.gather(rewards), ev.gather(completions), ev.gather(flat_mask), steps, scheduler.get_last_lr()[0], args.group_size, {
             "rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds,
         })
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(progress_line(iteration, metrics))
-        if args.save_samples and iteration % args.save_samples == 0:
+        ev.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
+        if args.save_samples and iteration % args.save_samples == 0 and ev.rank() == 0:  # rank 0's questions
             write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl",
                           sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args))
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = evaluation["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
+        if (iteration % args.save_every == 0 or last) and ev.rank() == 0:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
+        ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:
             break
     return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)

@@ -52,7 +52,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 import tqdm
@@ -355,10 +355,13 @@ def fill_samples(taken: list[dict], remaining: list[dict], n: int, rng: random.R
     return taken + [rng.choice(taken) for _ in range(n - len(taken))], remaining
 
 
-def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool) -> torch.Tensor:
+def loss_mask(
+    response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool, all_sum: Callable = lambda x: x,
+) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
-    Falls back to all response tokens when no token of the batch is below the threshold.
+    Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
+    over the processes that share the batch (ev.all_sum under torchrun; the identity in one process).
 
     >>> response = torch.tensor([[True, True, True, False]])  # the last column is padding
     >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=True)
@@ -371,19 +374,23 @@ def loss_mask(response_mask: torch.Tensor, probs: torch.Tensor, threshold: float
     if not prob_mask:
         return response_mask
     masked = response_mask & (probs < threshold)
-    return masked if masked.any() else response_mask
+    return masked if all_sum(masked.sum()) > 0 else response_mask
 
 
-def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
-    shifted and scaled too, but do not count in the statistics.
+    shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
+    `all_sum` sums a tensor over the processes that share the batch (ev.all_sum under torchrun), so the
+    statistics are those of the whole batch.
 
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
     """
-    count = mask.sum()
-    mean = (advantages * mask).sum() / count
-    std = (((advantages - mean) ** 2 * mask).sum() / count).sqrt()
+    count, total = all_sum(torch.stack([mask.sum().to(advantages.dtype), (advantages * mask).sum()]))
+    if count == 0:
+        return advantages
+    mean = total / count
+    std = (all_sum(((advantages - mean) ** 2 * mask).sum()) / count).sqrt()
     return (advantages - mean) / (std + eps)
 
 
