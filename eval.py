@@ -17,6 +17,7 @@ Offline (no GPU, no internet):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -512,6 +513,23 @@ def autocast(device_type: str):
 # helper below is the identity.
 
 
+_COLLECTIVE_SECONDS = [0.0]  # wall time this process spent in the helpers' collectives (waiting for other ranks included)
+
+
+@contextlib.contextmanager
+def _collective():
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        _COLLECTIVE_SECONDS[0] += time.perf_counter() - started
+
+
+def collective_seconds() -> float:
+    """Seconds this process has spent in collectives so far (benchmarks/distributed.py reports the share)."""
+    return _COLLECTIVE_SECONDS[0]
+
+
 def init_distributed() -> str:
     """Join torchrun's process group when it started this process (WORLD_SIZE > 1); returns the device to train on
     ("cuda" is then this rank's own GPU, LOCAL_RANK)."""
@@ -540,7 +558,8 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return values
     total = values.detach().to(_collective_device(), copy=True)
-    dist.all_reduce(total)
+    with _collective():
+        dist.all_reduce(total)
     return total.to(values.device)
 
 
@@ -558,7 +577,8 @@ def gather(items):
     if world_size() == 1:
         return items
     parts = [None] * world_size()
-    dist.all_gather_object(parts, items)
+    with _collective():
+        dist.all_gather_object(parts, items)
     if isinstance(items, torch.Tensor):
         return torch.cat([part.to(items.device) for part in parts])
     return [item for part in parts for item in part]
@@ -576,7 +596,8 @@ def broadcast(value):
     if world_size() == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    with _collective():
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -588,7 +609,8 @@ def print0(line: str, write=print) -> None:
 
 def barrier() -> None:
     if world_size() > 1:
-        dist.barrier()
+        with _collective():
+            dist.barrier()
 
 
 def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
@@ -604,10 +626,11 @@ def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
     return problems
 
 
-def check_world_size(trainer_state: dict, checkpoint: Path) -> None:
+def check_world_size(checkpoint: Path) -> None:
     """Refuse to resume a checkpoint at another world size: each rank's questions and random streams depend on it,
     so the run would not continue as it started (checkpoints from before torchrun support count as world size 1)."""
-    saved = trainer_state.get("world_size", 1)
+    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+    saved = state.get("world_size", 1)
     if saved != world_size():
         launch = "python SCRIPT.py" if saved == 1 else f"torchrun --nproc_per_node {saved} SCRIPT.py (or that many processes over nodes)"
         raise UsageError(f"--resume: {checkpoint} was trained by {saved} process(es), this is {world_size()}; the split of "
@@ -620,9 +643,14 @@ def all_reduce_gradients(*models: torch.nn.Module) -> None:
     divided by the whole batch's counts, so the sum is the gradient of the whole batch."""
     if world_size() == 1:
         return
-    works = [dist.all_reduce(p.grad, async_op=True) for model in models for p in model.parameters() if p.grad is not None]
-    for work in works:
-        work.wait()
+    for model in models:
+        for p in model.parameters():
+            if p.grad is None and p.requires_grad:  # a rank without samples in this step adds zeros
+                p.grad = torch.zeros_like(p)
+    with _collective():
+        works = [dist.all_reduce(p.grad, async_op=True) for model in models for p in model.parameters() if p.grad is not None]
+        for work in works:
+            work.wait()
 
 
 # ----------------------------------------------------------------------------------------------

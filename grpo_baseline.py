@@ -470,6 +470,8 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
         if checkpoint is None and not (run_dir / "args.json").exists():
             raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
         ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
+        if checkpoint is not None:
+            ev.check_world_size(checkpoint)  # each rank's questions and seeds depend on it
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
         run_dir, checkpoint = ev.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
@@ -511,7 +513,6 @@ def make_optimizer(args: Args, model, checkpoint: Path | None, total_steps: int)
     if checkpoint is None:
         return optimizer, scheduler, 1
     state = torch.load(checkpoint / "trainer_state.pt", map_location=model.device, weights_only=False)
-    ev.check_world_size(state, checkpoint)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return optimizer, scheduler, state["iteration"] + 1

@@ -470,8 +470,9 @@ def add_advantages_and_returns(
     samples: list[dict], rewards: torch.Tensor, *, gamma: float, lam: float, prob_threshold: float, prob_mask: bool
 ) -> torch.Tensor:
     """GAE over the whole iteration batch, from each sample's old_values and its reward (rewards[i], on the last
-    response token); stores each sample's loss_mask, advantages (whitened over the masked tokens of the whole batch)
-    and returns (the critic's targets). Returns the GAE advantages before whitening, [N, T] right-padded."""
+    response token); stores each sample's loss_mask, advantages (whitened over the masked tokens of the whole batch,
+    all ranks included) and returns (the critic's targets). Returns the GAE advantages before whitening, [N, T]
+    right-padded."""
     lengths = torch.tensor([len(s["response_ids"]) for s in samples])
     old_values = torch.nn.utils.rnn.pad_sequence([s["old_values"] for s in samples], batch_first=True)  # [N, T]
     response_mask = torch.arange(old_values.shape[1])[None] < lengths[:, None]  # [N, T]
@@ -480,10 +481,9 @@ def add_advantages_and_returns(
     token_rewards[nonempty.nonzero().squeeze(-1), lengths[nonempty] - 1] = rewards[nonempty]
     advantages, returns = gae_advantages(token_rewards, old_values, response_mask, gamma, lam)  # [N, T]
     flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask)
-    flat_advantages, flat_returns = advantages[response_mask], returns[response_mask]
-    if flat_mask.any():  # whitening statistics over the masked tokens of the whole iteration batch
-        flat_advantages = whiten(flat_advantages, flat_mask)
+    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=ev.all_sum)
+    flat_advantages = whiten(advantages[response_mask], flat_mask, all_sum=ev.all_sum)
+    flat_returns = returns[response_mask]
     split = lengths.tolist()
     for s, mask, whitened, targets in zip(samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)):
         s["loss_mask"], s["advantages"], s["returns"] = mask, whitened, targets
@@ -492,19 +492,23 @@ def add_advantages_and_returns(
 
 def accumulate_gradients(
     model, critic: Critic, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float,
-    beta: float, value_clip_eps: float, pad_id: int,
+    beta: float, value_clip_eps: float, pad_id: int, all_sum: Callable = lambda x: x,
 ) -> dict:
     """Forward/backward one optimizer batch through policy and critic in micro-batches; each model's
-    gradients add up to its full-batch gradient."""
-    batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))  # policy: masked tokens
-    value_tokens = max(1, sum(len(s["response_ids"]) for s in batch_samples))  # critic: every response token
+    gradients add up to its full-batch gradient. Under torchrun each rank passes its share of the batch and
+    `all_sum=ev.all_sum`: both losses are normalised by the whole batch's counts, so the ranks' gradients (and
+    stats) sum to those of the whole batch."""
+    counts = all_sum(torch.tensor([  # policy: masked tokens; critic: every response token; sequences
+        sum(int(s["loss_mask"].sum()) for s in batch_samples), sum(len(s["response_ids"]) for s in batch_samples), len(batch_samples),
+    ]))
+    batch_tokens, value_tokens, batch_sequences = max(1, int(counts[0])), max(1, int(counts[1])), int(counts[2])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0, "value_loss": 0.0, "value_clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            clip_eps, beta, batch_tokens, len(batch_samples),
+            clip_eps, beta, batch_tokens, batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -592,6 +596,7 @@ def validate(args: Args) -> None:
         problems.append("--critic-lr must be non-negative and --value-clip-eps positive")
     if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
         problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
+    problems += ev.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise ev.UsageError("; ".join(problems))
 
@@ -605,12 +610,16 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
         if checkpoint_dir is None and not (run_dir / "args.json").exists():
             raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
         ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
+        if checkpoint_dir is not None:
+            ev.check_world_size(checkpoint_dir)  # each rank's questions and seeds depend on it
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint_dir = Path(args.output_dir) / run_name, None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-    ev.record_start(run_dir, resumed=bool(args.resume))
+        run_dir, checkpoint_dir = ev.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
+    if ev.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+        ev.record_start(run_dir, resumed=bool(args.resume))
+    ev.barrier()
     return run_dir, checkpoint_dir
 
 
@@ -669,13 +678,14 @@ class RunLog:
     """
 
     def __init__(self, run_dir: Path, start_iteration: int, args: Args):
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.train_seconds, self.writer, self.wandb = run_dir / "metrics.jsonl", 0.0, None, None
+        if ev.rank() > 0:  # under torchrun only rank 0 logs (the metrics are already reduced over ranks)
+            return
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
         self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.wandb = None
         if args.track:
             import wandb
 
@@ -683,6 +693,8 @@ class RunLog:
             self.wandb = wandb
 
     def write(self, iteration: int, metrics: dict) -> None:
+        if self.writer is None:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         for key, value in metrics.items():
@@ -691,7 +703,8 @@ class RunLog:
             self.wandb.log(metrics, step=iteration)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -699,12 +712,15 @@ class RunLog:
 
 
 def reseed(seed: int, iteration: int, sampler) -> random.Random:
-    """Seed torch and the sampler from (seed, iteration) and return the iteration's question RNG: a resumed run
-    samples exactly what the uninterrupted one would."""
+    """Seed torch and the sampler from (seed, iteration, rank) and return the iteration's question RNG: a resumed
+    run samples exactly what the uninterrupted one would (at the same world size). The returned generator is the
+    same on every rank (it picks the questions); torch's and the sampler's differ per rank, so ranks draw different
+    responses."""
     iteration_seed = seed * 1_000_003 + iteration
-    torch.manual_seed(iteration_seed)
+    rank_seed = iteration_seed + (ev.rank() << 32)  # rank 0: the seed of a single-process run
+    torch.manual_seed(rank_seed)
     if hasattr(sampler, "generator"):
-        sampler.generator.manual_seed(iteration_seed)
+        sampler.generator.manual_seed(rank_seed)
     return random.Random(iteration_seed)
 
 
@@ -726,20 +742,25 @@ def update_policy(
     pad_id: int, iteration: int, streak: list[int],
 ) -> list[dict]:
     """--epochs passes over the iteration's samples in shuffled batches of --batch-size, policy and critic on the
-    same batches, one optimizer step each per batch; returns the stats of the steps taken."""
+    same batches, one optimizer step each per batch (under torchrun each rank takes --batch-size / world size of
+    its own samples, and the gradients are summed); returns the stats of the steps taken."""
     step_stats = []
     model.train()
     critic.train()
+    batch_size = args.batch_size // ev.world_size()  # this rank's share of each batch
     for _ in range(args.epochs):
         order = torch.randperm(len(samples)).tolist()
-        for start in range(0, len(order), args.batch_size):
+        for start in range(0, len(order), batch_size):
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
-                model, critic, [samples[i] for i in order[start : start + args.batch_size]], micro_batch_size=args.micro_batch_size,
+                model, critic, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
                 temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, value_clip_eps=args.value_clip_eps, pad_id=pad_id,
+                all_sum=ev.all_sum,
             )
+            stats = ev.sum_over_ranks(stats)  # every rank takes the same decision below
             if not skipped_non_finite(stats, iteration, streak):
+                ev.all_reduce_gradients(model, critic)
                 stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
                 optimizer.step()
@@ -821,14 +842,16 @@ def sample_records(
             "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
             "cutpoints": None, "cutpoint_values": None, "values": samples[i]["old_values"].tolist(),
         }
-        for i in range(min(args.save_questions, args.questions) * args.group_size)
+        for i in range(min(args.save_questions, len(questions)) * args.group_size)
     ]
 
 
 def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
-    """Close the logs, write summary.json and print the one-line result."""
+    """Close the logs, write summary.json and print the one-line result (rank 0 under torchrun)."""
     log.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    if ev.rank() > 0:
+        return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
     after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
@@ -841,13 +864,13 @@ def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accura
 
 
 def main(args: Args) -> dict:
+    device = ev.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
         return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
     torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(ev.set_precision(args.precision, device))
+    ev.print0(ev.set_precision(args.precision, device))
     run_dir, checkpoint_dir = open_run(args)
 
     model, tokenizer, critic, reference = load_models(args, checkpoint_dir, device)
@@ -864,13 +887,14 @@ def main(args: Args) -> dict:
         log.write(0, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = accuracy_after = evaluation["eval/accuracy"]
 
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
+                         total=args.iterations, disable=ev.rank() > 0)
     for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
-        # 1. Rollout: G responses per question.
+        # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
         iteration_started = time.time()
-        questions = [rng.choice(train_examples) for _ in range(args.questions)]
+        questions = ev.shard([rng.choice(train_examples) for _ in range(args.questions)])
         groups = sampler.sample(
             [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
             max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
@@ -884,7 +908,8 @@ def main(args: Args) -> dict:
         scores = ev.grade(texts, answers, args.task)
         rewards = torch.tensor([score if c.finish_reason == "stop" else 0.0 for score, c in zip(scores, completions)])
 
-        # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch.
+        # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch (the
+        #    loss mask's fallback and the whitening over all ranks' tokens: ev.all_sum).
         samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
         add_old_logprobs_and_values(
             samples, model, reference, critic, micro_batch_size=args.micro_batch_size, temperature=args.temperature, pad_id=pad_id,
@@ -904,27 +929,30 @@ def main(args: Args) -> dict:
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
         log.train_seconds += iteration_seconds
-        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        last = ev.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
 
-        # 5. Log, save samples, evaluate, checkpoint.
+        # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
         seconds = {"rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds}
-        metrics = iteration_metrics(completions, rewards, samples, step_stats, scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0], seconds)
+        token_info = ev.gather([{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples])  # what the metrics read
+        metrics = iteration_metrics(ev.gather(completions), ev.gather(rewards), token_info, step_stats, scheduler.get_last_lr()[0],
+                                    critic_scheduler.get_last_lr()[0], seconds)
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(progress_line(iteration, metrics))
-        if args.save_samples and iteration % args.save_samples == 0:
+        ev.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
+        if args.save_samples and iteration % args.save_samples == 0 and ev.rank() == 0:  # rank 0's questions
             records = sample_records(iteration, questions, answers, completions, rewards, samples, gae, tokenizer, args)
             write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", records)
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = evaluation["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
+        if (iteration % args.save_every == 0 or last) and ev.rank() == 0:
             trainer_state = {
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "critic_optimizer": critic_optimizer.state_dict(), "critic_scheduler": critic_scheduler.state_dict(),
-                "iteration": iteration,
+                "iteration": iteration, "world_size": ev.world_size(),
             }
             save_checkpoint(run_dir, model, tokenizer, critic, trainer_state)
+        ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:
             break
 

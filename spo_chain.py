@@ -458,17 +458,21 @@ def old_and_reference_logprobs(
 
 def accumulate_gradients(
     model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float, pad_id: int,
+    all_sum: Callable = lambda x: x,
 ) -> dict:
     """Forward/backward one optimizer batch in micro-batches of `micro_batch_size`; gradients add up to the
-    full-batch gradient. Returns the batch's loss, pg_loss, kl and clip_frac (fraction of masked tokens clipped)."""
-    batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
+    full-batch gradient. Returns the batch's loss, pg_loss, kl and clip_frac (fraction of masked tokens clipped).
+    Under torchrun each rank passes its share of the batch and `all_sum=ev.all_sum`: the loss is normalised by
+    the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
+    counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
+    batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            clip_eps, beta, batch_tokens, len(batch_samples),
+            clip_eps, beta, batch_tokens, batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -476,6 +480,20 @@ def accumulate_gradients(
             stats[key] += micro[key]
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
     return stats
+
+
+def attach_advantages(samples: list[dict], advantages: list[list[float]], flat_probs: torch.Tensor, prob_threshold: float,
+                      prob_mask: bool) -> torch.Tensor:
+    """Set each sample's "loss_mask" and "advantages" (its chain advantages, whitened over the masked tokens of the
+    whole iteration batch, all ranks included); `flat_probs` holds p_t of every response token. Returns the flat
+    loss mask."""
+    lengths = [len(s["response_ids"]) for s in samples]
+    flat_advantages = torch.tensor([a for response in advantages for a in response])  # [all response tokens]
+    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=ev.all_sum)
+    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=ev.all_sum)
+    for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
+        s["loss_mask"], s["advantages"] = mask, advantage
+    return flat_mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,7 +521,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, itera
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration}, staging / "trainer_state.pt")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration,
+                "world_size": ev.world_size()}, staging / "trainer_state.pt")
     if final.exists():
         final.rename(previous)
     staging.rename(final)
@@ -547,6 +566,7 @@ def validate(args: Args) -> None:
         problems.append(f"--prob-threshold ({args.prob_threshold}) must be in (0, 1]")
     if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
         problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
+    problems += ev.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise ev.UsageError("; ".join(problems))
 
@@ -562,12 +582,16 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
         if checkpoint is None and not (run_dir / "args.json").exists():
             raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
         ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
+        if checkpoint is not None:
+            ev.check_world_size(checkpoint)  # each rank's questions and seeds depend on it
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint = Path(args.output_dir) / run_name, None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-    ev.record_start(run_dir, resumed=bool(args.resume))
+        run_dir, checkpoint = ev.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
+    if ev.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+        ev.record_start(run_dir, resumed=bool(args.resume))
+    ev.barrier()
     return run_dir, checkpoint
 
 
@@ -618,13 +642,14 @@ class RunLog:
     """
 
     def __init__(self, run_dir: Path, start_iteration: int, args: Args):
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.train_seconds, self.writer, self.wandb = run_dir / "metrics.jsonl", 0.0, None, None
+        if ev.rank() > 0:  # under torchrun only rank 0 logs (the metrics are already reduced over ranks)
+            return
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
         self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        self.wandb = None
         if args.track:
             import wandb
 
@@ -632,6 +657,8 @@ class RunLog:
             self.wandb = wandb
 
     def write(self, iteration: int, metrics: dict) -> None:
+        if self.writer is None:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         for key, value in metrics.items():
@@ -640,7 +667,8 @@ class RunLog:
             self.wandb.log(metrics, step=iteration)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list, args: Args) -> dict:
@@ -655,16 +683,18 @@ def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: li
 
 
 def reseed(seed: int, iteration: int, sampler) -> random.Random:
-    """Seed torch and the rollout sampler from (seed, iteration); returns the random.Random that draws the questions.
+    """Seed torch and the rollout sampler from (seed, iteration, rank); returns the random.Random that draws the
+    questions (the same on every rank; torch's and the sampler's generators differ per rank).
 
-    Reseeding every iteration makes a resumed run sample exactly what the uninterrupted one would.
+    Reseeding every iteration makes a resumed run sample exactly what the uninterrupted one would (at the same
+    world size).
     """
     iteration_seed = seed * 1_000_003 + iteration
-    rng = random.Random(iteration_seed)
-    torch.manual_seed(iteration_seed)
+    rank_seed = iteration_seed + (ev.rank() << 32)  # rank 0: the seed of a single-process run
+    torch.manual_seed(rank_seed)
     if hasattr(sampler, "generator"):
-        sampler.generator.manual_seed(iteration_seed)
-    return rng
+        sampler.generator.manual_seed(rank_seed)
+    return random.Random(iteration_seed)
 
 
 def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
@@ -686,18 +716,21 @@ def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
 def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int,
                   streak: list[int]) -> list[dict]:
     """--epochs passes over the iteration's samples in shuffled batches of --batch-size: one clipped optimizer step
-    per batch. A skipped (non-finite) batch still steps the scheduler. Returns the stats of the steps taken."""
+    per batch (under torchrun each rank takes --batch-size / world size of its own samples, and the gradients are
+    summed). A skipped (non-finite) batch still steps the scheduler. Returns the stats of the steps taken."""
     model.train()
-    steps = []
+    steps, batch_size = [], args.batch_size // ev.world_size()  # this rank's share of each batch
     for _ in range(args.epochs):
         order = torch.randperm(len(samples)).tolist()
-        for start in range(0, len(order), args.batch_size):
+        for start in range(0, len(order), batch_size):
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
-                model, [samples[i] for i in order[start : start + args.batch_size]], micro_batch_size=args.micro_batch_size,
-                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id,
+                model, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, all_sum=ev.all_sum,
             )
+            stats = ev.sum_over_ranks(stats)  # every rank takes the same decision below
             if not skipped_non_finite(stats, iteration, streak):
+                ev.all_reduce_gradients(model)
                 stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 optimizer.step()
                 steps.append(stats)
@@ -770,14 +803,16 @@ def sample_records(
             "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
             "cutpoints": cutpoints[i], "cutpoint_values": cutpoint_values[i], "values": None,
         }
-        for i in range(min(args.save_questions, args.questions) * args.group_size)
+        for i in range(min(args.save_questions, len(questions)) * args.group_size)
     ]
 
 
 def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
-    """Close the logs, write RUN/summary.json and print the run's one-line result."""
+    """Close the logs, write RUN/summary.json and print the run's one-line result (rank 0 under torchrun)."""
     log.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    if ev.rank() > 0:
+        return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
     after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
@@ -786,13 +821,13 @@ def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accura
 
 
 def main(args: Args) -> dict:
+    device = ev.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:
         return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
     torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(ev.set_precision(args.precision, device))
+    ev.print0(ev.set_precision(args.precision, device))
     run_dir, checkpoint = open_run(args)
     model, tokenizer, reference = load_models(args, checkpoint, device)
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
@@ -809,12 +844,14 @@ def main(args: Args) -> dict:
         log.write(0, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = eval_metrics["eval/accuracy"]
     accuracy_after, streak = accuracy_before, [0]
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
+                         total=args.iterations, disable=ev.rank() > 0)
     for iteration in progress:
-        # 1. Rollout: G responses per question (reseeded per iteration: a resumed run samples the same).
+        # 1. Rollout: G responses per question (reseeded per iteration: a resumed run samples the same); under
+        #    torchrun each rank takes its share of the questions.
         rng = reseed(args.seed, iteration, sampler)
         started = iteration_started = time.time()
-        questions = [rng.choice(train_examples) for _ in range(args.questions)]
+        questions = ev.shard([rng.choice(train_examples) for _ in range(args.questions)])
         groups = sampler.sample([q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout")
         seconds = {"rollout": time.time() - started}
@@ -851,12 +888,7 @@ def main(args: Args) -> dict:
         cutpoint_values = [[next(values) for _ in cuts] for cuts in cutpoints]
         advantages = [chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
                       for p, cuts, v, reward in zip(probs, cutpoints, cutpoint_values, rewards)]
-        flat_advantages = torch.tensor([a for response in advantages for a in response])  # [all response tokens]
-        flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, args.prob_threshold, args.prob_mask)
-        if flat_mask.any():
-            flat_advantages = whiten(flat_advantages, flat_mask)
-        for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
-            s["loss_mask"], s["advantages"] = mask, advantage
+        flat_mask = attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
 
         # 7. Update: epochs x shuffled batches x micro-batches.
         sampler.sleep()
@@ -867,22 +899,23 @@ def main(args: Args) -> dict:
         sampler.load_weights(model)
         seconds["iteration"] = time.time() - iteration_started
         seconds["train"] = log.train_seconds = log.train_seconds + seconds["iteration"]
-        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        last = ev.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
 
-        # 8. Log, save samples, evaluate, checkpoint.
-        metrics = iteration_metrics(rewards, completions, cutpoints, flat_mask, flat_values, mc_stats, model_stats,
-                                    scheduler.get_last_lr()[0], seconds)
+        # 8. Log (over all ranks' responses), save samples, evaluate, checkpoint.
+        metrics = iteration_metrics(ev.gather(rewards), ev.gather(completions), ev.gather(cutpoints), ev.gather(flat_mask),
+                                    ev.gather(flat_values), ev.sum_over_ranks(mc_stats), model_stats, scheduler.get_last_lr()[0], seconds)
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(progress_line(iteration, metrics))
-        if args.save_samples and iteration % args.save_samples == 0:
+        ev.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
+        if args.save_samples and iteration % args.save_samples == 0 and ev.rank() == 0:  # rank 0's questions
             write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(
                 iteration, questions, answers, completions, rewards, probs, advantages, samples, cutpoints, cutpoint_values, tokenizer, args))
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = eval_metrics["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
+        if (iteration % args.save_every == 0 or last) and ev.rank() == 0:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
+        ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:
             break
 

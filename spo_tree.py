@@ -585,9 +585,8 @@ def attach_targets(
     """Set what the loss needs on every sample: "ref_logps" (the frozen reference model's log-probs; the old ones
     when there is no reference model, beta = 0), "loss_mask" (response tokens, with the probability mask only
     those with p_t < prob_threshold) and "advantages" (the edge's advantage on each token, whitened over the
-    masked tokens of all samples). A sample listed twice (fill_samples) counts twice in the whitening."""
-    if not samples:
-        return
+    masked tokens of all samples, of every rank under torchrun). A sample listed twice (fill_samples) counts twice
+    in the whitening."""
     edges = list({id(s): s for s in samples}.values())  # each edge once: a repeat is the same dict
     for s in edges:
         s["ref_logps"] = s["old_logps"]
@@ -597,26 +596,30 @@ def attach_targets(
             s["ref_logps"] = logps
         reference.to("cpu")
     lengths = [len(s["response_ids"]) for s in samples]
-    flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # [tokens], p_t of every response token
-    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask)  # [tokens]
-    flat_advantages = torch.repeat_interleave(torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths))  # [tokens]
-    flat_advantages = whiten(flat_advantages, flat_mask)  # statistics over the masked tokens of the whole iteration batch
+    flat_probs = torch.cat([s["old_logps"] for s in samples] or [torch.zeros(0)]).exp()  # [tokens], p_t of every response token
+    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=ev.all_sum)
+    flat_advantages = torch.repeat_interleave(torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths, dtype=torch.long))
+    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=ev.all_sum)  # over the whole iteration batch's masked tokens
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"], s["advantages"] = mask, advantage
 
 
 def accumulate_gradients(
     model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float, pad_id: int,
+    all_sum: Callable = lambda x: x,
 ) -> dict:
-    """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient."""
-    batch_tokens = max(1, int(sum(s["loss_mask"].sum() for s in batch_samples)))
+    """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
+    Under torchrun each rank passes its share of the batch (possibly none) and `all_sum=ev.all_sum`: the loss is
+    normalised by the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
+    counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
+    batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            clip_eps, beta, batch_tokens, len(batch_samples),
+            clip_eps, beta, batch_tokens, batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -653,7 +656,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, itera
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration, "buffer": buffer},
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration, "buffer": buffer,
+         "world_size": ev.world_size()},
         staging / "trainer_state.pt",
     )
     if final.exists():
@@ -711,6 +715,7 @@ def validate(args: Args) -> list[int]:
         problems.append(f"--samples-per-iteration ({args.samples_per_iteration}) must be at least 0 (0: every edge the buffer offers)")
     if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
         problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
+    problems += ev.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise ev.UsageError("; ".join(problems))
     return branches
@@ -725,12 +730,16 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
         if checkpoint is None and not (run_dir / "args.json").exists():
             raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
         ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
+        if checkpoint is not None:
+            ev.check_world_size(checkpoint)  # each rank's questions and seeds depend on it
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint = Path(args.output_dir) / run_name, None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-    ev.record_start(run_dir, resumed=bool(args.resume))
+        run_dir, checkpoint = ev.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
+    if ev.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+        ev.record_start(run_dir, resumed=bool(args.resume))
+    ev.barrier()
     return run_dir, checkpoint
 
 
@@ -780,7 +789,9 @@ class RunLog:
     `train_seconds` continues from the kept lines."""
 
     def __init__(self, run_dir: Path, start_iteration: int, args: Args):
-        self.path, self.wandb = run_dir / "metrics.jsonl", None
+        self.path, self.train_seconds, self.writer, self.wandb = run_dir / "metrics.jsonl", 0.0, None, None
+        if ev.rank() > 0:  # under torchrun only rank 0 logs (the metrics are already reduced over ranks)
+            return
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
@@ -793,6 +804,8 @@ class RunLog:
             self.wandb = wandb
 
     def write(self, iteration: int, metrics: dict) -> None:
+        if self.writer is None:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         for key, value in metrics.items():
@@ -801,7 +814,8 @@ class RunLog:
             self.wandb.log(metrics, step=iteration)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list, args: Args) -> dict:
@@ -816,12 +830,14 @@ def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: li
 
 
 def reseed(seed: int, iteration: int, sampler) -> random.Random:
-    """Seed torch and the sampler from (seed, iteration) and return the iteration's random.Random (questions, buffer):
-    a resumed run samples exactly what the uninterrupted one would."""
+    """Seed torch and the sampler from (seed, iteration, rank) and return the iteration's random.Random (questions,
+    buffer; the same on every rank): a resumed run samples exactly what the uninterrupted one would (at the same
+    world size)."""
     iteration_seed = seed * 1_000_003 + iteration
-    torch.manual_seed(iteration_seed)
+    rank_seed = iteration_seed + (ev.rank() << 32)  # rank 0: the seed of a single-process run
+    torch.manual_seed(rank_seed)
     if hasattr(sampler, "generator"):
-        sampler.generator.manual_seed(iteration_seed)
+        sampler.generator.manual_seed(rank_seed)
     return random.Random(iteration_seed)
 
 
@@ -851,19 +867,24 @@ def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
 
 def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int, streak: list[int]) -> list[dict]:
     """--epochs passes over the samples in shuffled batches of --batch-size, each accumulated in micro-batches
-    and clipped into one optimizer step; then one scheduler step. Returns the stats of the steps taken."""
+    and clipped into one optimizer step; then one scheduler step. Returns the stats of the steps taken.
+    Under torchrun `samples` is this rank's share: every rank takes the steps the whole iteration's samples make,
+    each with --batch-size / world size of its own (the last ones possibly none), and the gradients are summed."""
     model.train()
-    model_stats = []
-    for _ in range(args.epochs if samples else 0):
+    model_stats, batch_size = [], args.batch_size // ev.world_size()  # this rank's share of each batch
+    steps = math.ceil(int(ev.all_sum(torch.tensor(len(samples)))) / args.batch_size)  # per epoch, the same on every rank
+    for _ in range(args.epochs):
         order = torch.randperm(len(samples)).tolist()
-        for start in range(0, len(order), args.batch_size):
+        for start in range(0, steps * batch_size, batch_size):
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
-                model, [samples[i] for i in order[start : start + args.batch_size]], micro_batch_size=args.micro_batch_size,
-                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id,
+                model, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, all_sum=ev.all_sum,
             )
+            stats = ev.sum_over_ranks(stats)  # every rank takes the same decision below
             if skipped_non_finite(stats, iteration, streak):
                 continue
+            ev.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
             optimizer.step()
             model_stats.append(stats)
@@ -876,11 +897,12 @@ def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, 
 
 
 def iteration_metrics(
-    iteration: int, trees: list[Node], samples: list[dict], buffer: list[dict], *, nonzero_edges: int,
+    iteration: int, trees: list[Node], samples: list[dict], buffer: list[dict], loss_masks: list[torch.Tensor], *, nonzero_edges: int,
     model_stats: list[dict], lr: float, level_seconds: list[float], rollout_seconds: float, update_seconds: float,
     iteration_seconds: float, train_seconds: float,
 ) -> dict:
-    """The iteration's metrics: the trees (rewards, shape), the samples trained on, the buffer, the losses and times."""
+    """The iteration's metrics: the trees (rewards, shape), the samples trained on and their loss masks, the buffer,
+    the losses and times."""
     nodes = [node for tree in trees for node, _ in walk(tree)]
     leaves = [node for node in nodes if not node.children]
     generated = sum(len(node.tokens) for node in nodes)
@@ -896,7 +918,7 @@ def iteration_metrics(
         "charts/zero_advantage_fraction": 1 - nonzero_edges / len(nodes),
         "charts/lr": lr,
         "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
-        "charts/loss_mask_fraction": torch.cat([s["loss_mask"] for s in samples]).float().mean().item() if samples else 0.0,
+        "charts/loss_mask_fraction": torch.cat(loss_masks).float().mean().item() if loss_masks else 0.0,
         "tree/nodes": len(nodes) / len(trees),
         "tree/leaves": len(leaves) / len(trees),
         "buffer/size": len(buffer),
@@ -954,9 +976,11 @@ def sample_records(iteration: int, trees: list[Node], questions: list, probs: di
 
 
 def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
-    """Close the log, write summary.json and print the run's one-line result."""
+    """Close the log, write summary.json and print the run's one-line result (rank 0 under torchrun)."""
     log.close()
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    if ev.rank() > 0:
+        return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
     after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
@@ -965,6 +989,7 @@ def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accura
 
 
 def main(args: Args) -> dict:
+    device = ev.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
     branches = validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
@@ -974,8 +999,7 @@ def main(args: Args) -> dict:
             "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1],
         })
     torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(ev.set_precision(args.precision, device))
+    ev.print0(ev.set_precision(args.precision, device))
     run_dir, checkpoint = open_run(args)
 
     model, tokenizer, reference = load_models(args, checkpoint, device)
@@ -993,13 +1017,14 @@ def main(args: Args) -> dict:
         log.write(0, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
     streak = [0]  # non-finite losses in a row
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1, total=args.iterations)
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
+                         total=args.iterations, disable=ev.rank() > 0)
     for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
-        # 1. Rollout: one tree per question, grown level by level across all trees.
+        # 1. Rollout: one tree per question, grown level by level across all trees (this rank's share of them).
         started = iteration_started = time.time()
-        question_ids = [rng.randrange(len(train_examples)) for _ in range(args.questions)]
+        question_ids = ev.shard([rng.randrange(len(train_examples)) for _ in range(args.questions)])
         questions = [train_examples[i] for i in question_ids]
         trees, level_seconds = grow_trees(
             sampler, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
@@ -1011,46 +1036,51 @@ def main(args: Args) -> dict:
         grade_trees(trees, [q.answer for q in questions], tokenizer, args.task)
 
         # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
+        #    Under torchrun every rank gets every rank's edges: the replay buffer is one, the same on all ranks.
         new_edges, nonzero_edges = tree_edges(trees, question_ids, iteration, args.advantage)
         for edge, logps in zip(new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id)):
             edge["old_logps"] = logps
+        new_edges = ev.gather(new_edges)
         saving = args.save_samples and iteration % args.save_samples == 0
         saved_probs = node_probs(model, trees[: args.save_questions], args.micro_batch_size, args.temperature, pad_id) if saving else {}
 
         # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
-        #    samples of them; reference log-probs, loss mask, whitened advantages.
+        #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
         taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
         samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)  # the buffer the checkpoint keeps
-        attach_targets(samples, reference, device=device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+        rank_samples = ev.shard(samples)
+        attach_targets(rank_samples, reference, device=device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
                        pad_id=pad_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
 
         # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.
         sampler.sleep()
         started, lr = time.time(), scheduler.get_last_lr()[0]
-        model_stats = update_policy(model, optimizer, scheduler, samples, args, pad_id, iteration, streak)
+        model_stats = update_policy(model, optimizer, scheduler, rank_samples, args, pad_id, iteration, streak)
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
         log.train_seconds += iteration_seconds
-        last = iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        last = ev.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
 
-        # 6. Log, save samples, evaluate, checkpoint.
+        # 6. Log (over all ranks' trees), save samples, evaluate, checkpoint.
         metrics = iteration_metrics(
-            iteration, trees, samples, buffer, nonzero_edges=nonzero_edges, model_stats=model_stats, lr=lr,
+            iteration, ev.gather(trees), samples, buffer, ev.gather([s["loss_mask"] for s in rank_samples]),
+            nonzero_edges=int(ev.all_sum(torch.tensor(nonzero_edges))), model_stats=model_stats, lr=lr,
             level_seconds=level_seconds, rollout_seconds=rollout_seconds, update_seconds=update_seconds,
             iteration_seconds=iteration_seconds, train_seconds=log.train_seconds,
         )
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        tqdm.tqdm.write(progress_line(iteration, metrics, level_seconds))
-        if saving:
+        ev.print0(progress_line(iteration, metrics, level_seconds), tqdm.tqdm.write)
+        if saving and ev.rank() == 0:  # rank 0's trees
             write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(iteration, trees, questions, saved_probs, tokenizer, args))
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = eval_metrics["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
+        if (iteration % args.save_every == 0 or last) and ev.rank() == 0:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration, buffer)
+        ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:
             break
     return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)

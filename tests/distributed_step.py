@@ -67,12 +67,92 @@ def grpo(model_dir: str) -> tuple[list, dict]:
     return [model], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
 
 
+def ppo(model_dir: str) -> tuple[list, dict]:
+    import ppo_baseline as script
+
+    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
+    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
+    critic = script.make_critic(model)
+    # A non-zero head (the same on every rank): with main's zero head the critic's backbone gets no gradient
+    # in the first step, and the values would all be 0.
+    torch.nn.init.normal_(critic.value_head.weight, std=0.05, generator=torch.Generator().manual_seed(0))
+    prompts, responses, rewards = fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
+    samples, local_rewards, _ = local_samples(prompts, responses, rewards)
+    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, micro_batch_size=3,
+                       epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, max_grad_norm=1e9)
+    script.add_old_logprobs_and_values(samples, model, reference, critic, micro_batch_size=args.micro_batch_size,
+                                       temperature=args.temperature, pad_id=tokenizer.pad_token_id)
+    script.add_advantages_and_returns(samples, local_rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold,
+                                      prob_mask=args.prob_mask)
+    (optimizer, scheduler), (critic_optimizer, critic_scheduler) = sgd(model), sgd(critic)
+    steps = script.update_policy(model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args,
+                                 tokenizer.pad_token_id, 1, [0])
+    flat_mask = torch.cat([s["loss_mask"] for s in samples])
+    return [model, critic], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
+
+
+def spo_chain(model_dir: str) -> tuple[list, dict]:
+    import spo_chain as script
+
+    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
+    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
+    prompts, responses, rewards = fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
+    samples, local_rewards, mine = local_samples(prompts, responses, rewards)
+    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, micro_batch_size=3,
+                       epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, interval=2, max_grad_norm=1e9)
+    old_logps, ref_logps = script.old_and_reference_logprobs(model, reference, samples, args.micro_batch_size, args.temperature,
+                                                             tokenizer.pad_token_id)
+    for s, old, ref in zip(samples, old_logps, ref_logps):
+        s["old_logps"], s["ref_logps"] = old, ref
+    flat_probs = torch.cat(old_logps).exp()
+    probs = [logps.exp().tolist() for logps in old_logps]
+    cutpoints = [script.find_cutpoints(p, args.prob_threshold, args.interval) for p in probs]
+    # Fixed stand-ins for the MC values V(s_c): a function of (question, response, cutpoint), whichever rank has it.
+    responses_of = [(q, j) for q in mine for j in range(GROUP)]
+    values = [[((3 * q + 5 * j + 7 * k) % 5) / 4 for k in range(len(cuts))] for (q, j), cuts in zip(responses_of, cutpoints)]
+    advantages = [script.chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
+                  for p, cuts, v, reward in zip(probs, cutpoints, values, local_rewards.tolist())]
+    flat_mask = script.attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
+    optimizer, scheduler = sgd(model)
+    steps = script.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, 1, [0])
+    assert sum(map(len, ev.gather(cutpoints))) > 0
+    return [model], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
+
+
+def spo_tree(model_dir: str) -> tuple[list, dict]:
+    """Each rank's questions make edges (a response of the fixed rollouts, advantage reward - 0.5); the buffer
+    step draws 3 per question and then 14 samples, so two edges appear twice."""
+    import spo_tree as script
+
+    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
+    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
+    prompts, responses, rewards = fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
+    args = script.Args(model=model_dir, questions=QUESTIONS, tree="4", batch_size=16, micro_batch_size=3, epochs=1, beta=0.1,
+                       temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, edges_per_question=3,
+                       samples_per_iteration=14, max_grad_norm=1e9)
+    new_edges = [{"question": q, "born": 1, "prompt_ids": prompts[q], "response_ids": responses[q][j], "advantage": rewards[q, j].item() - 0.5}
+                 for q in ev.shard(list(range(QUESTIONS))) for j in range(GROUP)]
+    for edge, logps in zip(new_edges, script.sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, tokenizer.pad_token_id)):
+        edge["old_logps"] = logps
+    rng = random.Random(5)  # main's per-iteration generator: the same on every rank
+    taken, buffer = script.sample_buffer(ev.gather(new_edges), 1, args.buffer_max_age, args.edges_per_question, rng)
+    samples, buffer = script.fill_samples(taken, buffer, args.samples_per_iteration, rng)
+    rank_samples = ev.shard(samples)
+    script.attach_targets(rank_samples, reference, device="cpu", micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+                          pad_id=tokenizer.pad_token_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
+    optimizer, scheduler = sgd(model)
+    steps = script.update_policy(model, optimizer, scheduler, rank_samples, args, tokenizer.pad_token_id, 1, [0])
+    assert len(samples) == 14 and len({id(s) for s in samples}) == 12
+    flat_mask = torch.cat([s["loss_mask"] for s in rank_samples])
+    return [model], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
+
+
 def main() -> None:
     script, model_dir, out = sys.argv[1:4]
     ev.init_distributed()
     torch.manual_seed(0)
     random.seed(0)
-    models, stats = {"grpo_baseline": grpo}[script](model_dir)
+    models, stats = {"grpo_baseline": grpo, "ppo_baseline": ppo, "spo_chain": spo_chain, "spo_tree": spo_tree}[script](model_dir)
     if ev.rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         parameters = [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]

@@ -1,16 +1,23 @@
 """Many processes (torchrun, gloo on CPU): N ranks make the update one process makes from the union of their samples;
 a torchrun run trains, checkpoints and resumes like a single-process one; a failing rank ends the whole job."""
 
+import json
+import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMOKE_SETTINGS, read_metrics
 
 import eval as ev
 
-DRIVER = Path(__file__).resolve().parent / "distributed_step.py"
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "distributed_step.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
@@ -20,7 +27,7 @@ def run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess
     return result
 
 
-@pytest.mark.parametrize("script", ["grpo_baseline"])
+@pytest.mark.parametrize("script", ["grpo_baseline", "ppo_baseline", "spo_chain", "spo_tree"])
 def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(script, tiny_model_dir, tmp_path):
     run([sys.executable, str(DRIVER), script, str(tiny_model_dir), str(tmp_path)])
     run(TORCHRUN + [str(DRIVER), script, str(tiny_model_dir), str(tmp_path)])
@@ -34,3 +41,96 @@ def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(
     for single, ranks in zip(one["parameters"], two["parameters"]):
         for name in single:
             assert torch.allclose(ranks[name], single[name], rtol=1e-5, atol=1e-7), name
+
+
+SMOKE = {  # torchrun settings: SMOKE_SETTINGS with 4 questions (a multiple of 2 ranks) and batches of 8
+    "grpo_baseline": dict(questions=4, batch_size=8, micro_batch_size=4),
+    "ppo_baseline": dict(questions=4, batch_size=8, micro_batch_size=4),
+    "spo_chain": dict(questions=4, batch_size=8, micro_batch_size=4),
+    "spo_tree": dict(questions=4, batch_size=8, micro_batch_size=4),
+}
+
+
+def flags(settings: dict) -> list[str]:
+    out = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [f"--no-{key.replace('_', '-')}"] if value is False else [flag, str(value)]
+    return out
+
+
+def torchrun_script(script: str, model_dir, data, out, **overrides) -> list[str]:
+    settings = {**SMOKE_SETTINGS[script], **SMOKE[script], "model": str(model_dir), "task": str(data), "output_dir": str(out), **overrides}
+    return TORCHRUN + [str(ROOT / f"{script}.py")] + flags(settings)
+
+
+def only_run(out) -> Path:
+    (run_dir,) = [p for p in Path(out).iterdir() if p.is_dir()]
+    return run_dir
+
+
+@pytest.mark.parametrize("script", ["grpo_baseline", "ppo_baseline", "spo_chain", "spo_tree"])
+def test_torchrun_trains_checkpoints_and_resumes_like_the_uninterrupted_run(script, tiny_model_dir, gsm8k_jsonl, tmp_path):
+    run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "full"))
+    full = only_run(tmp_path / "full")
+    metrics = read_metrics(full)
+    train = [m for m in metrics if "charts/reward" in m]
+    assert [m["iteration"] for m in train] == [1, 2] and all(math.isfinite(v) for m in metrics for v in m.values())
+    assert [m for m in metrics if "eval/accuracy" in m], "evaluated"
+    assert json.loads((full / "summary.json").read_text())["checkpoint"] == str(full / "checkpoint")
+    model, _ = ev.load_model(str(full / "checkpoint"))  # one save_pretrained directory that eval.py loads
+    assert torch.load(full / "checkpoint" / "trainer_state.pt", weights_only=False)["world_size"] == 2
+    assert len((full / "starts.jsonl").read_text().splitlines()) == 1  # rank 0 alone records the start
+
+    # Stopped after its first iteration by the time limit (the schedule still plans 2), then resumed without one.
+    run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "part", max_minutes=1e-6))
+    part = only_run(tmp_path / "part")
+    assert torch.load(part / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
+    run(TORCHRUN + [str(ROOT / f"{script}.py"), "--resume", str(part), "--max-minutes", "None"])
+    assert read_metrics(part) == metrics  # the same numbers as the uninterrupted run
+
+
+def test_resume_at_another_world_size_is_refused_with_the_command_that_fits(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    run(torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1))
+    result = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--resume", str(only_run(tmp_path)), "--iterations", "2"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "trained by 2 process(es), this is 1" in result.stderr and "torchrun --nproc_per_node 2" in result.stderr
+
+
+def test_settings_that_do_not_split_over_the_ranks_fail_on_every_rank_with_one_line(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    result = subprocess.run(torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path, questions=3),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "error: --questions (3) must be a multiple of the number of processes (2) under torchrun" in result.stderr
+    assert "UsageError" not in result.stderr and 'grpo_baseline.py", line' not in result.stderr  # one line, no traceback of ours
+    assert "exitcode" in result.stderr  # torchrun's own summary of the failed ranks follows
+
+
+def rank_pids(agent: int) -> dict[int, int]:
+    """The worker processes torchrun's agent started, by their RANK."""
+    pids = {}
+    for child in Path(f"/proc/{agent}/task/{agent}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        for entry in environ:
+            if entry.startswith(b"RANK="):
+                pids[int(entry[5:])] = int(child)
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux's /proc")
+def test_a_killed_rank_ends_the_whole_job_with_an_error(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    command = torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1000, eval_every=1000)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(Path(tmp_path).glob("*/metrics.jsonl")):
+            time.sleep(0.5)  # training has started
+        pids = rank_pids(job.pid)
+        assert set(pids) == {0, 1}
+        os.kill(pids[1], signal.SIGKILL)
+        output, _ = job.communicate(timeout=120)  # no hang until a collective's timeout
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output[-2000:]

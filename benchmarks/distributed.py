@@ -1,0 +1,85 @@
+"""Many processes on one CPU: the same GRPO iterations in 1 process and in 2 torchrun processes (gloo), seconds per
+iteration and the share of it spent in collectives.
+
+Work: SmolLM2-135M-Instruct on rg:chain_sum (two one-digit terms), 8 questions x 4 responses of up to 64 tokens per
+iteration, one optimizer step of 32 sequences, 3 iterations (the first is reported apart: it warms up), no
+evaluation before, the last one's evaluation on 4 questions (not timed: iteration seconds exclude evaluation).
+One process uses every core (torch's threads = cores); each of the 2 processes gets half of them. Collective
+seconds are what eval.py's helpers spent in torch.distributed calls (the gradient all-reduce, the sums behind the
+whitening and loss counts, gathers for metrics and evaluation, barriers), waiting for the other rank included.
+
+  python benchmarks/distributed.py              # writes benchmarks/results/distributed.json
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "distributed.json"
+SETTINGS = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "--backend", "hf",
+            "--iterations", "3", "--questions", "8", "--group-size", "4", "--max-new-tokens", "64", "--batch-size", "32",
+            "--micro-batch-size", "8", "--no-eval-before", "--eval-every", "1000", "--eval-limit", "4", "--precision", "fp32"]
+
+
+def worker(output_dir: str, report: str) -> None:
+    """Run grpo_baseline.main in this process (started by python or torchrun) and let rank 0 write the report."""
+    sys.path.insert(0, str(ROOT))
+    import eval as ev
+    import grpo_baseline as grpo
+
+    summary = grpo.main(ev.cli(grpo.Args, SETTINGS + ["--output-dir", output_dir]))
+    seconds = ev.gather([ev.collective_seconds()])
+    if ev.rank() == 0:
+        metrics = [json.loads(line) for line in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()]
+        Path(report).write_text(json.dumps({"metrics": [m for m in metrics if "time/iteration_seconds" in m],
+                                            "collective_seconds_per_rank": seconds}))
+
+
+def measure(world: int, scratch: Path) -> dict:
+    cores = os.cpu_count() or 1
+    report = scratch / f"world{world}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // world))}
+    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    command = launcher + [__file__, "--worker", str(scratch / f"runs{world}"), str(report)]
+    print(f"{world} process(es): {' '.join(command)}", flush=True)
+    subprocess.run(command, env=env, check=True)
+    result = json.loads(report.read_text())
+    iterations = result["metrics"]
+    timed = iterations[1:]  # iteration 1 warms up
+    train = sum(m["time/iteration_seconds"] for m in iterations)
+    return {
+        "processes": world, "threads_per_process": max(1, cores // world),
+        "first_iteration_seconds": iterations[0]["time/iteration_seconds"],
+        "iteration_seconds": statistics.median(m["time/iteration_seconds"] for m in timed),
+        "rollout_seconds": statistics.median(m["time/rollout_seconds"] for m in timed),
+        "update_seconds": statistics.median(m["time/update_seconds"] for m in timed),
+        "collective_seconds_per_rank": result["collective_seconds_per_rank"],
+        # the collectives of the whole run (evaluation included) against its training time (evaluation excluded):
+        # an upper bound on the training share
+        "collective_share_of_training_upper_bound": max(result["collective_seconds_per_rank"]) / train,
+        "reward": [m["charts/reward"] for m in iterations],
+    }
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        return worker(*sys.argv[2:4])
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = [measure(world, Path(scratch)) for world in (1, 2)]
+    result = {"settings": SETTINGS, "cpu_cores": os.cpu_count(), "runs": runs}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1))
+    for run in runs:
+        print(f"{run['processes']} process(es) x {run['threads_per_process']} thread(s): {run['iteration_seconds']:.1f} s/iteration "
+              f"(rollout {run['rollout_seconds']:.1f}, update {run['update_seconds']:.1f}); collectives "
+              f"{max(run['collective_seconds_per_rank']):.1f} s of the run (<= {100 * run['collective_share_of_training_upper_bound']:.0f}% of training)")
+    print(f"-> {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
