@@ -44,6 +44,17 @@ def sgd(model, total_steps: int = 1):
     return optimizer, get_linear_schedule_with_warmup(optimizer, 0, total_steps)
 
 
+def models_and_rollouts(model_dir: str):
+    """The policy, a reference model (the same weights), the tokenizer and the fixed rollouts."""
+    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
+    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
+    return model, reference, tokenizer, *fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
+
+
+# Settings every script's step shares: a real KL term and probability mask; no clipping (see the docstring).
+COMMON = dict(micro_batch_size=3, epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, max_grad_norm=1e9)
+
+
 def local_samples(prompts, responses, rewards) -> tuple[list[dict], torch.Tensor, list[int]]:
     """This rank's share: its questions' samples (question-major, as main() builds them), rewards, question ids."""
     mine = ev.shard(list(range(len(prompts))))
@@ -54,12 +65,9 @@ def local_samples(prompts, responses, rewards) -> tuple[list[dict], torch.Tensor
 def grpo(model_dir: str) -> tuple[list, dict]:
     import grpo_baseline as script
 
-    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
-    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
-    prompts, responses, rewards = fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
+    model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
     samples, local_rewards, _ = local_samples(prompts, responses, rewards)
-    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, micro_batch_size=3,
-                       epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, max_grad_norm=1e9)
+    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, **COMMON)
     advantages = script.group_advantages(local_rewards, GROUP)
     flat_mask = script.attach_targets(samples, advantages, model, reference, args, tokenizer.pad_token_id, on_policy=False)
     optimizer, scheduler = sgd(model)
@@ -70,16 +78,13 @@ def grpo(model_dir: str) -> tuple[list, dict]:
 def ppo(model_dir: str) -> tuple[list, dict]:
     import ppo_baseline as script
 
-    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
-    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
+    model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
     critic = script.make_critic(model)
     # A non-zero head (the same on every rank): with main's zero head the critic's backbone gets no gradient
     # in the first step, and the values would all be 0.
     torch.nn.init.normal_(critic.value_head.weight, std=0.05, generator=torch.Generator().manual_seed(0))
-    prompts, responses, rewards = fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
     samples, local_rewards, _ = local_samples(prompts, responses, rewards)
-    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, micro_batch_size=3,
-                       epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, max_grad_norm=1e9)
+    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, **COMMON)
     script.add_old_logprobs_and_values(samples, model, reference, critic, micro_batch_size=args.micro_batch_size,
                                        temperature=args.temperature, pad_id=tokenizer.pad_token_id)
     script.add_advantages_and_returns(samples, local_rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold,
@@ -94,12 +99,10 @@ def ppo(model_dir: str) -> tuple[list, dict]:
 def spo_chain(model_dir: str) -> tuple[list, dict]:
     import spo_chain as script
 
-    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
-    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
-    prompts, responses, rewards = fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
+    model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
     samples, local_rewards, mine = local_samples(prompts, responses, rewards)
-    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, micro_batch_size=3,
-                       epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, interval=2, max_grad_norm=1e9)
+    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, interval=2,
+                       **COMMON)
     old_logps, ref_logps = script.old_and_reference_logprobs(model, reference, samples, args.micro_batch_size, args.temperature,
                                                              tokenizer.pad_token_id)
     for s, old, ref in zip(samples, old_logps, ref_logps):
@@ -124,12 +127,9 @@ def spo_tree(model_dir: str) -> tuple[list, dict]:
     step draws 3 per question and then 14 samples, so two edges appear twice."""
     import spo_tree as script
 
-    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
-    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
-    prompts, responses, rewards = fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
-    args = script.Args(model=model_dir, questions=QUESTIONS, tree="4", batch_size=16, micro_batch_size=3, epochs=1, beta=0.1,
-                       temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, edges_per_question=3,
-                       samples_per_iteration=14, max_grad_norm=1e9)
+    model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
+    args = script.Args(model=model_dir, questions=QUESTIONS, tree="4", batch_size=16, edges_per_question=3, samples_per_iteration=14,
+                       **COMMON)
     new_edges = [{"question": q, "born": 1, "prompt_ids": prompts[q], "response_ids": responses[q][j], "advantage": rewards[q, j].item() - 0.5}
                  for q in ev.shard(list(range(QUESTIONS))) for j in range(GROUP)]
     for edge, logps in zip(new_edges, script.sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, tokenizer.pad_token_id)):

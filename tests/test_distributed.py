@@ -96,6 +96,7 @@ def test_resume_at_another_world_size_is_refused_with_the_command_that_fits(tiny
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "trained by 2 process(es), this is 1" in result.stderr and "torchrun --nproc_per_node 2" in result.stderr
+    assert len((only_run(tmp_path) / "starts.jsonl").read_text().splitlines()) == 1  # refused before it is recorded
 
 
 def test_settings_that_do_not_split_over_the_ranks_fail_on_every_rank_with_one_line(tiny_model_dir, gsm8k_jsonl, tmp_path):
