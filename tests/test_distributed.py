@@ -69,6 +69,9 @@ def only_run(out) -> Path:
     return run_dir
 
 
+RESUMED = ("ppo_baseline", "spo_tree")  # the two with state beyond the policy's: the critic, the replay buffer
+
+
 @pytest.mark.parametrize("script", ["grpo_baseline", "ppo_baseline", "spo_chain", "spo_tree"])
 def test_torchrun_trains_checkpoints_and_resumes_like_the_uninterrupted_run(script, tiny_model_dir, gsm8k_jsonl, tmp_path):
     run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "full"))
@@ -81,6 +84,8 @@ def test_torchrun_trains_checkpoints_and_resumes_like_the_uninterrupted_run(scri
     model, _ = ev.load_model(str(full / "checkpoint"))  # one save_pretrained directory that eval.py loads
     assert torch.load(full / "checkpoint" / "trainer_state.pt", weights_only=False)["world_size"] == 2
     assert len((full / "starts.jsonl").read_text().splitlines()) == 1  # rank 0 alone records the start
+    if script not in RESUMED:
+        return
 
     # Stopped after its first iteration by the time limit (the schedule still plans 2), then resumed without one.
     run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "part", max_minutes=1e-6))
