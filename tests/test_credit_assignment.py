@@ -125,13 +125,18 @@ def test_correlations_sign_agreement_and_bootstrap_on_hand_made_inputs():
 
 def test_reference_noise_reliability_and_ceiling():
     same = [{"error": 0.1, "halves": (a, a)} for a in (0.1, -0.4, 0.7)]
-    assert ca.reference_noise(same)["spearman_brown"] == pytest.approx(1.0) and ca.reference_noise(same)["ceiling"] == pytest.approx(1.0)
+    noise = ca.reference_noise(same, [0, 1, 2], 50, seed=0)
+    assert noise["spearman_brown"] == pytest.approx(1.0) and noise["ceiling"] == pytest.approx(1.0)
+    assert noise["ceiling_ci"] == pytest.approx([1.0, 1.0])  # identical halves in every resample
     half = [{"error": 0.2, "halves": (a, b)} for a, b in [(0.0, 0.5), (0.5, 0.0), (1.0, 1.0), (0.0, 0.0)]]
-    noise = ca.reference_noise(half)
+    noise = ca.reference_noise(half, [0, 1, 2, 3], 200, seed=0)
     r = noise["split_half_r"]
     assert noise["spearman_brown"] == pytest.approx(2 * r / (1 + r)) and noise["ceiling"] == pytest.approx(math.sqrt(2 * r / (1 + r)))
-    assert noise["mean_standard_error"] == pytest.approx(0.2)
-    assert ca.reference_noise([{"error": 0.1, "halves": (0.0, 1.0)}, {"error": 0.1, "halves": (1.0, 0.0)}])["ceiling"] is None
+    low, high = noise["split_half_r_ci"]
+    assert low <= r <= high and noise["mean_standard_error"] == pytest.approx(0.2)
+    flipped = [{"error": 0.1, "halves": (0.0, 1.0)}, {"error": 0.1, "halves": (1.0, 0.0)}]
+    assert ca.reference_noise(flipped, [0, 1], 20, seed=0)["ceiling"] is None
+    assert ca.ceiling(0.5) == pytest.approx(math.sqrt(2 / 3)) and ca.ceiling(None) is None
 
 
 def test_probe_cutpoint_values_give_the_full_chain_advantages_at_the_probes():
