@@ -252,9 +252,12 @@ def reference_noise(references: list[dict], groups: Sequence[int], resamples: in
     """The reference's own noise over a set of probes (reference_advantage results; groups: their questions): mean
     standard error, split-half Pearson r with its 95% bootstrap interval over questions, the Spearman-Brown correction
     2r / (1 + r) (the reliability of A* from all K* continuations) and the ceiling sqrt(reliability) with the
-    interval that r's interval gives it (a bound below 0 has no ceiling: None).
+    interval that r's interval gives it (a bound below 0 has no ceiling: None). A second estimate of the same
+    reliability uses every continuation rather than halves: 1 - mean(standard error^2) / var(A*) (the share of A*'s
+    variance that is not sampling noise), with its ceiling sqrt of it; it is the steadier of the two on few probes.
 
-    >>> noise = reference_noise([{"error": 0.1, "halves": (0.0, 0.1)}, {"error": 0.3, "halves": (1.0, 0.8)}], [0, 1], 10, 0)
+    >>> noise = reference_noise([{"error": 0.1, "halves": (0.0, 0.1), "advantage": 0.05},
+    ...                          {"error": 0.3, "halves": (1.0, 0.8), "advantage": 0.9}], [0, 1], 10, 0)
     >>> noise["split_half_r"], noise["spearman_brown"], noise["ceiling"]
     (1.0, 1.0, 1.0)
     """
@@ -262,9 +265,13 @@ def reference_noise(references: list[dict], groups: Sequence[int], resamples: in
     r = pearson(first, second)
     interval = bootstrap_interval(pearson, first, second, groups, resamples, seed)
     errors = [r["error"] for r in references if math.isfinite(r["error"])]
+    spread = float(np.var([r["advantage"] for r in references], ddof=1)) if len(references) > 1 else 0.0
+    from_errors = 1 - float(np.mean(np.square(errors))) / spread if errors and spread > 0 else None
     return {"count": len(references), "mean_standard_error": float(np.mean(errors)) if errors else None,
             "split_half_r": r, "split_half_r_ci": interval, "spearman_brown": 2 * r / (1 + r) if r is not None and r > 0 else None,
-            "ceiling": ceiling(r), "ceiling_ci": [ceiling(bound) for bound in interval] if interval else None}
+            "ceiling": ceiling(r), "ceiling_ci": [ceiling(bound) for bound in interval] if interval else None,
+            "reliability_from_errors": from_errors,
+            "ceiling_from_errors": math.sqrt(from_errors) if from_errors is not None and from_errors > 0 else None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,7 +525,8 @@ def print_table(rows: list[dict], noise: dict) -> None:
         part, error = noise[name], noise[name]["mean_standard_error"]
         print(f"reference on {name}: {part['count']} comparisons, mean standard error {'n/a' if error is None else f'{error:.3f}'}, "
               f"split-half r {number(part['split_half_r'], part['split_half_r_ci'])}, Spearman-Brown {number(part['spearman_brown'])}, "
-              f"ceiling {number(part['ceiling'])}")
+              f"ceiling {number(part['ceiling'])}; from the standard errors: reliability {number(part['reliability_from_errors'])}, "
+              f"ceiling {number(part['ceiling_from_errors'])}")
 
 
 def plot(results: dict, path: Path) -> None:
@@ -543,8 +551,10 @@ def plot(results: dict, path: Path) -> None:
         interval = results["reference"][set_name]["ceiling_ci"]
         if ceiling is not None and members:
             spread = f" (95% CI {'n/a' if interval[0] is None else f'{interval[0]:.2f}'}-{interval[1]:.2f})" if interval and interval[1] is not None else ""
+            steadier = results["reference"][set_name]["ceiling_from_errors"]
+            also = "" if steadier is None else f"; from standard errors {steadier:.2f}"
             bars.hlines(ceiling, min(members) - 0.45, max(members) + 0.45, colors="black", linestyles=style,
-                        label=f"ceiling on {set_name}: sqrt(split-half reliability) = {ceiling:.2f}{spread}")
+                        label=f"ceiling on {set_name}: sqrt(split-half reliability) = {ceiling:.2f}{spread}{also}")
     bars.axhline(0, color="gray", lw=0.8)
     bars.set_xticks(x, [row["estimator"] for row in rows], rotation=30, ha="right")
     bars.set(ylabel="correlation with the Monte-Carlo advantage A*", ylim=(-1.05, 1.05),

@@ -6,6 +6,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,17 +125,22 @@ def test_correlations_sign_agreement_and_bootstrap_on_hand_made_inputs():
 
 
 def test_reference_noise_reliability_and_ceiling():
-    same = [{"error": 0.1, "halves": (a, a)} for a in (0.1, -0.4, 0.7)]
+    same = [{"error": 0.1, "halves": (a, a), "advantage": a} for a in (0.1, -0.4, 0.7)]
     noise = ca.reference_noise(same, [0, 1, 2], 50, seed=0)
     assert noise["spearman_brown"] == pytest.approx(1.0) and noise["ceiling"] == pytest.approx(1.0)
     assert noise["ceiling_ci"] == pytest.approx([1.0, 1.0])  # identical halves in every resample
-    half = [{"error": 0.2, "halves": (a, b)} for a, b in [(0.0, 0.5), (0.5, 0.0), (1.0, 1.0), (0.0, 0.0)]]
+    spread = np.var([0.1, -0.4, 0.7], ddof=1)  # A* varies far more than its standard error 0.1
+    assert noise["reliability_from_errors"] == pytest.approx(1 - 0.01 / spread)
+    assert noise["ceiling_from_errors"] == pytest.approx(math.sqrt(1 - 0.01 / spread))
+    pure_noise = [{"error": 0.5, "halves": (a, -a), "advantage": a} for a in (0.1, -0.1, 0.0)]  # spread below the error
+    assert ca.reference_noise(pure_noise, [0, 1, 2], 20, seed=0)["ceiling_from_errors"] is None
+    half = [{"error": 0.2, "halves": (a, b), "advantage": (a + b) / 2} for a, b in [(0.0, 0.5), (0.5, 0.0), (1.0, 1.0), (0.0, 0.0)]]
     noise = ca.reference_noise(half, [0, 1, 2, 3], 200, seed=0)
     r = noise["split_half_r"]
     assert noise["spearman_brown"] == pytest.approx(2 * r / (1 + r)) and noise["ceiling"] == pytest.approx(math.sqrt(2 * r / (1 + r)))
     low, high = noise["split_half_r_ci"]
     assert low <= r <= high and noise["mean_standard_error"] == pytest.approx(0.2)
-    flipped = [{"error": 0.1, "halves": (0.0, 1.0)}, {"error": 0.1, "halves": (1.0, 0.0)}]
+    flipped = [{"error": 0.1, "halves": (0.0, 1.0), "advantage": 0.5}, {"error": 0.1, "halves": (1.0, 0.0), "advantage": 0.5}]
     assert ca.reference_noise(flipped, [0, 1], 20, seed=0)["ceiling"] is None
     assert ca.ceiling(0.5) == pytest.approx(math.sqrt(2 / 3)) and ca.ceiling(None) is None
 
