@@ -619,10 +619,11 @@ def barrier() -> None:
 
 def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
     """Under torchrun: settings that must split evenly over the ranks (so every rank takes the same number of
-    optimizer steps), and what is not supported yet. Nothing at world size 1."""
+    optimizer steps), and what is not supported yet. At world size 1: --fsdp (nothing to shard over)."""
     world = world_size()
     if world == 1:
-        return []
+        return ["--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (N >= 2), or drop --fsdp"] \
+            if getattr(args, "fsdp", False) else []
     problems = [f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
                 for flag, value in per_rank.items() if value % world]
     if getattr(args, "backend", "hf") == "vllm":
@@ -644,17 +645,122 @@ def check_world_size(checkpoint: Path) -> None:
 def all_reduce_gradients(*models: torch.nn.Module) -> None:
     """Sum every parameter's gradient over ranks, once per optimizer step (what DDP does; the scripts call the
     base model and the LM head separately, which DDP's wrapper would not see). Each rank's loss is already
-    divided by the whole batch's counts, so the sum is the gradient of the whole batch."""
+    divided by the whole batch's counts, so the sum is the gradient of the whole batch. Parameters sharded by
+    fully_shard_model are left alone: FSDP has already summed their gradients in the backward pass."""
     if world_size() == 1:
         return
-    for model in models:
-        for p in model.parameters():
-            if p.grad is None and p.requires_grad:  # a rank without samples in this step adds zeros
-                p.grad = torch.zeros_like(p)
+    from torch.distributed.tensor import DTensor
+
+    replicated = [p for model in models for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    for p in replicated:
+        if p.grad is None:  # a rank without samples in this step adds zeros
+            p.grad = torch.zeros_like(p)
     with _collective():
-        works = [dist.all_reduce(p.grad, async_op=True) for model in models for p in model.parameters() if p.grad is not None]
+        works = [dist.all_reduce(p.grad, async_op=True) for p in replicated]
         for work in works:
             work.wait()
+
+
+# FSDP2 (--fsdp): the parameters, their gradients and so AdamW's state are split over the ranks (each holds 1/N),
+# for models whose replica does not fit one GPU. Each transformer block is one unit, gathered for its own forward
+# and backward; the rest (embeddings, final norm, LM head, a critic's value head) is the root unit, gathered for
+# the whole forward and backward. The root must be called as a whole: the scripts' response_logprobs then takes
+# the last hidden state from the root's forward (is_sharded) instead of calling model.base_model. Sampling and
+# the no-grad log-prob passes call the model a different number of times on each rank, so the HF sampler gathers
+# the whole model once while it is awake (gather_parameters) and releases it when it sleeps (for the update).
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether fully_shard_model sharded `model` (its forward must then be called on the whole model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def fully_shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` (a causal LM or a critic around a transformer) over all ranks with FSDP2's fully_shard, in
+    place: one unit per transformer block (the model's _no_split_modules), the rest in the root. Gradients are
+    summed over ranks, not averaged, as all_reduce_gradients sums them. Create the optimizer after this."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(_collective_device().type, (world_size(),))
+    blocks = {name for m in model.modules() if isinstance(m, PreTrainedModel) for name in (m._no_split_modules or [])}
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a sum: each rank's loss already divides by the global counts
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no pre-multiplied sum)
+    # FSDP picks its root at the first forward; the sampler calls the base model first, so pick it now.
+    model._get_fsdp_state()._lazy_init()
+    # Its warning that an in-place op on a returned view would skip a gather: no caller here writes into an output.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    return model
+
+
+def gather_parameters(model: torch.nn.Module, gathered: bool) -> None:
+    """gathered=True: every rank holds the whole parameters of a sharded model (all-gathered once) and keeps them
+    through forwards, so sampling and no-grad passes run no collectives; False: back to the shards, each unit
+    gathered only for its own forward and backward (the root stays gathered from its forward to its backward,
+    where the LM head is applied in chunks). A model that is not sharded is left alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    with _collective():
+        for unit in units:
+            if gathered:
+                unit.set_reshard_after_forward(False, recurse=False)
+                unit.unshard()
+            else:
+                unit.reshard()
+                unit.set_reshard_after_forward(unit is not model, recurse=False)
+    model.gathered_by_spo = gathered and bool(units)
+
+
+def _gathered_again(model: torch.nn.Module) -> None:
+    """FSDP's state_dict() puts every unit back on its shards; a model that was gathered (the awake sampler's) is
+    gathered again, so the next sample finds it as it left it."""
+    if getattr(model, "gathered_by_spo", False):
+        gather_parameters(model, True)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The whole model's state dict, on the CPU, for saving: gathered from the shards (a collective: every rank
+    calls it; rank 0 receives it, the others an empty dict) when sharded, else model.state_dict()."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    with _collective():
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    _gathered_again(model)
+    return state
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict for a checkpoint: optimizer.state_dict(), or for a sharded model the whole state
+    gathered to rank 0 (a collective; keyed by parameter name), which load_optimizer_state puts back."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    with _collective():
+        state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    _gathered_again(model)
+    return state
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore what optimizer_state saved (every rank reads the same checkpoint and keeps its own shard)."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1398,6 +1504,7 @@ class HFSampler:
         self.model, self.tokenizer, self.batch_size, self.max_batch_tokens = model, tokenizer, batch_size, max_batch_tokens
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self._stop_enders: dict[tuple, torch.Tensor] = {}
+        self.wake_up()  # made awake, as vLLM's engine is
 
     def _can_end_stop(self, stop: Sequence[str], vocab: int) -> torch.Tensor:
         """[vocab] bool: tokens whose text holds the last character of a stop string. A stop string can only
@@ -1414,11 +1521,15 @@ class HFSampler:
     def load_weights(self, model: PreTrainedModel) -> None:
         self.model = model  # sampling uses the training model itself: nothing to copy
 
-    def sleep(self) -> None:  # the same interface as VLLMSampler; nothing to free here
-        pass
+    def sleep(self) -> None:
+        """The same interface as VLLMSampler's: a replica has nothing to free; a sharded model goes back to its
+        shards for the update."""
+        if is_sharded(self.model):
+            gather_parameters(self.model, False)
 
     def wake_up(self) -> None:
-        pass
+        if is_sharded(self.model):  # the whole model on every rank while it samples (see fully_shard_model)
+            gather_parameters(self.model, True)
 
     def chunks(self, prompts: list[list[int]], limits: list[int], n: int) -> list[list[int]]:
         """Prompt indices in batches: by length (less padding), each within batch_size rows and

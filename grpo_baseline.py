@@ -99,6 +99,9 @@ class Args:
     """PPO ratio clipping"""
     beta: float = 1e-4
     """k3 KL penalty to the reference model (0 disables the reference model)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
+    replica does not fit one GPU; the sampler gathers the whole model while it samples"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the update"""
     eval_every: int = 10
@@ -302,9 +305,12 @@ def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int 
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where ev.set_precision chose it.
     with ev.autocast(model.device.type):
-        hidden = model.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False,
-        ).last_hidden_state[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False)
+        if ev.is_sharded(model):  # --fsdp: only the whole model's forward gathers the embeddings and the LM head
+            hidden = model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # after the final norm
+        else:
+            hidden = model.base_model(**inputs).last_hidden_state
+        hidden = hidden[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
         targets = batch["input_ids"][:, -response_len:]  # [rows, R]
         rows, lm_head = hidden.shape[0], model.get_output_embeddings()
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
@@ -407,12 +413,16 @@ def write_samples(path: Path, records: list[dict]) -> None:
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, iteration: int) -> Path:
-    """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact."""
+    """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact. Every rank
+    calls it (with --fsdp the weights and the optimizer state are gathered from the shards); rank 0 writes."""
     final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    weights, optimizer_state = ev.full_state_dict(model), ev.optimizer_state(model, optimizer)
+    if ev.rank() > 0:
+        return final
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
+    model.save_pretrained(staging, state_dict=weights)
     tokenizer.save_pretrained(staging)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration,
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "iteration": iteration,
                 "world_size": ev.world_size()}, staging / "trainer_state.pt")
     if final.exists():
         final.rename(previous)
@@ -494,6 +504,8 @@ def load_models(args: Args, checkpoint: Path | None, device: str):
         reference.requires_grad_(False)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()
+    if args.fsdp:
+        ev.fully_shard_model(model)  # the reference stays whole, parked on the CPU
     return model, tokenizer, reference
 
 
@@ -513,7 +525,7 @@ def make_optimizer(args: Args, model, checkpoint: Path | None, total_steps: int)
     if checkpoint is None:
         return optimizer, scheduler, 1
     state = torch.load(checkpoint / "trainer_state.pt", map_location=model.device, weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    ev.load_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return optimizer, scheduler, state["iteration"] + 1
 
@@ -772,7 +784,7 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = evaluation["eval/accuracy"]
-        if (iteration % args.save_every == 0 or last) and ev.rank() == 0:
+        if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration)
         ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:

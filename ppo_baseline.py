@@ -104,6 +104,9 @@ class Args:
     """PPO ratio clipping"""
     beta: float = 1e-4
     """k3 KL penalty to the reference model (0 disables the reference model)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
+    replica does not fit one GPU; the sampler gathers the whole model while it samples"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the update (policy and critic)"""
     eval_every: int = 10
@@ -398,9 +401,12 @@ def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int 
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where ev.set_precision chose it.
     with ev.autocast(model.device.type):
-        hidden = model.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False,
-        ).last_hidden_state[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False)
+        if ev.is_sharded(model):  # --fsdp: only the whole model's forward gathers the embeddings and the LM head
+            hidden = model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # after the final norm
+        else:
+            hidden = model.base_model(**inputs).last_hidden_state
+        hidden = hidden[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
         targets = batch["input_ids"][:, -response_len:]  # [rows, R]
         rows, lm_head = hidden.shape[0], model.get_output_embeddings()
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
@@ -550,10 +556,13 @@ def save_checkpoint(run_dir: Path, model, tokenizer, critic: Critic, trainer_sta
     is one state dict, critic.pt; optimizers, schedulers and the iteration are in trainer_state.pt.
     """
     final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    weights, critic_weights = ev.full_state_dict(model), ev.full_state_dict(critic)
+    if ev.rank() > 0:  # every rank calls this (with --fsdp the shards are gathered); rank 0 writes
+        return final
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
+    model.save_pretrained(staging, state_dict=weights)
     tokenizer.save_pretrained(staging)
-    torch.save(critic.state_dict(), staging / "critic.pt")
+    torch.save(critic_weights, staging / "critic.pt")
     torch.save(trainer_state, staging / "trainer_state.pt")  # written last: its presence marks a complete checkpoint
     if final.exists():
         final.rename(previous)
@@ -639,6 +648,9 @@ def load_models(args: Args, checkpoint_dir: Path | None, device: str) -> tuple:
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
         critic.backbone.activation_checkpointing_enable()
+    if args.fsdp:  # after make_critic copied the policy's backbone; the reference stays whole, parked on the CPU
+        ev.fully_shard_model(model)
+        ev.fully_shard_model(critic)
     return model, tokenizer, critic, reference
 
 
@@ -663,9 +675,9 @@ def make_optimizers(args: Args, model, critic: Critic, checkpoint_dir: Path | No
     if checkpoint_dir is None:
         return optimizer, scheduler, critic_optimizer, critic_scheduler, 1
     state = torch.load(checkpoint_dir / "trainer_state.pt", map_location=model.device, weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    ev.load_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    critic_optimizer.load_state_dict(state["critic_optimizer"])
+    ev.load_optimizer_state(critic, critic_optimizer, state["critic_optimizer"])
     critic_scheduler.load_state_dict(state["critic_scheduler"])
     return optimizer, scheduler, critic_optimizer, critic_scheduler, state["iteration"] + 1
 
@@ -945,10 +957,10 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = evaluation["eval/accuracy"]
-        if (iteration % args.save_every == 0 or last) and ev.rank() == 0:
+        if iteration % args.save_every == 0 or last:  # every rank: with --fsdp the states are gathered from the shards
             trainer_state = {
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "critic_optimizer": critic_optimizer.state_dict(), "critic_scheduler": critic_scheduler.state_dict(),
+                "optimizer": ev.optimizer_state(model, optimizer), "scheduler": scheduler.state_dict(),
+                "critic_optimizer": ev.optimizer_state(critic, critic_optimizer), "critic_scheduler": critic_scheduler.state_dict(),
                 "iteration": iteration, "world_size": ev.world_size(),
             }
             save_checkpoint(run_dir, model, tokenizer, critic, trainer_state)

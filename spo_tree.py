@@ -119,6 +119,9 @@ class Args:
     """PPO ratio clipping"""
     beta: float = 1e-4
     """k3 KL penalty to the reference model (0 disables the reference model)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
+    replica does not fit one GPU; the sampler gathers the whole model while it samples"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the update"""
     eval_every: int = 10
@@ -550,9 +553,12 @@ def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int 
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where ev.set_precision chose it.
     with ev.autocast(model.device.type):
-        hidden = model.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False,
-        ).last_hidden_state[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions, use_cache=False)
+        if ev.is_sharded(model):  # --fsdp: only the whole model's forward gathers the embeddings and the LM head
+            hidden = model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # after the final norm
+        else:
+            hidden = model.base_model(**inputs).last_hidden_state
+        hidden = hidden[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
         targets = batch["input_ids"][:, -response_len:]  # [rows, R]
         rows, lm_head = hidden.shape[0], model.get_output_embeddings()
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
@@ -652,11 +658,14 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, itera
     """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact.
     The replay buffer is saved with the optimizer: a resumed run trains on the same edges."""
     final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    weights, optimizer_state = ev.full_state_dict(model), ev.optimizer_state(model, optimizer)
+    if ev.rank() > 0:  # every rank calls this (with --fsdp the shards are gathered); rank 0 writes
+        return final
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
+    model.save_pretrained(staging, state_dict=weights)
     tokenizer.save_pretrained(staging)
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "iteration": iteration, "buffer": buffer,
+        {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "iteration": iteration, "buffer": buffer,
          "world_size": ev.world_size()},
         staging / "trainer_state.pt",
     )
@@ -715,7 +724,14 @@ def validate(args: Args) -> list[int]:
         problems.append(f"--samples-per-iteration ({args.samples_per_iteration}) must be at least 0 (0: every edge the buffer offers)")
     if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
         problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
-    problems += ev.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
+    # --fsdp: every rank must run as many forward/backward passes as the others (each gathers shards), so each trains
+    # an equal share of exactly --samples-per-iteration samples.
+    per_rank = {"--questions": args.questions, "--batch-size": args.batch_size}
+    if args.fsdp:
+        if args.samples_per_iteration == 0:
+            problems.append("--fsdp needs a fixed --samples-per-iteration (not 0): every rank must train an equal share")
+        per_rank["--samples-per-iteration"] = args.samples_per_iteration
+    problems += ev.world_size_problems(args, per_rank=per_rank)
     if problems:
         raise ev.UsageError("; ".join(problems))
     return branches
@@ -755,6 +771,8 @@ def load_models(args: Args, checkpoint: Path | None, device: str) -> tuple:
         reference.requires_grad_(False)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()
+    if args.fsdp:
+        ev.fully_shard_model(model)  # the reference stays whole, parked on the CPU
     return model, tokenizer, reference
 
 
@@ -778,7 +796,7 @@ def make_optimizer(args: Args, model, checkpoint: Path | None) -> tuple:
         return optimizer, scheduler, 1, []
     # On the CPU: the buffer's log-probs stay there with the new edges'; the optimizer moves its state to the parameters.
     state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    ev.load_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return optimizer, scheduler, state["iteration"] + 1, state["buffer"]
 
@@ -1078,7 +1096,7 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or last:
             log.write(iteration, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
             accuracy_after = eval_metrics["eval/accuracy"]
-        if (iteration % args.save_every == 0 or last) and ev.rank() == 0:
+        if iteration % args.save_every == 0 or last:
             save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration, buffer)
         ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:

@@ -2,6 +2,7 @@
 
     python tests/distributed_step.py SCRIPT MODEL_DIR OUT                         # world size 1: every rollout
     torchrun --nproc_per_node 2 tests/distributed_step.py SCRIPT MODEL_DIR OUT    # each rank its share
+    torchrun --nproc_per_node 2 tests/distributed_step.py SCRIPT MODEL_DIR OUT --fsdp   # the models sharded (FSDP2)
 
 The rollouts (prompts, responses, rewards, values or tree edges) are drawn from a fixed seed, the same in every
 process; each rank keeps the share of questions that main() would give it (ev.shard) and runs the script's own
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
 
 QUESTIONS, GROUP = 4, 4
+FSDP = "--fsdp" in sys.argv
 PROB_THRESHOLD = 0.0094  # about the median p_t of these rollouts under the tiny model at temperature 1: a real mask
 
 
@@ -55,6 +57,23 @@ def models_and_rollouts(model_dir: str):
 COMMON = dict(micro_batch_size=3, epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, max_grad_norm=1e9)
 
 
+def fsdp(*models) -> None:
+    """With --fsdp: shard the models as load_models does, and gather the policy (the first) for the no-grad passes,
+    as main()'s awake sampler holds it; release() gives back the shards for the update, as the sampler's sleep()."""
+    if FSDP:
+        for model in models:
+            ev.fully_shard_model(model)
+        ev.gather_parameters(models[0], True)
+
+
+def release(*models) -> None:
+    """Back to the shards before the optimizer is made: it must hold the sharded parameters (a root unit stays
+    gathered after a no-grad forward, the critic's included)."""
+    if FSDP:
+        for model in models:
+            ev.gather_parameters(model, False)
+
+
 def local_samples(prompts, responses, rewards) -> tuple[list[dict], torch.Tensor, list[int]]:
     """This rank's share: its questions' samples (question-major, as main() builds them), rewards, question ids."""
     mine = ev.shard(list(range(len(prompts))))
@@ -66,10 +85,12 @@ def grpo(model_dir: str) -> tuple[list, dict]:
     import grpo_baseline as script
 
     model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
+    fsdp(model)
     samples, local_rewards, _ = local_samples(prompts, responses, rewards)
     args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, **COMMON)
     advantages = script.group_advantages(local_rewards, GROUP)
     flat_mask = script.attach_targets(samples, advantages, model, reference, args, tokenizer.pad_token_id, on_policy=False)
+    release(model)
     optimizer, scheduler = sgd(model)
     steps, _ = script.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, False, 1, [0])
     return [model], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
@@ -83,12 +104,14 @@ def ppo(model_dir: str) -> tuple[list, dict]:
     # A non-zero head (the same on every rank): with main's zero head the critic's backbone gets no gradient
     # in the first step, and the values would all be 0.
     torch.nn.init.normal_(critic.value_head.weight, std=0.05, generator=torch.Generator().manual_seed(0))
+    fsdp(model, critic)
     samples, local_rewards, _ = local_samples(prompts, responses, rewards)
     args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, **COMMON)
     script.add_old_logprobs_and_values(samples, model, reference, critic, micro_batch_size=args.micro_batch_size,
                                        temperature=args.temperature, pad_id=tokenizer.pad_token_id)
     script.add_advantages_and_returns(samples, local_rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold,
                                       prob_mask=args.prob_mask)
+    release(model, critic)
     (optimizer, scheduler), (critic_optimizer, critic_scheduler) = sgd(model), sgd(critic)
     steps = script.update_policy(model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args,
                                  tokenizer.pad_token_id, 1, [0])
@@ -100,6 +123,7 @@ def spo_chain(model_dir: str) -> tuple[list, dict]:
     import spo_chain as script
 
     model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
+    fsdp(model)
     samples, local_rewards, mine = local_samples(prompts, responses, rewards)
     args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, interval=2,
                        **COMMON)
@@ -116,6 +140,7 @@ def spo_chain(model_dir: str) -> tuple[list, dict]:
     advantages = [script.chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
                   for p, cuts, v, reward in zip(probs, cutpoints, values, local_rewards.tolist())]
     flat_mask = script.attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
+    release(model)
     optimizer, scheduler = sgd(model)
     steps = script.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, 1, [0])
     assert sum(map(len, ev.gather(cutpoints))) > 0
@@ -128,6 +153,7 @@ def spo_tree(model_dir: str) -> tuple[list, dict]:
     import spo_tree as script
 
     model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
+    fsdp(model)
     args = script.Args(model=model_dir, questions=QUESTIONS, tree="4", batch_size=16, edges_per_question=3, samples_per_iteration=14,
                        **COMMON)
     new_edges = [{"question": q, "born": 1, "prompt_ids": prompts[q], "response_ids": responses[q][j], "advantage": rewards[q, j].item() - 0.5}
@@ -140,6 +166,7 @@ def spo_tree(model_dir: str) -> tuple[list, dict]:
     rank_samples = ev.shard(samples)
     script.attach_targets(rank_samples, reference, device="cpu", micro_batch_size=args.micro_batch_size, temperature=args.temperature,
                           pad_id=tokenizer.pad_token_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
+    release(model)
     optimizer, scheduler = sgd(model)
     steps = script.update_policy(model, optimizer, scheduler, rank_samples, args, tokenizer.pad_token_id, 1, [0])
     assert len(samples) == 14 and len({id(s) for s in samples}) == 12
@@ -153,10 +180,11 @@ def main() -> None:
     torch.manual_seed(0)
     random.seed(0)
     models, stats = {"grpo_baseline": grpo, "ppo_baseline": ppo, "spo_chain": spo_chain, "spo_tree": spo_tree}[script](model_dir)
+    parameters = [{name: t.detach().clone() for name, t in ev.full_state_dict(m).items()} for m in models]  # every rank
     if ev.rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
-        parameters = [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]
-        torch.save({"parameters": parameters, "stats": stats}, Path(out) / f"world{ev.world_size()}.pt")
+        name = f"world{ev.world_size()}{'_fsdp' if FSDP else ''}.pt"
+        torch.save({"parameters": parameters, "stats": stats}, Path(out) / name)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ def run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess
     return result
 
 
+@pytest.mark.parametrize("sharding", ["replicas", "fsdp"])
 @pytest.mark.parametrize("script", ["grpo_baseline", "ppo_baseline", "spo_chain", "spo_tree"])
-def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(script, tiny_model_dir, tmp_path):
+def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(script, sharding, tiny_model_dir, tmp_path):
     run([sys.executable, str(DRIVER), script, str(tiny_model_dir), str(tmp_path)])
-    run(TORCHRUN + [str(DRIVER), script, str(tiny_model_dir), str(tmp_path)])
-    one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / "world2.pt")
+    run(TORCHRUN + [str(DRIVER), script, str(tiny_model_dir), str(tmp_path)] + (["--fsdp"] if sharding == "fsdp" else []))
+    one, two = torch.load(tmp_path / "world1.pt"), torch.load(tmp_path / ("world2_fsdp.pt" if sharding == "fsdp" else "world2.pt"))
     initial = dict(ev.load_model(str(tiny_model_dir), dtype=torch.float32)[0].named_parameters())
     assert max((one["parameters"][0][name] - p).abs().max().item() for name, p in initial.items()) > 1e-3  # the step moved
     if "mask_fraction" in one["stats"]:
@@ -93,6 +94,39 @@ def test_torchrun_trains_checkpoints_and_resumes_like_the_uninterrupted_run(scri
     assert torch.load(part / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
     run(TORCHRUN + [str(ROOT / f"{script}.py"), "--resume", str(part), "--max-minutes", "None"])
     assert read_metrics(part) == metrics  # the same numbers as the uninterrupted run
+
+
+@pytest.mark.parametrize("script", RESUMED)
+def test_fsdp_trains_saves_one_whole_checkpoint_and_resumes_like_the_uninterrupted_run(script, tiny_model_dir, gsm8k_jsonl, tmp_path):
+    sharded = dict(fsdp=True, **({"samples_per_iteration": 8} if script == "spo_tree" else {}))  # SPO-tree: equal shares
+    run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "full", **sharded))
+    full = only_run(tmp_path / "full")
+    metrics = read_metrics(full)
+    assert [m["iteration"] for m in metrics if "charts/reward" in m] == [1, 2] and all(math.isfinite(v) for m in metrics for v in m.values())
+    assert [m for m in metrics if "eval/accuracy" in m], "evaluated"
+    # The checkpoint is the whole model, gathered from the shards: every weight at its full shape, under the model's
+    # own class (the gathered values are checked against one process's by the equal-update test, through the same
+    # ev.full_state_dict).
+    config = json.loads((full / "checkpoint" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    trained = ev.load_model(str(full / "checkpoint"))[0].state_dict()
+    initial = ev.load_model(str(tiny_model_dir))[0].state_dict()
+    assert trained.keys() == initial.keys() and all(trained[k].shape == initial[k].shape for k in initial)
+    if script == "ppo_baseline":
+        critic = torch.load(full / "checkpoint" / "critic.pt", weights_only=True)
+        assert critic["backbone.embed_tokens.weight"].shape == initial["model.embed_tokens.weight"].shape
+
+    run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "part", **sharded, max_minutes=1e-6))
+    part = only_run(tmp_path / "part")
+    run(TORCHRUN + [str(ROOT / f"{script}.py"), "--resume", str(part), "--max-minutes", "None"])
+    assert read_metrics(part) == metrics  # the sharded optimizer state (and the critic's, the buffer) came back
+
+
+def test_fsdp_at_world_size_1_is_refused_with_the_launch_command(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl),
+                             "--output-dir", str(tmp_path), "--fsdp"], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "error: --fsdp shards the model over processes: launch with torchrun" in result.stderr
+    assert not list(tmp_path.iterdir())  # refused before a run directory exists
 
 
 def test_resume_at_another_world_size_is_refused_with_the_command_that_fits(tiny_model_dir, gsm8k_jsonl, tmp_path):
