@@ -237,15 +237,21 @@ def reference_advantage(before: Sequence[float], after: Sequence[float]) -> dict
     return {"advantage": float(np.mean(after) - np.mean(before)), "error": math.hypot(error(before), error(after)), "halves": halves}
 
 
+def spearman_brown(split_half_r: float | None) -> float | None:
+    """The reliability 2r / (1 + r) of A* from all K* continuations, given the split-half r; None when r is undefined
+    or not positive."""
+    return 2 * split_half_r / (1 + split_half_r) if split_half_r is not None and split_half_r > 0 else None
+
+
 def ceiling(split_half_r: float | None) -> float | None:
-    """sqrt of the Spearman-Brown reliability 2r / (1 + r) of A* from all K* continuations, given the split-half r:
-    the correlation with A* an estimator whose errors are independent of the reference's can expect at best.
-    None when r is undefined or not positive.
+    """sqrt of the Spearman-Brown reliability, given the split-half r: the correlation with A* an estimator whose
+    errors are independent of the reference's can expect at best. None when r is undefined or not positive.
 
     >>> ceiling(1.0), round(ceiling(0.5), 4), ceiling(-0.2)
     (1.0, 0.8165, None)
     """
-    return math.sqrt(2 * split_half_r / (1 + split_half_r)) if split_half_r is not None and split_half_r > 0 else None
+    reliability = spearman_brown(split_half_r)
+    return math.sqrt(reliability) if reliability is not None else None
 
 
 def reference_noise(references: list[dict], groups: Sequence[int], resamples: int, seed: int) -> dict:
@@ -268,7 +274,7 @@ def reference_noise(references: list[dict], groups: Sequence[int], resamples: in
     spread = float(np.var([r["advantage"] for r in references], ddof=1)) if len(references) > 1 else 0.0
     from_errors = 1 - float(np.mean(np.square(errors))) / spread if errors and spread > 0 else None
     return {"count": len(references), "mean_standard_error": float(np.mean(errors)) if errors else None,
-            "split_half_r": r, "split_half_r_ci": interval, "spearman_brown": 2 * r / (1 + r) if r is not None and r > 0 else None,
+            "split_half_r": r, "split_half_r_ci": interval, "spearman_brown": spearman_brown(r),
             "ceiling": ceiling(r), "ceiling_ci": [ceiling(bound) for bound in interval] if interval else None,
             "reliability_from_errors": from_errors,
             "ceiling_from_errors": math.sqrt(from_errors) if from_errors is not None and from_errors > 0 else None}

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="module")
-def one_process_steps(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+def one_process_steps(tiny_model_dir, tmp_path_factory) -> Callable[[str], Path]:
     """Each script's step in one process on every rollout, made once for both shardings (lazily, by script)."""
     made: dict[str, Path] = {}
 
