@@ -48,7 +48,9 @@ where said):
   clipping at 1.0; TRL optim="adamw_torch", its default is the fused AdamW) and the same linear decay
   from --lr to 0 over --steps steps, no warmup (grpo_baseline.py has no constant schedule, so TRL gets
   lr_scheduler_type="linear" with warmup 0 and grpo_baseline.py --warmup-ratio 0).
-- precision and memory options: fp32 weights and compute on both (TRL's default is bf16); gradient
+- precision and memory options: fp32 weights on both, compute in --precision on both (fp32 by default:
+  grpo_baseline.py --precision fp32, TRL bf16=False; with --precision bf16, grpo_baseline.py --precision bf16
+  and TRL bf16=True, both bf16 autocast over fp32 weights; TRL's default is bf16); gradient
   checkpointing off on both (TRL's default is on; --gradient-checkpointing turns it on for both).
 - prompts: TRL gets the already formatted prompt text as a standard (non-conversational) prompt and
   tokenizes it with the tokenizer's default special tokens; the TRL child stops if that differs from
@@ -122,6 +124,9 @@ class Args:
     """sequences per forward/backward (grpo_baseline.py --micro-batch-size, TRL per_device_train_batch_size)"""
     gradient_checkpointing: bool = False
     """gradient checkpointing on both sides"""
+    precision: str = "fp32"
+    """compute precision of both sides over fp32 weights: fp32, or bf16 autocast (grpo_baseline.py --precision bf16,
+    TRL bf16=True); bf16 pays off only where the CPU has AVX-512 BF16 or AMX"""
     seed: int = 1
     """seed of both sides (also picks the questions of every step)"""
     threads: int | None = None
@@ -265,7 +270,7 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(staging, path)
 
 
-def mismatches(stop_strings: list[str]) -> list[str]:
+def mismatches(stop_strings: list[str], precision: str = "fp32") -> list[str]:
     """Every setting that differs between the two sides (see the module docstring); one line each."""
     found = [
         "sampler: eval.HFSampler (one prefill per prompt, KV cache repeated G times, finished rows leave the batch) "
@@ -284,7 +289,9 @@ def mismatches(stop_strings: list[str]) -> list[str]:
         "TRL's default is adamw_torch_fused)",
         "schedule: both linear decay from lr to 0 over --steps steps, no warmup (grpo_baseline.py --warmup-ratio 0, "
         "it has no constant schedule; TRL lr_scheduler_type='linear', warmup_steps 0)",
-        "precision: fp32 on both (TRL bf16=False; TRL's default is bf16); gradient checkpointing as --gradient-checkpointing "
+        ("precision: fp32 on both (TRL bf16=False; TRL's default is bf16)" if precision == "fp32" else
+         "precision: bf16 autocast over fp32 weights on both (grpo_baseline.py --precision bf16, TRL bf16=True)")
+        + "; gradient checkpointing as --gradient-checkpointing "
         "on both (TRL's default is on)",
         "evaluation/checkpoint: grpo_baseline.py evaluates 1 question before and after training and saves a checkpoint "
         "at the end (outside the per-step times, inside 'overall' memory); TRL neither",
@@ -365,7 +372,7 @@ def run_trl(args: Args) -> None:
         temperature=args.temperature, top_p=1.0, top_k=0, learning_rate=args.lr, beta=0.0, num_iterations=1, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", mask_truncated_completions=False,
         optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=0,
-        bf16=False, fp16=False, use_cpu=True, use_vllm=False, gradient_checkpointing=args.gradient_checkpointing,
+        bf16=args.precision == "bf16", fp16=False, use_cpu=True, use_vllm=False, gradient_checkpointing=args.gradient_checkpointing,
         shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
     )
     timer = StepTimer()
@@ -472,7 +479,7 @@ def run_ours(args: Args, work: Path, round_index: int, env: dict) -> dict:
         "--eval-every", str(NEVER), "--eval-limit", "1", "--eval-samples", "1", "--save-every", str(NEVER),
         "--save-samples", str(args.steps), "--save-questions", str(args.questions),  # the last step's questions, for the prompt check
         "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
-        "--precision", "fp32",  # TRL runs fp32 too (its bf16 default is turned off)
+        "--precision", args.precision,  # TRL's bf16 flag follows it (its bf16 default is turned off for fp32)
     ]
     marks, totals = watch(command, env, work / f"ours_r{round_index}.log", lambda: list(output_dir.glob("*/metrics.jsonl")), args.poll_seconds)
     run_dir = next(output_dir.glob("*/metrics.jsonl")).parent
@@ -524,6 +531,8 @@ def main(args: Args) -> None:
         raise SystemExit("this benchmark needs TRL and psutil: pip install -r requirements-bench.txt (see the docstring)")
     if args.steps < 1 or args.rounds < 1 or (args.questions * args.group_size) % args.micro_batch_size:
         raise SystemExit("--steps and --rounds must be positive and --micro-batch-size must divide questions x group size")
+    if args.precision not in ("fp32", "bf16"):
+        raise SystemExit(f"--precision must be fp32 or bf16 (got {args.precision!r})")
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "PYTHONUNBUFFERED": "1"}
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -548,7 +557,7 @@ def main(args: Args) -> None:
         "versions": trl_run["child"]["versions"],  # both sides run with this interpreter
         "settings": {k: v for k, v in asdict(args).items() if k not in ("side", "child_out")},
         "trl_config": trl_run["child"]["config"],
-        "mismatches": mismatches(trl_run["child"]["stop_strings"]),
+        "mismatches": mismatches(trl_run["child"]["stop_strings"], args.precision),
         "same_prompts_last_step": same_prompts,
         "measurement": {
             "wall_seconds": "ours: grpo_baseline.py time/iteration_seconds; TRL: TrainerCallback on_step_begin -> on_step_end",

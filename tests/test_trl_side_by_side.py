@@ -92,6 +92,13 @@ def test_mismatches_name_stop_strings_only_when_there_are_some():
     assert any(line.startswith("stop strings") for line in bench.mismatches(["\n\n\nProblem:"]))
 
 
+def test_mismatches_state_the_precision_both_sides_ran_in():
+    [fp32] = [line for line in bench.mismatches([]) if line.startswith("precision")]
+    [bf16] = [line for line in bench.mismatches([], "bf16") if line.startswith("precision")]
+    assert "fp32 on both" in fp32 and "bf16=False" in fp32
+    assert "bf16 autocast over fp32 weights on both" in bf16 and "TRL bf16=True" in bf16
+
+
 def test_side_by_side_run_on_a_tiny_model(tiny_model_dir, gsm8k_jsonl, tmp_path):
     pytest.importorskip("trl")  # requirements-bench.txt only
     out = tmp_path / "result.json"
