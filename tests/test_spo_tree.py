@@ -503,10 +503,11 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
             raise Killed
         return real_sleep(self)
 
-    monkeypatch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
-    with pytest.raises(Killed):
+    # monkeypatch.context, not monkeypatch.undo(): undo would also lift conftest's fp32 patch, and on a CPU with
+    # bf16 the resumed run would then compute in bf16
+    with monkeypatch.context() as patch, pytest.raises(Killed):
+        patch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
         spo.main(smoke_args(spo, model_dir, data, tmp_path / "killed", **settings))
-    monkeypatch.undo()
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
