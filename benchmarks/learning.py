@@ -116,13 +116,15 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
         tokens += m["charts/generated_tokens"]
         curve.append({"iteration": m["iteration"], "seconds": m["time/train_seconds"], "tokens": tokens, "reward": m["charts/reward"]})
     bench = json.loads((run_dir / "benchmark.json").read_text()) if (run_dir / "benchmark.json").exists() else {}
+    starts = run_dir / "starts.jsonl"  # each start records the precision it chose (--precision auto: bf16 only on fast-bf16 hardware)
+    precision = json.loads(starts.read_text().splitlines()[0]).get("precision") if starts.exists() else None
     return {
         "algorithm": algorithm, "seed": seed, "run_dir": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir), "command": " ".join(["python"] + cmd[1:]),
         "accuracy_before": evals[0]["eval/accuracy"] if evals[0]["iteration"] == 0 else base_accuracy,
         "accuracy_after": evals[-1]["eval/accuracy"],
         "iterations": len(train), "train_seconds": train[-1]["time/train_seconds"], "generated_tokens": tokens,
         "tokens_per_iteration": tokens / len(train), "seconds_per_iteration": train[-1]["time/train_seconds"] / len(train),
-        "curve": curve, **bench,
+        "curve": curve, "precision": precision, **bench,
     }
 
 

@@ -22,8 +22,10 @@ def test_finished_run_outside_the_repository_is_read(tmp_path):
              {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
              {"iteration": 1, "eval/accuracy": 0.4}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (run_dir / "starts.jsonl").write_text(json.dumps({"resumed": False, "precision": "precision: cpu fp32 (--precision fp32)"}) + "\n")
     result = learning.run_one(learning.Args(output_dir=str(tmp_path)), "grpo", 1)  # absolute: not under the repository
     assert result["run_dir"] == str(run_dir)
+    assert result["precision"] == "precision: cpu fp32 (--precision fp32)"  # what the run computed in, from its first start
     assert (result["accuracy_before"], result["accuracy_after"], result["iterations"]) == (0.2, 0.4, 1)
 
 
@@ -36,6 +38,7 @@ def test_later_algorithms_reuse_the_seeds_starting_accuracy(tmp_path):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     result = learning.run_one(learning.Args(output_dir=str(tmp_path)), "ppo", 1, base_accuracy=0.25)
     assert (result["accuracy_before"], result["accuracy_after"]) == (0.25, 0.4)
+    assert result["precision"] is None  # a run from before starts.jsonl existed
     first, later = learning.command(learning.Args(), "ppo", 1), learning.command(learning.Args(), "ppo", 1, eval_before=False)
     assert "--no-eval-before" not in first and later[1] == "ppo_baseline.py" and "--no-eval-before" in later
 
