@@ -59,14 +59,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def fp32_unless_a_test_sets_precision(monkeypatch):
+def fp32_unless_a_test_sets_precision():
     """Tests compute in fp32 on every CPU: --precision auto sees no bf16 hardware (so results do not depend on the
     machine CI runs on; tests of the choice set the flags they need). ev.set_precision is process-wide, as in a
-    real run: a test's main() must not change the next test's precision."""
+    real run: a test's main() must not change the next test's precision. The patch has its own MonkeyPatch, so a
+    test's monkeypatch.undo() cannot lift it."""
     flags = ev.cpu_flags
-    monkeypatch.setattr(ev, "cpu_flags", lambda: flags() - {"avx512_bf16", "amx_bf16"})
     saved = set(ev._BF16_DEVICES)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ev, "cpu_flags", lambda: flags() - {"avx512_bf16", "amx_bf16"})
+        yield
     ev._BF16_DEVICES.clear()
     ev._BF16_DEVICES.update(saved)
 

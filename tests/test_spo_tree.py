@@ -503,9 +503,7 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
             raise Killed
         return real_sleep(self)
 
-    # monkeypatch.context, not monkeypatch.undo(): undo would also lift conftest's fp32 patch, and on a CPU with
-    # bf16 the resumed run would then compute in bf16
-    with monkeypatch.context() as patch, pytest.raises(Killed):
+    with monkeypatch.context() as patch, pytest.raises(Killed):  # the resume below runs unpatched
         patch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
         spo.main(smoke_args(spo, model_dir, data, tmp_path / "killed", **settings))
     run_dir = next((tmp_path / "killed").iterdir())
