@@ -16,6 +16,7 @@ present) are reused, so an interrupted benchmark continues where it stopped.
 
   python benchmarks/learning.py                          # 12 minutes per algorithm, seed 1
   python benchmarks/learning.py --seeds 1 2              # mean and spread over two seeds
+  python benchmarks/learning.py --seeds 2 --keep-other-seeds   # add seed 2 to the seed 1 already in the results
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Args:
     """results JSON (the PNG is written beside it)"""
     fresh: bool = False
     """rerun algorithms that already have a finished run in output_dir"""
+    keep_other_seeds: bool = False
+    """keep the runs of seeds outside --seeds that the results file already holds (a seed measured earlier,
+    perhaps on another machine: each run records its CPU and precision)"""
 
 
 def command(args: Args, algorithm: str, seed: int, eval_before: bool = True) -> list[str]:
@@ -83,6 +87,22 @@ def command(args: Args, algorithm: str, seed: int, eval_before: bool = True) -> 
         "--save-samples", "2", "--save-questions", "2",  # rollouts for viewer.py
         "--exp-name", algorithm, "--output-dir", f"{args.output_dir}/seed{seed}/{algorithm}",
     ]
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as Linux reports it (None elsewhere): runs of one table may come from different machines."""
+    try:
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def earlier_runs(results: Path, seeds: list[int]) -> list[dict]:
+    """The runs the results file already holds for seeds other than `seeds` (none if there is no file)."""
+    if not results.exists():
+        return []
+    return [run for run in json.loads(results.read_text())["runs"] if run["seed"] not in seeds]
 
 
 def finished_run(directory: Path) -> Path | None:
@@ -106,8 +126,8 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
             raise SystemExit(f"error: {algorithm} seed {seed} failed (exit {result.returncode}); see {directory / 'log.txt'}")
         run_dir = finished_run(directory)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        (run_dir / "benchmark.json").write_text(json.dumps(
-            {"wall_seconds": time.time() - started, "load_before": load, "load_after": os.getloadavg()[0], "commit": commit}))
+        (run_dir / "benchmark.json").write_text(json.dumps({"wall_seconds": time.time() - started, "load_before": load,
+                                                            "load_after": os.getloadavg()[0], "commit": commit, "cpu": cpu_model()}))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     evals = [m for m in lines if "eval/accuracy" in m]
@@ -181,14 +201,15 @@ def main(args: Args) -> None:
     unknown = sorted(set(args.algorithms) - set(ALGORITHMS))
     if unknown:
         raise SystemExit(f"error: unknown algorithm(s) {unknown}: choose from {list(ALGORITHMS)}")
-    runs = []
+    results = Path(args.results)
+    runs = earlier_runs(results, args.seeds) if args.keep_other_seeds else []
     for seed in args.seeds:
         base_accuracy = None  # the first algorithm of each seed evaluates the starting model; the others reuse it
         for algorithm in args.algorithms:
             runs.append(run_one(args, algorithm, seed, base_accuracy))
             base_accuracy = runs[-1]["accuracy_before"]
+    runs.sort(key=lambda run: run["seed"])  # stable: each seed's algorithms keep their order
     table = summarize(runs)
-    results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({"args": asdict(args), "cpu_count": os.cpu_count(), "summary": table, "runs": runs}, indent=1))
     plot(runs, results.with_suffix(".png"))

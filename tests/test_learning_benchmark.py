@@ -1,5 +1,6 @@
 """benchmarks/learning.py: reading a finished run (also from an --output-dir outside the repository), and evaluating
 the starting model once per seed (--no-eval-before in the later runs)."""
+import dataclasses
 import importlib
 import json
 import sys
@@ -49,3 +50,26 @@ def test_no_eval_before_skips_only_the_starting_evaluation(script, tiny_model_di
     summary = module.main(smoke_args(module, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, eval_before=False))
     evals = [m["iteration"] for m in read_metrics(summary["run_dir"]) if "eval/accuracy" in m]
     assert evals == [1] and summary["accuracy_before"] is None and summary["accuracy_after"] is not None
+
+
+def test_keep_other_seeds_adds_a_seed_to_the_results_it_finds(tmp_path):
+    run_dir = tmp_path / "runs" / "seed2" / "grpo" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text("{}")
+    lines = [{"iteration": 0, "eval/accuracy": 0.2},
+             {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
+             {"iteration": 1, "eval/accuracy": 0.3}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    seed1 = {"algorithm": "grpo", "seed": 1, "accuracy_before": 0.2, "accuracy_after": 0.6, "iterations": 4,
+             "seconds_per_iteration": 10.0, "tokens_per_iteration": 100.0, "curve": [{"seconds": 1.0, "tokens": 5, "reward": 0.1}]}
+    seed2_before = dict(seed1, seed=2, accuracy_after=0.9)  # replaced by the seed 2 run found on disk
+    results = tmp_path / "learning.json"
+    results.write_text(json.dumps({"runs": [seed2_before, seed1]}))
+    args = learning.Args(seeds=[2], algorithms=["grpo"], output_dir=str(tmp_path / "runs"), results=str(results), keep_other_seeds=True)
+    learning.main(args)
+    written = json.loads(results.read_text())
+    assert [(r["seed"], r["accuracy_after"]) for r in written["runs"]] == [(1, 0.6), (2, 0.3)]
+    assert written["summary"]["grpo"]["seeds"] == [1, 2]
+    assert written["summary"]["grpo"]["gain_mean"] == pytest.approx((0.4 + 0.1) / 2)
+    learning.main(dataclasses.replace(args, keep_other_seeds=False))  # without the flag the file holds this call's seeds only
+    assert [r["seed"] for r in json.loads(results.read_text())["runs"]] == [2]
