@@ -402,13 +402,17 @@ def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torc
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
 
 
-def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 512) -> torch.Tensor:
+def response_logprobs(
+    model, batch: dict, temperature: float, chunk_tokens: int = 512, recompute_above: int = 2**28
+) -> torch.Tensor:
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
     so that exp(logp) is the probability the sampler used (p_t of the cutpoints and the mask).
 
-    The LM head runs on chunks of `chunk_tokens` response positions, each recomputed in the backward pass,
-    so the [rows, R, vocab] fp32 logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch)
-    never exist at once; the result is the same as from the model's full logits.
+    The LM head runs on chunks of `chunk_tokens` response positions. When the micro-batch's fp32 logits would
+    hold more than `recompute_above` entries (2**28: 1 GiB), each chunk is recomputed in the backward pass, so
+    the [rows, R, vocab] logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch) never
+    exist at once; smaller logits (16 x 128 x 49,152 x 4 bytes = 0.4 GB for SmolLM2) are kept for the backward
+    pass, which saves a second LM-head pass. Either way the result is the same as from the model's full logits.
     """
     response_len = batch["response_mask"].shape[1]
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
@@ -422,9 +426,10 @@ def response_logprobs(model, batch: dict, temperature: float, chunk_tokens: int 
         hidden = hidden[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
         targets = batch["input_ids"][:, -response_len:]  # [rows, R]
         rows, lm_head = hidden.shape[0], model.get_output_embeddings()
+        recompute = torch.is_grad_enabled() and rows * response_len * lm_head.weight.shape[0] > recompute_above
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
         logps = [
-            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if torch.is_grad_enabled()
+            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if recompute
             else token_logprobs(lm_head, h, t, temperature)
             for h, t in chunks
         ]

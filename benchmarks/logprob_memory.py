@@ -1,9 +1,11 @@
 """Memory of one training micro-batch: full-vocabulary logits against the scripts' chunked LM head,
 with and without gradient checkpointing, on SmolLM2-135M (fp32, CPU).
 
-The scripts compute response log-probs by running the LM head on chunks of 512 response positions,
-each recomputed in the backward pass (`response_logprobs` in every algorithm script); the reference is
-the plain way, log-softmax of the model's full [rows, R, vocab] logits. Each variant runs in its own
+The scripts compute response log-probs by running the LM head on chunks of 512 response positions
+(`response_logprobs` in every algorithm script), each recomputed in the backward pass when the micro-batch's
+logits would exceed 2**28 entries and kept for it below that: "chunked" is what the scripts do at the measured
+size, "chunked-recomputed" forces the recomputation. The reference is the plain way, log-softmax of the model's
+full [rows, R, vocab] logits. Each variant runs in its own
 process (freed memory is not returned to the system, so variants would skew each other): forward and
 backward of the same micro-batch twice, and the figure is the peak resident memory (VmHWM) of the second
 pass above what the process held before it (weights, gradients, runtime), with its seconds.
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,10 +47,10 @@ class Args:
     out: str = "benchmarks/results/logprob_memory.json"
     """where the JSON goes"""
     variant: str | None = None
-    """(internal) run one variant in this process: full | chunked | full+gc | chunked+gc"""
+    """(internal) run one variant in this process: full | chunked | chunked-recomputed, each also with +gc"""
 
 
-VARIANTS = ["full", "chunked", "full+gc", "chunked+gc"]
+VARIANTS = ["full", "chunked", "chunked-recomputed", "full+gc", "chunked-recomputed+gc"]
 
 
 def full_logits_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
@@ -79,7 +82,12 @@ def measure(args: Args) -> dict:
         for _ in range(args.rows)
     ]
     batch = grpo_baseline.collate(samples, 0, "cpu")
-    logprobs = full_logits_logprobs if args.variant.startswith("full") else grpo_baseline.response_logprobs
+    if args.variant.startswith("full"):
+        logprobs = full_logits_logprobs
+    elif args.variant.startswith("chunked-recomputed"):
+        logprobs = partial(grpo_baseline.response_logprobs, recompute_above=0)
+    else:
+        logprobs = grpo_baseline.response_logprobs
     weights = torch.randn(args.rows, args.response_tokens)
     for _ in range(2):
         model.zero_grad(set_to_none=False)  # gradients stay allocated: they are part of the base

@@ -1,4 +1,5 @@
-"""The four scripts' response_logprobs: LM head in chunks, recomputed in backward, equal to the full logits."""
+"""The four scripts' response_logprobs: LM head in chunks, recomputed in backward when the logits are large (kept
+when small), equal to the full logits either way."""
 
 import pytest
 import torch
@@ -24,8 +25,9 @@ def _full_logits_logprobs(model, samples, temperature):
     return out
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, tiny_model_dir):
+def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, recompute, tiny_model_dir):
     model, _ = ev.load_model(str(tiny_model_dir))
     samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23, 24, 25]}]
     weights = [torch.randn(len(s["response_ids"])) for s in samples]
@@ -37,12 +39,17 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, tiny_model
 
     model.zero_grad()
     batch = script.collate(samples, 0, "cpu")
-    logps = script.response_logprobs(model, batch, 0.7, chunk_tokens=3)  # 2 rows x 5 positions: 4 chunks, one cut mid-row
+    head_calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
+    # 2 rows x 5 positions x vocab logits: over 0 entries they are recomputed, under the default 2**28 kept
+    limit = {"recompute_above": 0} if recompute else {}
+    logps = script.response_logprobs(model, batch, 0.7, chunk_tokens=3, **limit)  # 4 chunks, one cut mid-row
     for row, (w, lp) in enumerate(zip(weights, expected)):
         assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
     sum((w * logps[row, : len(w)]).sum() for row, w in enumerate(weights)).backward()
     grad = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert grad.abs().sum() > 0 and torch.allclose(grad, expected_grad, atol=1e-5)
+    assert len(head_calls) == (8 if recompute else 4)  # each chunk's LM head ran again in backward only when recomputed
 
 
 def test_models_that_change_logits_after_the_lm_head_are_refused(tiny_model_dir):
