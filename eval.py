@@ -487,6 +487,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_description() -> str | None:
+    """The CPU's model name as Linux reports it and its bf16 flags, e.g. "AMD EPYC (avx512_bf16)", for benchmark
+    records (two machines of one name can differ in exactly these); None where Linux does not report a name."""
+    try:
+        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), None)
+    except OSError:
+        return None
+    flags = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return None if name is None else f"{name} ({', '.join(flags) or 'no bf16 flags'})"
+
+
 def fast_bf16(device_type: str) -> tuple[bool, str]:
     """Whether bf16 matmuls are faster than fp32 on this device type, and why."""
     if device_type == "cuda":

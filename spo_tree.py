@@ -565,7 +565,7 @@ def response_logprobs(
         hidden = hidden[:, -response_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
         targets = batch["input_ids"][:, -response_len:]  # [rows, R]
         rows, lm_head = hidden.shape[0], model.get_output_embeddings()
-        recompute = torch.is_grad_enabled() and rows * response_len * lm_head.weight.shape[0] > recompute_above
+        recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
         logps = [
             checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if recompute

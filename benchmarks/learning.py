@@ -33,6 +33,8 @@ from pathlib import Path
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import eval as ev  # noqa: E402
 
 # Per-algorithm settings: sized so each makes several iterations in 12 minutes on 2 CPU cores.
 ALGORITHMS = {
@@ -89,20 +91,22 @@ def command(args: Args, algorithm: str, seed: int, eval_before: bool = True) -> 
     ]
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name as Linux reports it (None elsewhere): runs of one table may come from different machines."""
-    try:
-        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), None)
-    except OSError:
-        return None
+SHARED_SETTINGS = ("minutes", "model", "task", "lr", "max_new_tokens", "batch_size", "micro_batch_size")  # equal across merged seeds
 
 
-def earlier_runs(results: Path, seeds: list[int]) -> list[dict]:
-    """The runs the results file already holds for seeds other than `seeds` (none if there is no file)."""
+def earlier_runs(args: Args) -> list[dict]:
+    """The runs the results file already holds for seeds outside --seeds (none if there is no file); refused when
+    that file was measured with other settings, since its seeds would not be comparable with these."""
+    results = Path(args.results)
     if not results.exists():
         return []
-    return [run for run in json.loads(results.read_text())["runs"] if run["seed"] not in seeds]
+    earlier = json.loads(results.read_text())
+    differ = [f"--{key.replace('_', '-')} {earlier['args'][key]} there, {getattr(args, key)} here"
+              for key in SHARED_SETTINGS if earlier["args"][key] != getattr(args, key)]
+    if differ:
+        raise SystemExit(f"error: --keep-other-seeds: {results} was measured with other settings ({'; '.join(differ)}); "
+                         "use the same settings or write to another --results")
+    return [run for run in earlier["runs"] if run["seed"] not in args.seeds]
 
 
 def finished_run(directory: Path) -> Path | None:
@@ -127,7 +131,7 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
         run_dir = finished_run(directory)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         (run_dir / "benchmark.json").write_text(json.dumps({"wall_seconds": time.time() - started, "load_before": load,
-                                                            "load_after": os.getloadavg()[0], "commit": commit, "cpu": cpu_model()}))
+                                                            "load_after": os.getloadavg()[0], "commit": commit, "cpu": ev.cpu_description()}))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     evals = [m for m in lines if "eval/accuracy" in m]
@@ -202,7 +206,7 @@ def main(args: Args) -> None:
     if unknown:
         raise SystemExit(f"error: unknown algorithm(s) {unknown}: choose from {list(ALGORITHMS)}")
     results = Path(args.results)
-    runs = earlier_runs(results, args.seeds) if args.keep_other_seeds else []
+    runs = earlier_runs(args) if args.keep_other_seeds else []
     for seed in args.seeds:
         base_accuracy = None  # the first algorithm of each seed evaluates the starting model; the others reuse it
         for algorithm in args.algorithms:

@@ -50,7 +50,7 @@ class Args:
     """(internal) run one variant in this process: full | chunked | chunked-recomputed, each also with +gc"""
 
 
-VARIANTS = ["full", "chunked", "chunked-recomputed", "full+gc", "chunked-recomputed+gc"]
+VARIANTS = ["full", "chunked", "chunked-recomputed", "full+gc", "chunked+gc", "chunked-recomputed+gc"]
 
 
 def full_logits_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
@@ -113,7 +113,7 @@ def main(args: Args) -> None:
             raise SystemExit(f"variant {variant} failed:\n{done.stderr[-2000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"{variant:12s} peak above base {r['peak_above_base_gb']:.2f} GB  {r['seconds']:.1f} s  (base {r['base_gb']:.2f} GB)")
+        print(f"{variant:22s} peak above base {r['peak_above_base_gb']:.2f} GB  {r['seconds']:.1f} s  (base {r['base_gb']:.2f} GB)")
     logits_gb = args.rows * args.response_tokens * results[0]["vocab_size"] * 4 / 2**30
     record = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": asdict(args),
               "one_fp32_logits_tensor_gb": logits_gb, "torch": torch.__version__, "results": results}

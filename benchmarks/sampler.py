@@ -13,6 +13,7 @@ run (2048 x 2048 x 2048) in the same dtype. bf16 autocast is measured where the 
 (eval.fast_bf16); elsewhere the JSON says why it was left out and how fast a bf16 matmul is here.
 
   python benchmarks/sampler.py                 # writes benchmarks/results/sampler.json
+  python benchmarks/sampler.py --out benchmarks/results/sampler_other_cpu.json
 """
 
 import json
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
@@ -114,14 +116,15 @@ def bf16_over_fp32_generate(precisions: dict) -> dict:
             for name, case in precisions["fp32"].items()}
 
 
-def main() -> None:
+def main(out: Path = Path(__file__).parent / "results" / "sampler.json") -> None:
+    """Measure both cases in fp32 (and bf16 where the CPU has fast bf16) and write the results JSON to `out`."""
     model, tokenizer = ev.load_model("smollm2-135m")
     short = [e.prompt_ids for e in ev.load_task("rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "train", limit=4, tokenizer=tokenizer)]
     long = long_prefixes(tokenizer, 4, 256)
     fast, why = ev.fast_bf16("cpu")
     peaks = {"fp32": matmul_peak(torch.float32)}
     peaks["bf16"] = matmul_peak(torch.bfloat16) if fast else matmul_peak(torch.bfloat16, size=512, repeats=3)
-    results = {"model": "smollm2-135m", "device": "cpu", "threads": torch.get_num_threads(), "fast_bf16": fast, "why": why,
+    results = {"model": "smollm2-135m", "device": "cpu", "cpu": ev.cpu_description(), "threads": torch.get_num_threads(), "fast_bf16": fast, "why": why,
                "matmul_peak_gflops": {k: v / 1e9 for k, v in peaks.items()}, "precisions": {}}
     for precision in ("fp32", "bf16"):
         if precision == "bf16" and not fast:
@@ -133,7 +136,8 @@ def main() -> None:
             "tree_k6_short": measure(model, tokenizer, short, 6, 64, peaks[precision]),
         }
     results["hf_sampler_bf16_over_generate_fp32"] = bf16_over_fp32_generate(results["precisions"])
-    output = Path(__file__).parent / "results" / "sampler.json"
+    output = Path(out)
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=1))
     print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s ({why})")
     for precision, cases in results["precisions"].items():
@@ -151,4 +155,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tyro.cli(main)

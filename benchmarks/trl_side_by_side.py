@@ -284,7 +284,8 @@ def mismatches(stop_strings: list[str], precision: str = "fp32") -> list[str]:
         "loss normalisation: matched (TRL loss_type='dapo': summed token loss / completion tokens of the whole "
         "generation batch = grpo_baseline.py's batch_tokens)",
         "log-probs: TRL uses a fused tiled LM head and also computes entropies; grpo_baseline.py runs the LM head on "
-        "chunks of 512 response positions, recomputed in backward (neither holds [rows, T, vocab] logits). TRL pads every micro-batch to the longest completion "
+        "chunks of 512 response positions, kept for backward while a micro-batch's logits hold at most 2**28 entries "
+        "and recomputed in backward above that. TRL pads every micro-batch to the longest completion "
         "of the generation batch, grpo_baseline.py to the micro-batch's own longest",
         "optimizer: both torch.optim.AdamW, betas 0.9/0.999, eps 1e-8, weight decay 0, clip 1.0 (TRL optim='adamw_torch'; "
         "TRL's default is adamw_torch_fused)",
@@ -391,7 +392,7 @@ def run_trl(args: Args) -> None:
     write_json(Path(args.child_out), {
         "steps": steps, "logs": timer.logs, "questions_per_step": seen_questions,
         "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
-        "torch_threads": torch.get_num_threads(), "stop_strings": ev.stop_strings(tokenizer),
+        "torch_threads": torch.get_num_threads(), "cpu": ev.cpu_description(), "stop_strings": ev.stop_strings(tokenizer),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                      "datasets": datasets.__version__},
         "config": {k: v for k, v in config.to_dict().items() if k in TRL_SETTINGS_RECORDED},
@@ -520,7 +521,7 @@ def run_trl_child(args: Args, work: Path, round_index: int, env: dict) -> dict:
     return {"side": "trl", "round": round_index, "steps": steps, "command": command[1:],
             "peak_rss_train_gb": first_seen(marks, step_lines[-1])["hwm"] / 2**30, **totals,
             "ru_maxrss_gb": child["ru_maxrss_gb"], "last_step_questions": child["questions_per_step"][-1],
-            "questions_per_step": child["questions_per_step"], "child": {k: child[k] for k in ("torch_threads", "stop_strings", "versions", "config")}}
+            "questions_per_step": child["questions_per_step"], "child": {k: child[k] for k in ("torch_threads", "cpu", "stop_strings", "versions", "config")}}
 
 
 def main(args: Args) -> None:
@@ -551,7 +552,7 @@ def main(args: Args) -> None:
     same_prompts = all(r["last_step_questions"] == trl_run["last_step_questions"] for r in runs)
     result = {
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "cpu": trl_run["child"]["cpu"], "python": platform.python_version(), "cpus": os.cpu_count(),
                     "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"), "torch_threads_trl_child": trl_run["child"]["torch_threads"]},
         "versions": trl_run["child"]["versions"],  # both sides run with this interpreter
         "settings": {k: v for k, v in asdict(args).items() if k not in ("side", "child_out")},

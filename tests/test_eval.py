@@ -380,6 +380,16 @@ def test_only_tokens_that_can_complete_a_stop_string_are_checked(tiny):
 # ---- precision
 
 
+def test_cpu_description_names_the_cpu_and_its_bf16_flags(monkeypatch):
+    if ev.cpu_description() is None:
+        pytest.skip("no CPU model name reported here (not Linux)")
+    name = ev.cpu_description().rsplit(" (", 1)[0]
+    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "avx512_bf16", "amx_bf16"})
+    assert ev.cpu_description() == f"{name} (amx_bf16, avx512_bf16)"
+    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "fma"})
+    assert ev.cpu_description() == f"{name} (no bf16 flags)"
+
+
 def test_precision_auto_uses_bf16_only_where_the_device_has_it(monkeypatch):
     monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "fma"})
     line = ev.set_precision("auto", "cpu")

@@ -15,14 +15,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import learning  # noqa: E402
 
 
-def test_finished_run_outside_the_repository_is_read(tmp_path):
-    run_dir = tmp_path / "seed1" / "grpo" / "run"
+def finished_run(run_dir: Path, accuracy_after: float) -> Path:
+    """A finished one-iteration run directory that evaluated 0.2 before and accuracy_after after training."""
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text("{}")
     lines = [{"iteration": 0, "eval/accuracy": 0.2},
              {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
-             {"iteration": 1, "eval/accuracy": 0.4}]
+             {"iteration": 1, "eval/accuracy": accuracy_after}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run_dir
+
+
+def test_finished_run_outside_the_repository_is_read(tmp_path):
+    run_dir = finished_run(tmp_path / "seed1" / "grpo" / "run", accuracy_after=0.4)
     (run_dir / "starts.jsonl").write_text(json.dumps({"resumed": False, "precision": "precision: cpu fp32 (--precision fp32)"}) + "\n")
     result = learning.run_one(learning.Args(output_dir=str(tmp_path)), "grpo", 1)  # absolute: not under the repository
     assert result["run_dir"] == str(run_dir)
@@ -53,23 +58,23 @@ def test_no_eval_before_skips_only_the_starting_evaluation(script, tiny_model_di
 
 
 def test_keep_other_seeds_adds_a_seed_to_the_results_it_finds(tmp_path):
-    run_dir = tmp_path / "runs" / "seed2" / "grpo" / "run"
-    run_dir.mkdir(parents=True)
-    (run_dir / "summary.json").write_text("{}")
-    lines = [{"iteration": 0, "eval/accuracy": 0.2},
-             {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
-             {"iteration": 1, "eval/accuracy": 0.3}]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    seed1 = {"algorithm": "grpo", "seed": 1, "accuracy_before": 0.2, "accuracy_after": 0.6, "iterations": 4,
+    finished_run(tmp_path / "runs" / "seed1" / "grpo" / "run", accuracy_after=0.3)
+    seed2 = {"algorithm": "grpo", "seed": 2, "accuracy_before": 0.2, "accuracy_after": 0.6, "iterations": 4,
              "seconds_per_iteration": 10.0, "tokens_per_iteration": 100.0, "curve": [{"seconds": 1.0, "tokens": 5, "reward": 0.1}]}
-    seed2_before = dict(seed1, seed=2, accuracy_after=0.9)  # replaced by the seed 2 run found on disk
+    seed1_before = dict(seed2, seed=1, accuracy_after=0.9)  # replaced by the seed 1 run found on disk
     results = tmp_path / "learning.json"
-    results.write_text(json.dumps({"runs": [seed2_before, seed1]}))
-    args = learning.Args(seeds=[2], algorithms=["grpo"], output_dir=str(tmp_path / "runs"), results=str(results), keep_other_seeds=True)
+    args = learning.Args(seeds=[1], algorithms=["grpo"], output_dir=str(tmp_path / "runs"), results=str(results), keep_other_seeds=True)
+    results.write_text(json.dumps({"args": dataclasses.asdict(args), "runs": [seed2, seed1_before]}))
     learning.main(args)
     written = json.loads(results.read_text())
-    assert [(r["seed"], r["accuracy_after"]) for r in written["runs"]] == [(1, 0.6), (2, 0.3)]
+    assert [(r["seed"], r["accuracy_after"]) for r in written["runs"]] == [(1, 0.3), (2, 0.6)]  # in seed order
     assert written["summary"]["grpo"]["seeds"] == [1, 2]
-    assert written["summary"]["grpo"]["gain_mean"] == pytest.approx((0.4 + 0.1) / 2)
+    assert written["summary"]["grpo"]["gain_mean"] == pytest.approx((0.1 + 0.4) / 2)
+
+    other = json.loads(results.read_text())
+    other["args"]["lr"] = 1e-6  # measured with another learning rate: not comparable
+    results.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="--lr 1e-06 there, 1e-05 here"):
+        learning.main(args)
     learning.main(dataclasses.replace(args, keep_other_seeds=False))  # without the flag the file holds this call's seeds only
-    assert [r["seed"] for r in json.loads(results.read_text())["runs"]] == [2]
+    assert [r["seed"] for r in json.loads(results.read_text())["runs"]] == [1]
