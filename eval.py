@@ -476,26 +476,28 @@ _BF16_DEVICES = {"cuda"}  # device types whose forward passes run in bf16 autoca
 _PRECISION: dict[str, str] = {}  # "line": what set_precision chose, for RUN/starts.jsonl
 
 
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # either makes bf16 matmuls faster than fp32 on a CPU
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo (None where there is none, e.g. not Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(field)), None)
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux reports them (empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def cpu_description() -> str | None:
     """The CPU's model name as Linux reports it and its bf16 flags, e.g. "AMD EPYC (avx512_bf16)", for benchmark
     records (two machines of one name can differ in exactly these); None where Linux does not report a name."""
-    try:
-        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), None)
-    except OSError:
-        return None
-    flags = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    name = _cpuinfo("model name")
+    flags = sorted(BF16_CPU_FLAGS & cpu_flags())
     return None if name is None else f"{name} ({', '.join(flags) or 'no bf16 flags'})"
 
 
@@ -506,7 +508,7 @@ def fast_bf16(device_type: str) -> tuple[bool, str]:
             return True, "the GPU has bf16"
         return False, "the GPU has no bf16"
     if device_type == "cpu":
-        found = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())
+        found = sorted(BF16_CPU_FLAGS & cpu_flags())
         if found:
             return True, f"the CPU has {' and '.join(found)}"
         return False, "the CPU has neither AVX-512 BF16 nor AMX, so bf16 matmuls would be slower than fp32"

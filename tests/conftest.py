@@ -67,7 +67,7 @@ def fp32_unless_a_test_sets_precision():
     flags = ev.cpu_flags
     saved = set(ev._BF16_DEVICES)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ev, "cpu_flags", lambda: flags() - {"avx512_bf16", "amx_bf16"})
+        patch.setattr(ev, "cpu_flags", lambda: flags() - ev.BF16_CPU_FLAGS)
         yield
     ev._BF16_DEVICES.clear()
     ev._BF16_DEVICES.update(saved)
