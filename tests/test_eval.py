@@ -148,6 +148,27 @@ def greedy_by_full_forwards(model, prompt: list[int], steps: int, eos: int) -> l
     return ids[len(prompt) :]
 
 
+def test_decode_steps_hand_sdpa_a_mask_so_query_heads_are_packed_not_grouped(tiny, monkeypatch):
+    """Prompts of equal length leave no padding, so transformers would drop a 2D mask and ask SDPA for enable_gqa
+    (5x slower on CPU in bf16); every decode step must reach SDPA with a mask and without that flag."""
+    model, tokenizer = tiny
+    sampler, calls, sdpa = ev.HFSampler(model, tokenizer), [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, *args, **kwargs):
+        calls.append((attn_mask is not None, kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    prompts = [tokenizer("12+7=")["input_ids"], tokenizer("13+4=")["input_ids"]]
+    assert len(prompts[0]) == len(prompts[1]) and model.config.num_key_value_heads < model.config.num_attention_heads
+    groups = sampler.sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
+    decode = calls[model.config.num_hidden_layers :]  # after the one prefill
+    assert len(decode) == 5 * model.config.num_hidden_layers and all(masked and not grouped for masked, grouped in decode)
+    monkeypatch.undo()
+    for prompt, group in zip(prompts, groups):
+        assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 6, eos=-1)
+
+
 def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(tiny):
     model, tokenizer = tiny
     long = tokenizer("[MATH_TASK] Problem:\n12+7\n\nSolution: 1")["input_ids"]
