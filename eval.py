@@ -1476,17 +1476,20 @@ class _GrowingKV(DynamicLayer):
     """One layer's KV cache in a buffer with room to grow: a decode step writes its position in place, where
     DynamicLayer concatenates (copies) the whole cache every step. keys/values are views of the filled part."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1, dtype: torch.dtype | None = None):
+        """dtype: what the buffers hold (None: as given). Under autocast, attention reads keys and values in the
+        autocast dtype, but RoPE's fp32 cos/sin hand the keys over in fp32: stored in the autocast dtype, they are
+        the same numbers, cast once per position instead of the whole cache at every step."""
         super().__init__()
         self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
-        self.key_buffer = self._with_room(keys, room, repeats)  # [rows x repeats, kv_heads, length + room, head_dim]
-        self.value_buffer = self._with_room(values, room, repeats)
+        self.key_buffer = self._with_room(keys, room, repeats, dtype)  # [rows x repeats, kv_heads, length + room, head_dim]
+        self.value_buffer = self._with_room(values, room, repeats, dtype)
         self._views()
 
-    def _with_room(self, filled: torch.Tensor, room: int, repeats: int = 1) -> torch.Tensor:
+    def _with_room(self, filled: torch.Tensor, room: int, repeats: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new buffer with `room` free positions, holding each row of `filled` `repeats` times in a row."""
         rows, heads, _, dim = filled.shape
-        buffer = filled.new_empty((rows * repeats, heads, self.length + room, dim))
+        buffer = filled.new_empty((rows * repeats, heads, self.length + room, dim), dtype=dtype or filled.dtype)
         buffer.view(rows, repeats, heads, -1, dim)[:, :, :, : self.length] = filled[:, None, :, : self.length]
         return buffer
 
@@ -1661,8 +1664,9 @@ class HFSampler:
         for layer in cache.layers:
             if type(layer) is not DynamicLayer:  # e.g. a sliding-window layer: repeated as transformers keeps it
                 layer.batch_repeat_interleave(n)
-        cache.layers = [_GrowingKV(layer.keys, layer.values, min(steps, 256), repeats=n) if type(layer) is DynamicLayer else layer
-                        for layer in cache.layers]
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        cache.layers = [_GrowingKV(layer.keys, layer.values, min(steps, 256), repeats=n, dtype=dtype) if type(layer) is DynamicLayer
+                        else layer for layer in cache.layers]
         logits = logits.repeat_interleave(n, dim=0)  # [batch, vocab]: one prefill, n continuations
         attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(n, dim=0)  # [batch, width + steps]
         if model.config._attn_implementation == "sdpa" and all(type(layer) is _GrowingKV for layer in cache.layers):

@@ -169,6 +169,35 @@ def test_decode_steps_hand_sdpa_a_mask_so_query_heads_are_packed_not_grouped(tin
         assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 6, eos=-1)
 
 
+def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(tiny, monkeypatch):
+    """Under bf16 autocast attention reads the keys in bf16 (RoPE hands them over in fp32): the cache holds them
+    in bf16, and every step's logits are exactly those of a cache that keeps fp32 keys."""
+    model, tokenizer = tiny
+    ev.set_precision("bf16", "cpu")
+    prompts, real_init = [tokenizer("12+7=")["input_ids"], tokenizer("x")["input_ids"]], ev._GrowingKV.__init__
+
+    def sample(keep_fp32_keys: bool):
+        layers, logits = [], []
+
+        def init(self, *args, dtype=None, **kwargs):
+            real_init(self, *args, dtype=None if keep_fp32_keys else dtype, **kwargs)
+            layers.append(self)
+
+        monkeypatch.setattr(ev._GrowingKV, "__init__", init)
+        hook = model.lm_head.register_forward_hook(lambda module, inputs, out: logits.append(out.float().clone()))
+        try:
+            groups = ev.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
+        finally:
+            hook.remove()
+        return [[c.ids for c in g] for g in groups], logits, {layer.key_buffer.dtype for layer in layers}
+
+    ids, logits, key_dtypes = sample(keep_fp32_keys=False)
+    fp32_ids, fp32_logits, fp32_key_dtypes = sample(keep_fp32_keys=True)
+    assert key_dtypes == {torch.bfloat16} and fp32_key_dtypes == {torch.float32}
+    assert ids == fp32_ids and len(logits) == len(fp32_logits) > 6
+    assert all(torch.equal(a, b) for a, b in zip(logits, fp32_logits))
+
+
 def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(tiny):
     model, tokenizer = tiny
     long = tokenizer("[MATH_TASK] Problem:\n12+7\n\nSolution: 1")["input_ids"]
