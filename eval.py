@@ -1437,14 +1437,14 @@ def _next_tokens(
     """
     if temperature <= 0:
         return logits.argmax(-1)
-    scaled = logits.float() / temperature  # [rows, vocab]
-    vocab = scaled.shape[-1]
-    top_logits, top_ids = scaled.topk(min(candidates, vocab), dim=-1)  # [rows, k], most likely first
-    top_probs = (top_logits - scaled.logsumexp(-1, keepdim=True)).exp()  # [rows, k]
+    logprobs = (logits.float() / temperature).log_softmax(-1)  # [rows, vocab]; one fused pass per row
+    vocab = logprobs.shape[-1]
+    top_logprobs, top_ids = logprobs.topk(min(candidates, vocab), dim=-1)  # [rows, k], most likely first
+    top_probs = top_logprobs.exp()  # [rows, k]
     if top_p < 1.0:  # the nucleus keeps a token while the mass before it is at most top_p
         top_probs = top_probs.masked_fill(top_probs.cumsum(-1) - top_probs > top_p, 0.0)
     cdf = top_probs.cumsum(-1)  # [rows, k]
-    draw = torch.rand(scaled.shape[0], 1, generator=generator, device=scaled.device)  # [rows, 1]
+    draw = torch.rand(logprobs.shape[0], 1, generator=generator, device=logprobs.device)  # [rows, 1]
     if top_p < 1.0:
         draw = draw * cdf[:, -1:]  # within the nucleus
     pick = torch.searchsorted(cdf, draw, right=True).clamp(max=cdf.shape[-1] - 1)  # [rows, 1]
@@ -1453,7 +1453,7 @@ def _next_tokens(
         # Rows the candidates do not settle: a nucleus that reaches past them, or (top_p = 1) a draw beyond their mass.
         beyond = top_probs[:, -1] > 0 if top_p < 1.0 else draw.squeeze(-1) >= cdf[:, -1]  # [rows]
         if bool(beyond.any()):
-            probs = torch.softmax(scaled[beyond], dim=-1)  # [beyond, vocab]
+            probs = logprobs[beyond].exp()  # [beyond, vocab]
             if top_p < 1.0:  # the full sort, for these rows only
                 sorted_probs, order = probs.sort(dim=-1, descending=True)
                 sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs > top_p, 0.0)
