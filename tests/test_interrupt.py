@@ -13,6 +13,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def runs_start_with_sigint_default():
+    """A shell starts background jobs with SIGINT ignored, and a run that inherits that never sees Ctrl-C. While
+    this test process catches SIGINT, the runs it starts begin with the default (exec resets caught signals)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _start(model_dir, data, out, cwd):
     flags = ["--model", str(model_dir), "--task", str(data), "--backend", "hf", "--iterations", "40", "--questions", "2",
              "--group-size", "2", "--max-new-tokens", "4", "--context", "128", "--batch-size", "4", "--micro-batch-size", "2",
