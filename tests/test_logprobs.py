@@ -4,7 +4,7 @@ when small), equal to the full logits either way."""
 import pytest
 import torch
 from conftest import make_tiny_model
-from transformers import Gemma2Config, Gemma2ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import eval as ev
 import grpo_baseline
@@ -61,3 +61,66 @@ def test_models_that_change_logits_after_the_lm_head_are_refused(tiny_model_dir)
     )
     with pytest.raises(ev.UsageError, match="soft-capping"):
         ev.check_logits_from_hidden(Gemma2ForCausalLM(config))
+
+
+# Three rows continue one prompt, two continue a shorter one (left-padded in the micro-batch), one is alone.
+SHARED_PROMPTS = [
+    {"prompt_ids": [10, 11, 12], "response_ids": [13, 14]},
+    {"prompt_ids": [20], "response_ids": [21, 22, 23, 24]},
+    {"prompt_ids": [10, 11, 12], "response_ids": [15]},
+    {"prompt_ids": [20], "response_ids": [25, 26]},
+    {"prompt_ids": [10, 11, 12], "response_ids": [16, 17, 18]},
+    {"prompt_ids": [30, 31], "response_ids": [32, 33]},
+]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["cached", "activation-checkpointed"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate_passes(script, checkpointed, tiny_model_dir):
+    model, _ = ev.load_model(str(tiny_model_dir))
+    model.train()  # activation checkpointing acts in training mode only (the tiny Llama has no dropout)
+    weights = [torch.randn(len(s["response_ids"])) for s in SHARED_PROMPTS]
+    model.zero_grad()
+    expected = _full_logits_logprobs(model, SHARED_PROMPTS, 0.7)
+    sum((w * lp).sum() for w, lp in zip(weights, expected)).backward()
+    expected_grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    if checkpointed:
+        model.activation_checkpointing_enable()
+    model.zero_grad()
+    batch = script.collate(SHARED_PROMPTS, 0, "cpu")
+    assert batch["prompt_of_row"].tolist() == [0, 1, 0, 1, 0, 2]
+    assert batch["prompt_ids"].tolist() == [[10, 11, 12], [0, 0, 20], [0, 30, 31]]
+    shapes = []  # [rows, positions] of every forward pass
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    logps = script.response_logprobs(model, batch, 0.7)
+    # each distinct prompt runs once, then the responses on its keys and values; checkpointed layers take no
+    # KV cache, so there every row runs prompt and response in one pass
+    assert shapes == ([(6, 7)] if checkpointed else [(3, 3), (6, 4)])
+    for row, (w, lp) in enumerate(zip(weights, expected)):
+        assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
+    sum((w * logps[row, : len(w)]).sum() for row, w in enumerate(weights)).backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert grad.abs().sum() > 0 and torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prompts_with_sliding_window_layers_keep_the_full_logits():
+    """A sliding-window layer caches only its window: the responses that continue it must still attend as in one pass."""
+    config = Qwen2Config(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, use_sliding_window=True, sliding_window=3, max_window_layers=1,  # layer 2 slides
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    samples = [  # prompts longer than the window, shared by two rows
+        {"prompt_ids": [10, 11, 12, 9, 8], "response_ids": [13, 14, 15, 16]},
+        {"prompt_ids": [20], "response_ids": [21, 22, 23, 24, 25]},
+        {"prompt_ids": [10, 11, 12, 9, 8], "response_ids": [3]},
+    ]
+    expected = _full_logits_logprobs(model, samples, 0.7)
+    for script in SCRIPTS:
+        logps = script.response_logprobs(model, script.collate(samples, 0, "cpu"), 0.7)
+        for row, lp in enumerate(expected):
+            assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
