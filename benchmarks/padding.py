@@ -1,12 +1,17 @@
-"""How much of an update's compute goes to padding, with micro-batches in arrival order (before) and grouped by
-length (every script's micro_batches, after), on real SmolLM2 rollouts, and what the grouping saves in seconds.
+"""What an update computes, on real SmolLM2 rollouts: the positions of three ways to run the same batch, their
+padding, and the seconds of a forward/backward pass.
+
+- arrival order: consecutive samples in a micro-batch, every row runs its own prompt (the first version);
+- by length: micro-batches of similar response length, every row runs its own prompt (until shared prompts);
+- micro_batches: every script's split and response_logprobs now: each distinct prompt of a micro-batch runs
+  once and its rows' responses continue its KV cache; the split is the cheaper of by length and by prompt.
 
 Rollouts: 8 questions x 8 responses of up to 128 tokens (the learning benchmark's GRPO settings); updates:
-batches of 32 in a shuffled order, micro-batches of 16, as grpo_baseline.update_policy makes them. The padding
-fraction is the share of the padded [rows, prompt + response] positions of all micro-batches that hold no token.
-The seconds are one forward/backward pass (grpo_baseline.accumulate_gradients) over the same batch either way,
-after one untimed warm-up pass, the two orders alternating which goes first; the gradients agree (the split does
-not change them).
+batches of 32 in a shuffled order (a prompt has about 4 rows in a batch), micro-batches of 16, as
+grpo_baseline.update_policy makes them. A micro-batch computes (prompts run x longest prompt) + (rows x longest
+response) positions; padding is the share of them that hold no token. The seconds are one forward/backward pass
+(grpo_baseline.accumulate_gradients) over the same batch each way, after one untimed warm-up pass, the order of
+the three rotating from batch to batch; the gradients agree (neither split nor sharing changes them).
 
   python benchmarks/padding.py                 # writes benchmarks/results/padding.json
 """
@@ -27,34 +32,61 @@ TASK, QUESTIONS, GROUP, NEW_TOKENS, BATCH, MICRO = "rg:chain_sum:min_terms=2,max
 
 
 def in_arrival_order(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
-    """The split before length grouping: consecutive samples."""
+    """Consecutive samples."""
     return [list(range(start, min(start + micro_batch_size, len(samples)))) for start in range(0, len(samples), micro_batch_size)]
 
 
-def padding_fraction(samples: list[dict], groups: list[list[int]]) -> float:
-    """Share of the collated positions (prompts left-padded, responses right-padded per micro-batch) that are padding."""
-    padded = sum(len(g) * (max(len(samples[i]["prompt_ids"]) for i in g) + max(1, max(len(samples[i]["response_ids"]) for i in g)))
-                 for g in groups)
-    real = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    return 1 - real / padded
+def by_length(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
+    """Similar response length (then prompt length) together."""
+    order = sorted(range(len(samples)), key=lambda i: (len(samples[i]["response_ids"]), len(samples[i]["prompt_ids"])))
+    return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
 
 
-def timed_update(model, batch: list[dict], split, pad_id: int) -> tuple[float, list[torch.Tensor]]:
-    real_split = grpo.micro_batches
-    grpo.micro_batches = split
+def collate_per_row(samples: list[dict], pad_id: int, device) -> dict:
+    """grpo_baseline.collate with every row running its own prompt, even when rows share it."""
+    batch = grpo.collate(samples, pad_id, device)
+    prompt_len = batch["prompt_ids"].shape[1]
+    batch.update(prompt_ids=batch["input_ids"][:, :prompt_len], prompt_mask=batch["attention_mask"][:, :prompt_len],
+                 prompt_positions=batch["positions"][:, :prompt_len], prompt_of_row=torch.arange(len(samples), device=device))
+    return batch
+
+
+WAYS = {  # name -> (split, collate)
+    "arrival_order": (in_arrival_order, collate_per_row),
+    "by_length": (by_length, collate_per_row),
+    "micro_batches": (grpo.micro_batches, grpo.collate),
+}
+
+
+def positions(samples: list[dict], split: list[list[int]], shared: bool) -> tuple[int, int]:
+    """(positions computed, tokens among them) over the micro-batches of `split`."""
+    computed = tokens = 0
+    for micro in split:
+        prompts = [tuple(samples[i]["prompt_ids"]) for i in micro]
+        run = set(prompts) if shared else prompts  # the prompts that run
+        responses = [len(samples[i]["response_ids"]) for i in micro]
+        computed += len(run) * max(map(len, run)) + len(micro) * max(1, max(responses))
+        tokens += sum(map(len, run)) + sum(responses)
+    return computed, tokens
+
+
+def timed_update(model, batch: list[dict], way: str, pad_id: int) -> tuple[float, list[torch.Tensor]]:
+    real = grpo.micro_batches, grpo.collate
+    grpo.micro_batches, grpo.collate = WAYS[way]
     try:
         model.zero_grad(set_to_none=True)
         started = time.perf_counter()
         grpo.accumulate_gradients(model, batch, micro_batch_size=MICRO, temperature=0.7, clip_eps=0.2, beta=0.0, pad_id=pad_id, on_policy=True)
         seconds = time.perf_counter() - started
     finally:
-        grpo.micro_batches = real_split
+        grpo.micro_batches, grpo.collate = real
     return seconds, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 def main() -> None:
     model, tokenizer = ev.load_model("smollm2-135m")
-    print(ev.set_precision("auto", "cpu"))
+    precision = ev.set_precision("auto", "cpu")
+    print(precision)
     examples = ev.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
     groups = ev.HFSampler(model, tokenizer, seed=0).sample([e.prompt_ids for e in examples], GROUP, temperature=0.7, top_p=1.0,
                                                           max_new_tokens=NEW_TOKENS, progress="rollouts")
@@ -65,30 +97,33 @@ def main() -> None:
                for (e, g), a_group in zip(zip(examples, groups), advantages.view(len(examples), GROUP)) for c, a in zip(g, a_group)]
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [[samples[i] for i in order[start : start + BATCH]] for start in range(0, len(order), BATCH)]
-    result = {"model": "smollm2-135m", "task": TASK, "samples": len(samples), "batch_size": BATCH, "micro_batch_size": MICRO,
-              "response_tokens": statistics.mean(len(s["response_ids"]) for s in samples),
-              "padding_before": statistics.mean(padding_fraction(b, in_arrival_order(b, MICRO)) for b in batches),
-              "padding_after": statistics.mean(padding_fraction(b, grpo.micro_batches(b, MICRO)) for b in batches),
-              "seconds_before": [], "seconds_after": [], "max_grad_difference": 0.0}
+    result = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "precision": precision, "model": "smollm2-135m", "task": TASK,
+              "samples": len(samples), "batch_size": BATCH, "micro_batch_size": MICRO,
+              "prompt_tokens": statistics.mean(len(s["prompt_ids"]) for s in samples),
+              "response_tokens": statistics.mean(len(s["response_ids"]) for s in samples), "ways": {}, "max_grad_difference": 0.0}
+    for way, (split, collate) in WAYS.items():
+        counts = [positions(b, split(b, MICRO), shared=collate is grpo.collate) for b in batches]
+        computed, tokens = sum(c for c, _ in counts), sum(t for _, t in counts)
+        result["ways"][way] = {"positions": computed, "padding": 1 - tokens / computed, "seconds": []}
     model.train()
-    timed_update(model, batches[0], in_arrival_order, tokenizer.pad_token_id)  # warm-up: first-call allocations are not timed
-    for index, batch in enumerate(batches):  # the two orders alternate which goes first
-        if index % 2 == 0:
-            before, grads_before = timed_update(model, batch, in_arrival_order, tokenizer.pad_token_id)
-            after, grads_after = timed_update(model, batch, grpo.micro_batches, tokenizer.pad_token_id)
-        else:
-            after, grads_after = timed_update(model, batch, grpo.micro_batches, tokenizer.pad_token_id)
-            before, grads_before = timed_update(model, batch, in_arrival_order, tokenizer.pad_token_id)
-        result["seconds_before"].append(before)
-        result["seconds_after"].append(after)
-        difference = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-12) for a, b in zip(grads_after, grads_before))
-        result["max_grad_difference"] = max(result["max_grad_difference"], difference)
+    timed_update(model, batches[0], "micro_batches", tokenizer.pad_token_id)  # warm-up: first-call allocations are not timed
+    names = list(WAYS)
+    for index, batch in enumerate(batches):
+        grads = {}
+        for way in names[index % len(names) :] + names[: index % len(names)]:  # the first to run rotates
+            seconds, grads[way] = timed_update(model, batch, way, tokenizer.pad_token_id)
+            result["ways"][way]["seconds"].append(seconds)
+        for way in names[1:]:
+            difference = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-12) for a, b in zip(grads[way], grads[names[0]]))
+            result["max_grad_difference"] = max(result["max_grad_difference"], difference)
     output = Path(__file__).parent / "results" / "padding.json"
     output.write_text(json.dumps(result, indent=1))
-    print(f"\n{len(samples)} samples, mean response {result['response_tokens']:.0f} tokens: padding {result['padding_before']:.1%} -> "
-          f"{result['padding_after']:.1%} of the update's positions; forward/backward of a batch of {BATCH}: "
-          f"{statistics.mean(result['seconds_before']):.1f} s -> {statistics.mean(result['seconds_after']):.1f} s "
-          f"(largest gradient difference {result['max_grad_difference']:.1e} of the largest entry) -> {output}")
+    print(f"\n{len(samples)} samples, prompts {result['prompt_tokens']:.0f} and responses {result['response_tokens']:.0f} tokens on "
+          f"average, batches of {BATCH}, micro-batches of {MICRO}:")
+    for way, figures in result["ways"].items():
+        print(f"  {way:14s} {figures['positions']:6d} positions ({figures['padding']:.1%} padding), "
+              f"forward/backward of a batch {statistics.mean(figures['seconds']):.1f} s")
+    print(f"largest gradient difference {result['max_grad_difference']:.1e} of the largest entry -> {output}")
 
 
 if __name__ == "__main__":

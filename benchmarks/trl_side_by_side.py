@@ -41,9 +41,12 @@ where said):
   normalisation; "bnpo" would normalise per micro-batch and "grpo" per sequence.
 - log-probs: neither side holds the [rows, T, vocab] logits: TRL projects through its fused, tiled LM
   head (and also computes per-token entropies), grpo_baseline.py runs the LM head on chunks of 512
-  response positions, recomputed in the backward pass. Padding: grpo_baseline.py groups the batch's sequences by
-  length into micro-batches (micro_batches) and pads each to its own longest prompt and response; TRL pads every
-  micro-batch to the longest completion of the generation batch.
+  response positions, recomputed in the backward pass.
+- prompts and padding in the update: grpo_baseline.py runs each distinct prompt of a micro-batch once and the G
+  completions on its KV cache (response_logprobs; without activation checkpointing, whose layers take no cache),
+  in micro-batches of whole groups or of similar length, whichever computes fewer positions (micro_batches), each
+  padded to its own longest prompt and response; TRL runs every prompt once per completion, and pads every
+  micro-batch to the longest completion of the generation batch. Same gradient, less work on our side.
 - optimizer and schedule: both torch.optim.AdamW (betas 0.9/0.999, eps 1e-8, no weight decay, gradient
   clipping at 1.0; TRL optim="adamw_torch", its default is the fused AdamW) and the same linear decay
   from --lr to 0 over --steps steps, no warmup (grpo_baseline.py has no constant schedule, so TRL gets
@@ -285,8 +288,11 @@ def mismatches(stop_strings: list[str], precision: str = "fp32") -> list[str]:
         "generation batch = grpo_baseline.py's batch_tokens)",
         "log-probs: TRL uses a fused tiled LM head and also computes entropies; grpo_baseline.py runs the LM head on "
         "chunks of 512 response positions, kept for backward while a micro-batch's logits hold at most 2**28 entries "
-        "and recomputed in backward above that. TRL pads every micro-batch to the longest completion "
-        "of the generation batch, grpo_baseline.py to the micro-batch's own longest",
+        "and recomputed in backward above that",
+        "prompts and padding in the update: grpo_baseline.py runs each distinct prompt of a micro-batch once and its "
+        "completions on its KV cache (not under gradient checkpointing), micro-batches of whole groups or of similar "
+        "length (whichever computes fewer positions), padded to their own longest; TRL runs every prompt once per "
+        "completion and pads every micro-batch to the longest completion of the generation batch",
         "optimizer: both torch.optim.AdamW, betas 0.9/0.999, eps 1e-8, weight decay 0, clip 1.0 (TRL optim='adamw_torch'; "
         "TRL's default is adamw_torch_fused)",
         "schedule: both linear decay from lr to 0 over --steps steps, no warmup (grpo_baseline.py --warmup-ratio 0, "
