@@ -42,9 +42,10 @@ def by_length(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
     return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
 
 
-def collate_per_row(samples: list[dict], pad_id: int, device) -> dict:
-    """grpo_baseline.collate with every row running its own prompt, even when rows share it."""
-    batch = grpo.collate(samples, pad_id, device)
+def collate_per_row(samples: list[dict], pad_id: int, device, collate=grpo.collate) -> dict:
+    """grpo_baseline.collate (the real one, bound here: timed_update swaps the module's) with every row running its
+    own prompt, even when rows share it."""
+    batch = collate(samples, pad_id, device)
     prompt_len = batch["prompt_ids"].shape[1]
     batch.update(prompt_ids=batch["input_ids"][:, :prompt_len], prompt_mask=batch["attention_mask"][:, :prompt_len],
                  prompt_positions=batch["positions"][:, :prompt_len], prompt_of_row=torch.arange(len(samples), device=device))
