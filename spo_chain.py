@@ -448,7 +448,8 @@ def response_logprobs(
     Rows with the same prompt (a question's responses) share one forward pass of it: each distinct prompt runs once,
     its keys and values are repeated for its rows, and the responses run on top of them. The gradient flows back
     through the shared keys and values: it is the sum over the rows, the same as from a forward pass per row.
-    (With activation checkpointing, whose layers take no KV cache, every row runs its prompt itself.)
+    (Under activation checkpointing, whose layers take no KV cache in a pass with gradients, every row runs its
+    prompt itself.)
 
     The LM head runs on chunks of `chunk_tokens` response positions. When the micro-batch's fp32 logits would
     hold more than `recompute_above` entries (2**28: 1 GiB), each chunk is recomputed in the backward pass, so
@@ -459,7 +460,8 @@ def response_logprobs(
     response_len, prompt_len = batch["response_mask"].shape[1], batch["prompt_ids"].shape[1]
     # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where ev.set_precision chose it.
     with ev.autocast(model.device.type):
-        if model.is_activation_checkpointing:  # checkpointed layers take no KV cache: prompt and response in one pass
+        # layers checkpointed for this backward pass take no KV cache: prompt and response in one pass
+        if model.is_activation_checkpointing and model.training and torch.is_grad_enabled():
             hidden, _ = last_hidden_state(
                 model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["positions"],
                 use_cache=False,

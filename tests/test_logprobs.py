@@ -102,6 +102,10 @@ def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate
     sum((w * logps[row, : len(w)]).sum() for row, w in enumerate(weights)).backward()
     grad = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert grad.abs().sum() > 0 and torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
+    shapes.clear()
+    with torch.no_grad():  # a pass without gradients checkpoints nothing: prompts are shared again
+        assert torch.allclose(script.response_logprobs(model, batch, 0.7), logps, atol=1e-6)
+    assert shapes == [(3, 3), (6, 4)]
 
 
 def test_shared_prompts_with_sliding_window_layers_keep_the_full_logits():

@@ -203,6 +203,10 @@ def test_critic_runs_a_shared_prompt_once_with_the_values_and_gradient_of_separa
     grad = torch.cat([p.grad.flatten() for p in critic.parameters()])
     # equal up to fp32 rounding: the random head makes entries up to ~80 (embeddings summed over shared tokens)
     assert grad.abs().sum() > 0 and (grad - expected_grad).abs().max() <= 1e-6 * expected_grad.abs().max()
+    shapes.clear()
+    with torch.no_grad():  # a pass without gradients checkpoints nothing: prompts are shared again
+        assert torch.allclose(ppo.response_values(critic, ppo.collate(samples, 0, "cpu")), values, atol=1e-6)
+    assert shapes == [(3, 3), (5, 3)]
 
 
 def test_gradients_do_not_depend_on_micro_batch_split(tiny_model_dir):
