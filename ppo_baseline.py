@@ -8,11 +8,9 @@ critic's targets). The policy is updated with the PPO-clip surrogate plus a k3 K
 reference model, the critic with the clipped value loss, each with its own AdamW. This is the
 token-level baseline of Segment Policy Optimization (Guo et al. 2025, arXiv 2505.23564); see README.md.
 
-Deliberate differences from the paper's released code (kept identical in every script here):
-- token-exact: the ids sampled are the ids trained, never decoded and re-tokenised; EOS is trained;
-- unfinished (length-limited) responses score 0 and end the episode (the value after them is 0, no bootstrap);
-- advantages are whitened over the whole iteration batch, not per micro-batch, and the gradients
-  of a batch (policy and critic) do not depend on how it is split into micro-batches.
+Deliberate differences from the paper's released code: README.md, "Deliberate fixes over the paper's released
+code". Here also: an unfinished response ends the episode (the value after it is 0, no bootstrap), and the
+critic's gradient, like the policy's, does not depend on the micro-batch split.
 Choices the paper leaves open: the critic is a separate copy of the policy's backbone (no shared
 weights, so the value loss never moves the policy) with a zero-initialised value head, trained by its
 own AdamW (--critic-lr) on every response token; --prob-mask (off, as in the paper's PPO) restricts
@@ -26,66 +24,30 @@ only the policy loss and the whitening, with the same semantics as grpo_baseline
 from __future__ import annotations
 
 import copy
-import json
 import math
-import random
-import re
-import shutil
 import time
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 import tqdm
-from torch.utils.checkpoint import checkpoint
-from torch.utils.tensorboard import SummaryWriter
-from transformers import Cache, get_linear_schedule_with_warmup
+from transformers import Cache
 
 import eval as ev
+from plumbing import UsageError, checkpoints, distributed, engines, models, runs
+from plumbing.precision import FP32, Precision, choose_precision
+from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
 
 @dataclass
-class Args:
+class Args(runs.TrainArgs):
     exp_name: str = "ppo"
     """experiment name, part of the run name"""
-    seed: int = 1
-    """seed of question sampling, rollouts and initialisation (same seed on CPU gives identical metrics)"""
     model: str = "rho-1b-sft-gsm8k"
-    """policy to start from (the critic starts from its weights too): model directory, Hugging Face id or alias (see eval.py)"""
-    task: str = "gsm8k"
-    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
-    eval_task: str | None = None
-    """held-out task (default: the training task's test split; MATH500 for --task math)"""
-    backend: Literal["auto", "hf", "vllm"] = "auto"
-    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """matmul precision: auto = bf16 autocast where the device has fast bf16 (CUDA; CPUs with AVX-512 BF16 or
-    AMX), else fp32; fp32 master weights always"""
-    output_dir: str = "runs"
-    """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
-    resume: str | None = None
-    """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
-    track: bool = False
-    """also log to Weights & Biases"""
-    dry_run: bool = False
-    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
-
-    iterations: int = 1000
-    """training iterations (rollout + update)"""
-    questions: int = 64
-    """questions per iteration (sampled with replacement)"""
+    """policy to start from (the critic starts from its weights too): model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
     group_size: int = 8
     """responses per question (PPO needs no groups; 8 keeps the paper's 64 x 8 samples per iteration)"""
-    temperature: float = 0.6
-    """sampling temperature; log-probs divide logits by it too"""
-    top_p: float = 0.9
-    """nucleus sampling threshold"""
-    max_new_tokens: int = 1024
-    """response token budget"""
-    context: int = 2047
-    """total context budget (prompt + response)"""
     lr: float = 1e-6
     """policy AdamW learning rate (3% linear warmup, then linear decay)"""
     warmup_ratio: float = 0.03
@@ -94,46 +56,10 @@ class Args:
     """AdamW weight decay (policy and critic)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (policy and critic, each on its own)"""
-    epochs: int = 2
-    """passes over each iteration's samples"""
-    batch_size: int = 64
-    """sequences per optimizer step"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward (memory only: the gradient is the same for any split)"""
-    clip_eps: float = 0.2
-    """PPO ratio clipping"""
-    beta: float = 1e-4
-    """k3 KL penalty to the reference model (0 disables the reference model)"""
-    fsdp: bool = False
-    """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
-    replica does not fit one GPU; the sampler gathers the whole model while it samples"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the update (policy and critic)"""
-    eval_every: int = 10
-    """evaluate every N iterations (and before the first and after the last)"""
-    eval_before: bool = True
-    """evaluate the starting model before the first iteration (the closing line's "before"); --no-eval-before
-    skips it when that accuracy is already known"""
-    eval_limit: int | None = None
-    """held-out questions to evaluate on (default: all)"""
-    eval_samples: int = 16
-    """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35, top_p 0.9)"""
-    eval_temperature: float = 0.35
-    """evaluation sampling temperature"""
-    eval_top_p: float = 0.9
-    """evaluation nucleus threshold (paper GSM8K protocol: 0.9, the authors' eval config)"""
-    save_every: int = 10
-    """checkpoint every N iterations (and after the last)"""
-    max_minutes: float | None = None
-    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
     save_samples: int = 0
     """every N iterations write the first --save-questions questions' responses to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
-    save_questions: int = 2
-    """questions whose responses --save-samples writes"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """GPU memory fraction for the vLLM engine"""
-
-    # Algorithm specific
     gamma: float = 1.0
     """GAE discount (paper: 1; the reward is terminal, so anything below 1 favours short responses)"""
     lam: float = 1.0
@@ -204,7 +130,7 @@ def loss_mask(
     """Tokens that count in the policy loss: response tokens, and with the probability mask only those with p_t < threshold.
 
     Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
-    over the processes that share the batch (ev.all_sum under torchrun; the identity in one process).
+    over the processes that share the batch (distributed.all_sum under torchrun; the identity in one process).
 
     >>> response = torch.tensor([[True, True, True, False]])  # the last column is padding
     >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=True)
@@ -223,7 +149,7 @@ def loss_mask(
 def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
     shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
-    `all_sum` sums a tensor over the processes that share the batch (ev.all_sum under torchrun), so the
+    `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
     statistics are those of the whole batch.
 
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
@@ -322,9 +248,9 @@ class Critic(torch.nn.Module):
     that would add noise; the backbone gets gradients from the second step on, once the head is non-zero.
     """
 
-    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int, precision: Precision = FP32):
         super().__init__()
-        self.backbone = backbone
+        self.backbone, self.precision = backbone, precision
         self.value_head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
@@ -335,150 +261,35 @@ class Critic(torch.nn.Module):
         """Values [rows, positions] of the positions given, value i = V(tokens up to i), and with use_cache=True the
         KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the sequence)."""
         device = input_ids.device.type
-        with ev.autocast(device):  # fp32 weights; bf16 compute where ev.set_precision chose it
+        with self.precision.autocast(device):  # fp32 weights; bf16 compute where `precision` chose it
             out = self.backbone(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache,
             )
         return self.value_head(out.last_hidden_state.float()).squeeze(-1), out.cache  # [rows, positions]
 
 
-def make_critic(policy) -> Critic:
+def make_critic(policy, precision: Precision = FP32) -> Critic:
     """A critic initialised from the policy's weights: a separate copy of its backbone (the LM head is dropped)."""
-    return Critic(copy.deepcopy(policy.base_model), policy.config.hidden_size)
+    return Critic(copy.deepcopy(policy.base_model), policy.config.hidden_size, precision)
+
+
+def load_critic(args: Args, model, checkpoint_dir: Path | None, device: str, precision: Precision = FP32) -> Critic:
+    """The critic from the policy's weights, or the checkpoint's critic.pt; then --gradient-checkpointing and
+    --fsdp for policy and critic (after make_critic copied the policy's backbone)."""
+    critic = make_critic(model, precision)
+    if checkpoint_dir:
+        critic.load_state_dict(torch.load(checkpoint_dir / "critic.pt", map_location=device, weights_only=True))
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
+        critic.backbone.activation_checkpointing_enable()
+    if args.fsdp:  # the reference stays whole, parked on the CPU
+        distributed.fully_shard_model(model)
+        distributed.fully_shard_model(critic)
+    return critic
 
 
 # ----------------------------------------------------------------------------------------------
-# Training helpers: batching, log-probs, values, advantages and returns, one optimizer step
-
-
-def micro_batches(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
-    """Indices of `samples` in micro-batches that compute few positions. A micro-batch costs a forward pass of each
-    distinct prompt in it (left-padded to the longest) and of each response (right-padded to the longest), see
-    response_logprobs. Two orders are cut into micro-batches and the cheaper split is kept: by length (response,
-    then prompt: least padding) and by prompt (the rows of a prompt together, prompts ordered by their longest
-    response: each prompt runs once for all its rows). Neither log-probs nor the gradient depend on the split: the
-    losses are normalised by the whole batch's counts.
-
-    >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], 2)
-    [[1, 3], [2, 0]]
-    >>> micro_batches([{"prompt_ids": [p] * 8, "response_ids": [2] * n} for p, n in ((1, 1), (2, 2), (1, 3), (2, 4))], 2)
-    [[0, 2], [1, 3]]
-    """
-    prompts = [tuple(s["prompt_ids"]) for s in samples]
-    lengths = [len(s["response_ids"]) for s in samples]
-    longest = {}  # prompt -> its longest response
-    for prompt, length in zip(prompts, lengths):
-        longest[prompt] = max(longest.get(prompt, 0), length)
-
-    def split(order: list[int]) -> list[list[int]]:
-        return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
-
-    def positions(micro: list[int]) -> int:  # distinct prompts x longest prompt + rows x longest response
-        distinct = {prompts[i] for i in micro}
-        return len(distinct) * max(map(len, distinct)) + len(micro) * max(lengths[i] for i in micro)
-
-    by_length = sorted(range(len(samples)), key=lambda i: (lengths[i], len(prompts[i])))
-    by_prompt = sorted(range(len(samples)), key=lambda i: (longest[prompts[i]], prompts[i], lengths[i]))
-    return min(split(by_length), split(by_prompt), key=lambda micros: sum(map(positions, micros)))
-
-
-def collate(samples: list[dict], pad_id: int, device) -> dict:
-    """Pad a list of samples into tensors: prompts left-padded, responses right-padded, so every
-    response starts at the same column and only the last R+1 positions are needed. Each distinct prompt
-    is also padded once (prompt_ids, prompt_mask), with the one each row continues (prompt_of_row)."""
-    prompt_len = max(len(s["prompt_ids"]) for s in samples)
-    response_len = max(1, max(len(s["response_ids"]) for s in samples))
-    prompts = list(dict.fromkeys(tuple(s["prompt_ids"]) for s in samples))  # distinct, in order of first use
-    prompt_index = {p: i for i, p in enumerate(prompts)}
-    input_ids, attention, response_mask = [], [], []
-    for s in samples:
-        p, r = s["prompt_ids"], s["response_ids"]
-        left, right = prompt_len - len(p), response_len - len(r)
-        input_ids.append([pad_id] * left + p + r + [pad_id] * right)
-        attention.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
-        response_mask.append([True] * len(r) + [False] * right)
-    batch = {
-        "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
-        "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
-        "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
-        "prompt_ids": torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in prompts], device=device),  # [prompts, P]
-        "prompt_mask": torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in prompts], device=device),  # [prompts, P]
-        "prompt_of_row": torch.tensor([prompt_index[tuple(s["prompt_ids"])] for s in samples], device=device),  # [rows]
-    }
-    batch["positions"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [rows, P + R]; position ids skip the padding
-    batch["prompt_positions"] = (batch["prompt_mask"].cumsum(-1) - 1).clamp(min=0)  # [prompts, P]
-    for key in ("old_logps", "ref_logps", "advantages", "loss_mask", "old_values", "returns"):
-        if key in samples[0]:
-            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[:, :response_len]
-    return batch
-
-
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]."""
-    logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
-
-
-def last_hidden_state(model, **inputs) -> tuple[torch.Tensor, Cache | None]:
-    """One forward pass without the LM head: the final hidden states [rows, positions, hidden] and, with
-    use_cache=True, the KV cache (holding the positions of `cache=`, when given, before these)."""
-    if ev.is_sharded(model):  # --fsdp: only the whole model's forward gathers the embeddings and the LM head
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
-        return out.hidden_states[-1], out.cache  # hidden_states[-1] is after the final norm
-    out = model.base_model(**inputs)
-    return out.last_hidden_state, out.cache
-
-
-def response_logprobs(
-    model, batch: dict, temperature: float, chunk_tokens: int = 512, recompute_above: int = 2**28
-) -> torch.Tensor:
-    """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
-    so that exp(logp) is the probability the sampler used.
-
-    Rows with the same prompt (a question's responses) share one forward pass of it: each distinct prompt runs once,
-    its keys and values are repeated for its rows, and the responses run on top of them. The gradient flows back
-    through the shared keys and values: it is the sum over the rows, the same as from a forward pass per row.
-    (Under activation checkpointing, whose layers take no KV cache in a pass with gradients, every row runs its
-    prompt itself.)
-
-    The LM head runs on chunks of `chunk_tokens` response positions. When the micro-batch's fp32 logits would
-    hold more than `recompute_above` entries (2**28: 1 GiB), each chunk is recomputed in the backward pass, so
-    the [rows, R, vocab] logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch) never
-    exist at once; smaller logits (16 x 128 x 49,152 x 4 bytes = 0.4 GB for SmolLM2) are kept for the backward
-    pass, which saves a second LM-head pass. Either way the result is the same as from the model's full logits.
-    """
-    response_len, prompt_len = batch["response_mask"].shape[1], batch["prompt_ids"].shape[1]
-    # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where ev.set_precision chose it.
-    with ev.autocast(model.device.type):
-        # layers checkpointed for this backward pass take no KV cache: prompt and response in one pass
-        if model.is_activation_checkpointing and model.training and torch.is_grad_enabled():
-            hidden, _ = last_hidden_state(
-                model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["positions"],
-                use_cache=False,
-            )
-            hidden = hidden[:, prompt_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
-        else:
-            prompt_hidden, cache = last_hidden_state(
-                model, input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], position_ids=batch["prompt_positions"],
-                use_cache=True,
-            )  # [prompts, P, hidden]
-            cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]: each row's prompt keys and values
-            response_hidden, _ = last_hidden_state(
-                model, input_ids=batch["input_ids"][:, prompt_len:], attention_mask=batch["attention_mask"],
-                position_ids=batch["positions"][:, prompt_len:], cache=cache, use_cache=True,
-            )  # [rows, R, hidden]
-            # position t-1 predicts y_t: the prompt's last position predicts y_0
-            hidden = torch.cat([prompt_hidden[batch["prompt_of_row"], -1:], response_hidden[:, :-1]], dim=1)  # [rows, R, hidden]
-        targets = batch["input_ids"][:, prompt_len:]  # [rows, R]
-        rows, lm_head = hidden.shape[0], model.get_output_embeddings()
-        recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
-        chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
-        logps = [
-            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if recompute
-            else token_logprobs(lm_head, h, t, temperature)
-            for h, t in chunks
-        ]
-    return torch.cat(logps).view(rows, response_len)  # [rows, R]
+# The update: what the loss needs, gradients, optimizer steps
 
 
 def response_values(critic: Critic, batch: dict) -> torch.Tensor:
@@ -498,20 +309,6 @@ def response_values(critic: Critic, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int) -> list[torch.Tensor]:
-    """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
-    was_training = model.training
-    model.eval()
-    out: list[torch.Tensor] = [None] * len(samples)
-    for indices in micro_batches(samples, micro_batch_size):
-        logps = response_logprobs(model, collate([samples[i] for i in indices], pad_id, model.device), temperature).cpu()
-        for i, row in zip(indices, logps):
-            out[i] = row[: len(samples[i]["response_ids"])]
-    model.train(was_training)
-    return out
-
-
-@torch.no_grad()
 def sample_values(critic: Critic, samples: list[dict], micro_batch_size: int, pad_id: int) -> list[torch.Tensor]:
     """Per-sample values of the states before each response token (1-D CPU tensors), in micro-batches."""
     was_training = critic.training
@@ -527,15 +324,16 @@ def sample_values(critic: Critic, samples: list[dict], micro_batch_size: int, pa
 
 
 def add_old_logprobs_and_values(
-    samples: list[dict], model, reference, critic: Critic, *, micro_batch_size: int, temperature: float, pad_id: int
+    samples: list[dict], model, reference, critic: Critic, *, micro_batch_size: int, temperature: float, pad_id: int,
+    precision: Precision = FP32,
 ) -> None:
     """Store in each sample, once per iteration and without gradients: old_logps (the policy before this iteration's
     update), ref_logps (the reference model's; the old ones when there is none, beta 0) and old_values (the critic's)."""
-    for sample, logps in zip(samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id)):
+    for sample, logps in zip(samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)):
         sample["old_logps"] = sample["ref_logps"] = logps
     if reference is not None:
         reference.to(model.device)  # parked on the CPU the rest of the time
-        for sample, logps in zip(samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id)):
+        for sample, logps in zip(samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)):
             sample["ref_logps"] = logps
         reference.to("cpu")
     for sample, values in zip(samples, sample_values(critic, samples, micro_batch_size, pad_id)):
@@ -557,8 +355,8 @@ def add_advantages_and_returns(
     token_rewards[nonempty.nonzero().squeeze(-1), lengths[nonempty] - 1] = rewards[nonempty]
     advantages, returns = gae_advantages(token_rewards, old_values, response_mask, gamma, lam)  # [N, T]
     flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=ev.all_sum)
-    flat_advantages = whiten(advantages[response_mask], flat_mask, all_sum=ev.all_sum)
+    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
+    flat_advantages = whiten(advantages[response_mask], flat_mask, all_sum=distributed.all_sum)
     flat_returns = returns[response_mask]
     split = lengths.tolist()
     for s, mask, whitened, targets in zip(samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)):
@@ -568,11 +366,11 @@ def add_advantages_and_returns(
 
 def accumulate_gradients(
     model, critic: Critic, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float,
-    beta: float, value_clip_eps: float, pad_id: int, all_sum: Callable = lambda x: x,
+    beta: float, value_clip_eps: float, pad_id: int, all_sum: Callable = lambda x: x, precision: Precision = FP32,
 ) -> dict:
     """Forward/backward one optimizer batch through policy and critic in micro-batches; each model's
     gradients add up to its full-batch gradient. Under torchrun each rank passes its share of the batch and
-    `all_sum=ev.all_sum`: both losses are normalised by the whole batch's counts, so the ranks' gradients (and
+    `all_sum=distributed.all_sum`: both losses are normalised by the whole batch's counts, so the ranks' gradients (and
     stats) sum to those of the whole batch."""
     counts = all_sum(torch.tensor([  # policy: masked tokens; critic: every response token; sequences
         sum(int(s["loss_mask"].sum()) for s in batch_samples), sum(len(s["response_ids"]) for s in batch_samples), len(batch_samples),
@@ -581,7 +379,7 @@ def accumulate_gradients(
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0, "value_loss": 0.0, "value_clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
-        logps = response_logprobs(model, batch, temperature)
+        logps = response_logprobs(model, batch, temperature, precision=precision)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
             clip_eps, beta, batch_tokens, batch_sequences,
@@ -600,69 +398,154 @@ def accumulate_gradients(
     return stats
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints and saved samples
-
-
-def write_samples(path: Path, records: list[dict]) -> None:
-    """One JSON record per line (the format viewer.py reads); floats rounded to keep the files small."""
-    def rounded(value):
-        if isinstance(value, float):
-            return round(value, 5)
-        if isinstance(value, list):
-            return [rounded(v) for v in value]
-        if isinstance(value, dict):
-            return {key: rounded(v) for key, v in value.items()}
-        return value
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(rounded(r)) + "\n" for r in records))
-
-
-def save_checkpoint(run_dir: Path, model, tokenizer, critic: Critic, trainer_state: dict) -> Path:
-    """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact.
-
-    The policy is a plain save_pretrained directory (eval.py loads it); the critic (backbone + value head)
-    is one state dict, critic.pt; optimizers, schedulers and the iteration are in trainer_state.pt.
-    """
-    final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
-    weights, critic_weights = ev.full_state_dict(model), ev.full_state_dict(critic)
-    if ev.rank() > 0:  # every rank calls this (with --fsdp the shards are gathered); rank 0 writes
-        return final
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, state_dict=weights)
-    tokenizer.save_pretrained(staging)
-    torch.save(critic_weights, staging / "critic.pt")
-    torch.save(trainer_state, staging / "trainer_state.pt")  # written last: its presence marks a complete checkpoint
-    if final.exists():
-        final.rename(previous)
-    staging.rename(final)
-    shutil.rmtree(previous, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest whole checkpoint: checkpoint/, else checkpoint.old/ (killed between the two renames, or damaged)."""
-    damaged = []
-    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):
-        if (candidate / "trainer_state.pt").exists():
-            problem = ev.checkpoint_problem(candidate)
-            if problem is None:
-                if damaged:
-                    warnings.warn(f"{damaged[0]}; resuming from {candidate} instead")
-                return candidate
-            damaged.append(problem)
-    if damaged:
-        raise ev.UsageError(f"--resume {run_dir}: {'; '.join(damaged)}, and no intact checkpoint is left; start a new run")
-    return None
-
+def update_policy(
+    model, critic: Critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples: list[dict], args: Args,
+    pad_id: int, iteration: int, streak: list[int], precision: Precision = FP32,
+) -> list[dict]:
+    """--epochs passes over the iteration's samples in shuffled batches of --batch-size, policy and critic on the
+    same batches, one optimizer step each per batch (under torchrun each rank takes --batch-size / world size of
+    its own samples, and the gradients are summed); returns the stats of the steps taken."""
+    step_stats = []
+    model.train()
+    critic.train()
+    batch_size = args.batch_size // distributed.world_size()  # this rank's share of each batch
+    for _ in range(args.epochs):
+        order = torch.randperm(len(samples)).tolist()
+        for start in range(0, len(order), batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            critic_optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(
+                model, critic, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, value_clip_eps=args.value_clip_eps, pad_id=pad_id,
+                all_sum=distributed.all_sum, precision=precision,
+            )
+            stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
+            if not skipped_non_finite(stats, iteration, streak, keys=("loss", "value_loss"), fix="lower --lr / --critic-lr"):
+                distributed.all_reduce_gradients(model, critic)
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
+                optimizer.step()
+                critic_optimizer.step()
+                step_stats.append(stats)
+            scheduler.step()  # a skipped update still uses up its step of the schedule
+            critic_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    critic_optimizer.zero_grad(set_to_none=True)
+    return step_stats
 
 # ----------------------------------------------------------------------------------------------
-# Setup: the settings check, the run directory, the models, the data, the optimizers; the log
+# Main loop: the algorithm box
+
+
+def main(args: Args) -> dict:
+    device = distributed.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    validate(args)
+    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
+        return runs.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)})
+    torch.manual_seed(args.seed)
+    precision = choose_precision(args.precision, device)
+    distributed.print0(precision.line)
+    run_dir, checkpoint_dir = runs.open_run(args, precision.line)
+
+    model, tokenizer, reference = models.load_policy(args.model, checkpoint_dir, device, args.beta)
+    critic = load_critic(args, model, checkpoint_dir, device, precision)
+    train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
+    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
+    sampler = engines.make_sampler(
+        args.backend, model, tokenizer, str(checkpoint_dir) if checkpoint_dir else args.model, seed=args.seed, precision=precision,
+        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
+    # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
+    state = checkpoints.load_trainer_state(checkpoint_dir, model.device) if checkpoint_dir else None
+    total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
+    optimizer, scheduler = checkpoints.make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state)
+    critic_optimizer, critic_scheduler = checkpoints.make_optimizer(
+        critic, args.critic_lr, args.weight_decay, args.warmup_ratio, total_steps, state, prefix="critic_")
+    start_iteration = state["iteration"] + 1 if state else 1
+    log, streak = runs.RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
+    accuracy_before = accuracy_after = None
+    if start_iteration == 1 and args.eval_before:  # a resumed run has no "before"
+        log.write(0, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+        accuracy_before = accuracy_after = evaluation["eval/accuracy"]
+
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
+                         total=args.iterations, disable=distributed.rank() > 0)
+    for iteration in progress:
+        rng = reseed(args.seed, iteration, sampler)
+
+        # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
+        iteration_started = time.time()
+        questions = distributed.shard([rng.choice(train_examples) for _ in range(args.questions)])
+        groups = sampler.sample(
+            [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
+        )
+        rollout_seconds = time.time() - iteration_started
+
+        # 2. Rewards: graded final answer; unfinished responses score 0.
+        completions = [c for group in groups for c in group]
+        texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
+        answers = [q.answer for q in questions for _ in range(args.group_size)]
+        scores = ev.grade(texts, answers, args.task)
+        rewards = torch.tensor([score if c.finish_reason == "stop" else 0.0 for score, c in zip(scores, completions)])
+
+        # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch (the
+        #    loss mask's fallback and the whitening over all ranks' tokens: distributed.all_sum).
+        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
+        add_old_logprobs_and_values(
+            samples, model, reference, critic, micro_batch_size=args.micro_batch_size, temperature=args.temperature, pad_id=pad_id,
+            precision=precision,
+        )
+        gae = add_advantages_and_returns(  # [N, T], before whitening
+            samples, rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask,
+        )
+
+        # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches.
+        sampler.sleep()
+        update_started = time.time()
+        step_stats = update_policy(
+            model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args, pad_id, iteration, streak, precision,
+        )
+        update_seconds = time.time() - update_started
+        sampler.wake_up()
+        sampler.load_weights(model)
+        iteration_seconds = time.time() - iteration_started
+        log.train_seconds += iteration_seconds
+        last = distributed.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
+
+        # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
+        seconds = {"rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds}
+        token_info = distributed.gather([{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples])  # what the metrics read
+        metrics = iteration_metrics(distributed.gather(completions), distributed.gather(rewards), token_info, step_stats, scheduler.get_last_lr()[0],
+                                    critic_scheduler.get_last_lr()[0], seconds)
+        log.write(iteration, metrics)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
+        distributed.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
+        if args.save_samples and iteration % args.save_samples == 0 and distributed.rank() == 0:  # rank 0's questions
+            records = sample_records(iteration, questions, answers, completions, rewards, samples, gae, tokenizer, args)
+            runs.write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", records)
+        if iteration % args.eval_every == 0 or last:
+            log.write(iteration, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            accuracy_after = evaluation["eval/accuracy"]
+        if iteration % args.save_every == 0 or last:  # every rank: with --fsdp the states are gathered from the shards
+            trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler),
+                             **checkpoints.optimizer_checkpoint(critic, critic_optimizer, critic_scheduler, prefix="critic_"),
+                             "iteration": iteration}
+            checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state, modules={"critic": critic})
+        distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
+        if last:
+            break
+
+    return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
+
+
+# ----------------------------------------------------------------------------------------------
+# Below main: this script's settings check, metrics and sample records
 
 
 def validate(args: Args) -> None:
-    problems = ev.setting_problems(args)  # the settings every script shares
+    problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
     if args.questions < 1 or args.group_size < 1 or args.iterations < 1 or args.epochs < 1:
         problems.append("--questions, --group-size, --iterations and --epochs must be positive")
     if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
@@ -675,200 +558,13 @@ def validate(args: Args) -> None:
         problems.append("--critic-lr must be non-negative and --value-clip-eps positive")
     if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
         problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
-    problems += ev.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
+    problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
-        raise ev.UsageError("; ".join(problems))
-
-
-def open_run(args: Args) -> tuple[Path, Path | None]:
-    """The run directory (a new one, or --resume's) and its newest intact checkpoint (None: start over); records
-    the settings (args.json) and this start (starts.jsonl)."""
-    if args.resume:
-        run_dir = Path(args.resume)
-        checkpoint_dir = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
-        if checkpoint_dir is None and not (run_dir / "args.json").exists():
-            raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
-        ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
-        if checkpoint_dir is not None:
-            ev.check_world_size(checkpoint_dir)  # each rank's questions and seeds depend on it
-    else:
-        run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint_dir = ev.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
-    if ev.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-        ev.record_start(run_dir, resumed=bool(args.resume))
-    ev.barrier()
-    return run_dir, checkpoint_dir
-
-
-def load_models(args: Args, checkpoint_dir: Path | None, device: str) -> tuple:
-    """(policy, tokenizer, critic, reference model): the policy from the checkpoint when resuming, else from --model;
-    the critic from the policy's weights, or the checkpoint's critic.pt; the frozen reference model from --model
-    (None with --beta 0), parked on the CPU except while its log-probs are computed."""
-    model, tokenizer = ev.load_model(str(checkpoint_dir) if checkpoint_dir else args.model, dtype=torch.float32, device=device)
-    ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
-    critic = make_critic(model)
-    if checkpoint_dir:
-        critic.load_state_dict(torch.load(checkpoint_dir / "critic.pt", map_location=device, weights_only=True))
-    reference = None
-    if args.beta > 0:
-        reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
-        reference.requires_grad_(False)
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
-        critic.backbone.activation_checkpointing_enable()
-    if args.fsdp:  # after make_critic copied the policy's backbone; the reference stays whole, parked on the CPU
-        ev.fully_shard_model(model)
-        ev.fully_shard_model(critic)
-    return model, tokenizer, critic, reference
-
-
-def load_examples(args: Args, eval_task: str, tokenizer) -> tuple[list[ev.Example], list[ev.Example]]:
-    """Training and held-out questions. A prompt without room for a response in --context is dropped from training
-    and kept in evaluation, where it scores 0 (the accuracy keeps its denominator); either way with a warning."""
-    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
-    eval_examples = ev.load_task(eval_task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
-    return (ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True),
-            ev.check_prompt_room(eval_examples, args.context, f"--eval-task {eval_task}", drop=False))
-
-
-def make_optimizers(args: Args, model, critic: Critic, checkpoint_dir: Path | None) -> tuple:
-    """The policy's and the critic's AdamW, each with its schedule (--warmup-ratio linear warmup, then linear decay
-    to 0 over all iterations' steps), restored from the checkpoint when resuming; returns (optimizer, scheduler,
-    critic_optimizer, critic_scheduler, first iteration to run)."""
-    total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total_steps), total_steps)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
-    critic_scheduler = get_linear_schedule_with_warmup(critic_optimizer, int(args.warmup_ratio * total_steps), total_steps)
-    if checkpoint_dir is None:
-        return optimizer, scheduler, critic_optimizer, critic_scheduler, 1
-    state = torch.load(checkpoint_dir / "trainer_state.pt", map_location=model.device, weights_only=False)
-    ev.load_optimizer_state(model, optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    ev.load_optimizer_state(critic, critic_optimizer, state["critic_optimizer"])
-    critic_scheduler.load_state_dict(state["critic_scheduler"])
-    return optimizer, scheduler, critic_optimizer, critic_scheduler, state["iteration"] + 1
-
-
-class RunLog:
-    """A run's metrics: runs/<run>/metrics.jsonl, TensorBoard, and W&B with --track.
-
-    Lines of iterations >= start_iteration belong to iterations that will be redone after a resume: they are
-    dropped, and train_seconds (the training time so far, evaluation not counted) continues from the kept ones.
-    """
-
-    def __init__(self, run_dir: Path, start_iteration: int, args: Args):
-        self.path, self.train_seconds, self.writer, self.wandb = run_dir / "metrics.jsonl", 0.0, None, None
-        if ev.rank() > 0:  # under torchrun only rank 0 logs (the metrics are already reduced over ranks)
-            return
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        if args.track:
-            import wandb
-
-            wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
-            self.wandb = wandb
-
-    def write(self, iteration: int, metrics: dict) -> None:
-        if self.writer is None:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, iteration)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=iteration)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# One iteration's pieces around the algorithm: seeding, the update loop, evaluation, metrics, samples
-
-
-def reseed(seed: int, iteration: int, sampler) -> random.Random:
-    """Seed torch and the sampler from (seed, iteration, rank) and return the iteration's question RNG: a resumed
-    run samples exactly what the uninterrupted one would (at the same world size). The returned generator is the
-    same on every rank (it picks the questions); torch's and the sampler's differ per rank, so ranks draw different
-    responses."""
-    iteration_seed = seed * 1_000_003 + iteration
-    rank_seed = iteration_seed + (ev.rank() << 32)  # rank 0: the seed of a single-process run
-    torch.manual_seed(rank_seed)
-    if hasattr(sampler, "generator"):
-        sampler.generator.manual_seed(rank_seed)
-    return random.Random(iteration_seed)
-
-
-def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
-    """Whether this batch's update must be skipped because its policy or value loss is not finite (with a warning).
-    streak[0] counts such batches in a row, across iterations; the third is one clear error, not a run of no-ops."""
-    if math.isfinite(stats["loss"]) and math.isfinite(stats["value_loss"]):
-        streak[0] = 0
-        return False
-    streak[0] += 1
-    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
-    if streak[0] >= 3:
-        raise ev.UsageError("three non-finite losses in a row: lower --lr / --critic-lr, or check the model and data")
-    return True
-
-
-def update_policy(
-    model, critic: Critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples: list[dict], args: Args,
-    pad_id: int, iteration: int, streak: list[int],
-) -> list[dict]:
-    """--epochs passes over the iteration's samples in shuffled batches of --batch-size, policy and critic on the
-    same batches, one optimizer step each per batch (under torchrun each rank takes --batch-size / world size of
-    its own samples, and the gradients are summed); returns the stats of the steps taken."""
-    step_stats = []
-    model.train()
-    critic.train()
-    batch_size = args.batch_size // ev.world_size()  # this rank's share of each batch
-    for _ in range(args.epochs):
-        order = torch.randperm(len(samples)).tolist()
-        for start in range(0, len(order), batch_size):
-            optimizer.zero_grad(set_to_none=True)
-            critic_optimizer.zero_grad(set_to_none=True)
-            stats = accumulate_gradients(
-                model, critic, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
-                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, value_clip_eps=args.value_clip_eps, pad_id=pad_id,
-                all_sum=ev.all_sum,
-            )
-            stats = ev.sum_over_ranks(stats)  # every rank takes the same decision below
-            if not skipped_non_finite(stats, iteration, streak):
-                ev.all_reduce_gradients(model, critic)
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
-                optimizer.step()
-                critic_optimizer.step()
-                step_stats.append(stats)
-            scheduler.step()  # a skipped update still uses up its step of the schedule
-            critic_scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    critic_optimizer.zero_grad(set_to_none=True)
-    return step_stats
-
-
-def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list[ev.Example], args: Args) -> dict:
-    """The eval/... metrics of the current policy on the held-out questions (the --eval-* settings)."""
-    result = ev.evaluate(
-        model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples, temperature=args.eval_temperature,
-        top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,
-    )
-    return {
-        "eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-        "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"],
-    }
+        raise UsageError("; ".join(problems))
 
 
 def iteration_metrics(
-    completions: list[ev.Completion], rewards: torch.Tensor, samples: list[dict], step_stats: list[dict], lr: float,
+    completions: list[engines.Completion], rewards: torch.Tensor, samples: list[dict], step_stats: list[dict], lr: float,
     critic_lr: float, seconds: dict[str, float],
 ) -> dict:
     """One iteration's training metrics (losses/ averaged over the optimizer steps taken); `seconds` holds its
@@ -909,7 +605,7 @@ def progress_line(iteration: int, metrics: dict) -> str:
 
 
 def sample_records(
-    iteration: int, questions: list[ev.Example], answers: list[str], completions: list[ev.Completion], rewards: torch.Tensor,
+    iteration: int, questions: list[ev.Example], answers: list[str], completions: list[engines.Completion], rewards: torch.Tensor,
     samples: list[dict], gae: torch.Tensor, tokenizer, args: Args,
 ) -> list[dict]:
     """The --save-samples records (viewer.py's format) of the first --save-questions questions' responses."""
@@ -919,7 +615,7 @@ def sample_records(
             "question": questions[i // args.group_size].question, "reference": answers[i],
             "prompt": questions[i // args.group_size].prompt, "reward": rewards[i].item(),
             "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-            "tokens": ev.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
+            "tokens": engines.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
             "advantages": gae[i, : len(completions[i].ids)].tolist(),  # GAE, before whitening
             "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
             "cutpoints": None, "cutpoint_values": None, "values": samples[i]["old_values"].tolist(),
@@ -928,118 +624,5 @@ def sample_records(
     ]
 
 
-def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
-    """Close the logs, write summary.json and print the one-line result (rank 0 under torchrun)."""
-    log.close()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
-    if ev.rank() > 0:
-        return summary
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
-    after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
-    print(f"accuracy {before} -> {after} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
-    return summary
-
-
-# ----------------------------------------------------------------------------------------------
-# Main loop
-
-
-def main(args: Args) -> dict:
-    device = ev.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
-    validate(args)
-    eval_task = args.eval_task or ev.default_eval_task(args.task)
-    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return ev.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model)})
-    torch.manual_seed(args.seed)
-    ev.print0(ev.set_precision(args.precision, device))
-    run_dir, checkpoint_dir = open_run(args)
-
-    model, tokenizer, critic, reference = load_models(args, checkpoint_dir, device)
-    train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
-    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = ev.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint_dir) if checkpoint_dir else args.model, seed=args.seed,
-        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-    )
-    optimizer, scheduler, critic_optimizer, critic_scheduler, start_iteration = make_optimizers(args, model, critic, checkpoint_dir)
-    log, streak = RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
-    accuracy_before = accuracy_after = None
-    if start_iteration == 1 and args.eval_before:  # a resumed run has no "before"
-        log.write(0, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-        accuracy_before = accuracy_after = evaluation["eval/accuracy"]
-
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
-                         total=args.iterations, disable=ev.rank() > 0)
-    for iteration in progress:
-        rng = reseed(args.seed, iteration, sampler)
-
-        # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
-        iteration_started = time.time()
-        questions = ev.shard([rng.choice(train_examples) for _ in range(args.questions)])
-        groups = sampler.sample(
-            [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
-        )
-        rollout_seconds = time.time() - iteration_started
-
-        # 2. Rewards: graded final answer; unfinished responses score 0.
-        completions = [c for group in groups for c in group]
-        texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
-        answers = [q.answer for q in questions for _ in range(args.group_size)]
-        scores = ev.grade(texts, answers, args.task)
-        rewards = torch.tensor([score if c.finish_reason == "stop" else 0.0 for score, c in zip(scores, completions)])
-
-        # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch (the
-        #    loss mask's fallback and the whitening over all ranks' tokens: ev.all_sum).
-        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
-        add_old_logprobs_and_values(
-            samples, model, reference, critic, micro_batch_size=args.micro_batch_size, temperature=args.temperature, pad_id=pad_id,
-        )
-        gae = add_advantages_and_returns(  # [N, T], before whitening
-            samples, rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask,
-        )
-
-        # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches.
-        sampler.sleep()
-        update_started = time.time()
-        step_stats = update_policy(
-            model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args, pad_id, iteration, streak,
-        )
-        update_seconds = time.time() - update_started
-        sampler.wake_up()
-        sampler.load_weights(model)
-        iteration_seconds = time.time() - iteration_started
-        log.train_seconds += iteration_seconds
-        last = ev.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
-
-        # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
-        seconds = {"rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds}
-        token_info = ev.gather([{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples])  # what the metrics read
-        metrics = iteration_metrics(ev.gather(completions), ev.gather(rewards), token_info, step_stats, scheduler.get_last_lr()[0],
-                                    critic_scheduler.get_last_lr()[0], seconds)
-        log.write(iteration, metrics)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        ev.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
-        if args.save_samples and iteration % args.save_samples == 0 and ev.rank() == 0:  # rank 0's questions
-            records = sample_records(iteration, questions, answers, completions, rewards, samples, gae, tokenizer, args)
-            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", records)
-        if iteration % args.eval_every == 0 or last:
-            log.write(iteration, evaluation := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-            accuracy_after = evaluation["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:  # every rank: with --fsdp the states are gathered from the shards
-            trainer_state = {
-                "optimizer": ev.optimizer_state(model, optimizer), "scheduler": scheduler.state_dict(),
-                "critic_optimizer": ev.optimizer_state(critic, critic_optimizer), "critic_scheduler": critic_scheduler.state_dict(),
-                "iteration": iteration, "world_size": ev.world_size(),
-            }
-            save_checkpoint(run_dir, model, tokenizer, critic, trainer_state)
-        ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        if last:
-            break
-
-    return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
-
-
 if __name__ == "__main__":
-    ev.run_cli(main, ev.cli(Args))
+    runs.run_cli(main, runs.cli(Args))

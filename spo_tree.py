@@ -10,13 +10,8 @@ PPO-clip surrogate on tokens with p_t < 0.9 (probability mask) plus a k3 KL pena
 reference model. Guo et al. 2025, "Segment Policy Optimization", arXiv 2505.23564 (section 4, SPO-tree);
 see README.md for the paper's settings and results.
 
-Deliberate differences from the paper's released code (kept identical in every script here):
-- token-exact: a child continues from its parent's exact token ids; nothing is decoded and re-tokenised;
-  EOS is trained;
-- unfinished (length-limited) leaves score 0;
-- advantages are whitened over the whole iteration batch, not per micro-batch, and the gradient of a
-  batch does not depend on how it is split into micro-batches;
-- --no-prob-mask removes the mask everywhere (loss and whitening statistics).
+Deliberate differences from the paper's released code: README.md, "Deliberate fixes over the paper's released
+code" (here: a child continues from its parent's exact token ids; unfinished leaves score 0).
 Choices the paper leaves open, made here:
 - a stop string that straddles a segment boundary ends the response there (the sampler is told how many
   of its prompt tokens the policy generated, and looks for stop strings across them);
@@ -42,59 +37,40 @@ Choices the paper leaves open, made here:
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
-import shutil
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal
 
 import torch
 import tqdm
-from torch.utils.checkpoint import checkpoint
-from torch.utils.tensorboard import SummaryWriter
-from transformers import Cache, get_linear_schedule_with_warmup
 
 import eval as ev
+from plumbing import UsageError, checkpoints, distributed, engines, models, runs
+from plumbing.precision import FP32, Precision, choose_precision
+from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
 
 @dataclass
-class Args:
+class Args(runs.TrainArgs):
     exp_name: str = "spo_tree"
     """experiment name, part of the run name"""
     seed: int = 1
     """seed of question sampling, rollouts, buffer sampling and initialisation (same seed on CPU gives identical metrics)"""
     model: str = "deepseek-r1-distill-qwen-1.5b"
-    """policy to start from: model directory, Hugging Face id or alias (see eval.py)"""
+    """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
     task: str = "math"
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     eval_task: str | None = None
     """held-out task (default: math500 for --task math, else the training task's test split)"""
-    backend: Literal["auto", "hf", "vllm"] = "auto"
-    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """matmul precision: auto = bf16 autocast where the device has fast bf16 (CUDA; CPUs with AVX-512 BF16 or
-    AMX), else fp32; fp32 master weights always"""
-    output_dir: str = "runs"
-    """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
-    resume: str | None = None
-    """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
-    track: bool = False
-    """also log to Weights & Biases"""
-    dry_run: bool = False
-    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
-
     iterations: int = 1000
     """training iterations (tree rollout + update)"""
     questions: int = 32
     """questions per iteration, one tree each (sampled with replacement)"""
-    temperature: float = 0.6
-    """sampling temperature; log-probs divide logits by it too"""
     top_p: float = 1.0
     """nucleus sampling threshold"""
     max_new_tokens: int = 2048
@@ -105,50 +81,20 @@ class Args:
     """AdamW learning rate (3% linear warmup, then linear decay, stepped once per iteration)"""
     warmup_ratio: float = 0.03
     """fraction of iterations spent warming up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
     epochs: int = 1
     """passes over each iteration's edges"""
     batch_size: int = 128
     """sequences (edges) per optimizer step"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward (memory only: the gradient is the same for any split)"""
-    clip_eps: float = 0.2
-    """PPO ratio clipping"""
-    beta: float = 1e-4
-    """k3 KL penalty to the reference model (0 disables the reference model)"""
-    fsdp: bool = False
-    """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
-    replica does not fit one GPU; the sampler gathers the whole model while it samples"""
-    gradient_checkpointing: bool = False
-    """trade compute for memory in the update"""
-    eval_every: int = 10
-    """evaluate every N iterations (and before the first and after the last)"""
-    eval_before: bool = True
-    """evaluate the starting model before the first iteration (the closing line's "before"); --no-eval-before
-    skips it when that accuracy is already known"""
-    eval_limit: int | None = None
-    """held-out questions to evaluate on (default: all)"""
     eval_samples: int = 1
     """samples per held-out question (paper long-CoT protocol: 1 at temperature 0.6, top_p 0.95)"""
     eval_temperature: float = 0.6
     """evaluation sampling temperature"""
     eval_top_p: float = 0.95
     """evaluation nucleus threshold"""
-    save_every: int = 10
-    """checkpoint every N iterations (and after the last)"""
-    max_minutes: float | None = None
-    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
     save_samples: int = 0
     """every N iterations write the first --save-questions questions' trees to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
     save_questions: int = 2
     """questions whose trees --save-samples writes"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """GPU memory fraction for the vLLM engine"""
-
-    # Algorithm specific
     tree: str = "6,6,6"
     """branch factor per depth, b_0,b_1,...: depth = number of entries (paper: 6,6,6)"""
     segment_tokens: int = 600
@@ -364,7 +310,7 @@ def loss_mask(
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
     Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
-    over the processes that share the batch (ev.all_sum under torchrun; the identity in one process).
+    over the processes that share the batch (distributed.all_sum under torchrun; the identity in one process).
 
     >>> response = torch.tensor([[True, True, True, False]])  # the last column is padding
     >>> loss_mask(response, torch.tensor([[0.95, 0.5, 0.99, 0.1]]), 0.9, prob_mask=True)
@@ -383,7 +329,7 @@ def loss_mask(
 def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
     shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
-    `all_sum` sums a tensor over the processes that share the batch (ev.all_sum under torchrun), so the
+    `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
     statistics are those of the whole batch.
 
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
@@ -497,156 +443,12 @@ def grade_trees(trees: list[Node], answers: list[str], tokenizer, task: str) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# Training helpers: batching, log-probs, one optimizer step
-
-
-def micro_batches(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
-    """Indices of `samples` in micro-batches that compute few positions. A micro-batch costs a forward pass of each
-    distinct prompt in it (left-padded to the longest) and of each response (right-padded to the longest), see
-    response_logprobs. Two orders are cut into micro-batches and the cheaper split is kept: by length (response,
-    then prompt: least padding) and by prompt (the rows of a prompt together, prompts ordered by their longest
-    response: each prompt runs once for all its rows). Neither log-probs nor the gradient depend on the split: the
-    losses are normalised by the whole batch's counts.
-
-    >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], 2)
-    [[1, 3], [2, 0]]
-    >>> micro_batches([{"prompt_ids": [p] * 8, "response_ids": [2] * n} for p, n in ((1, 1), (2, 2), (1, 3), (2, 4))], 2)
-    [[0, 2], [1, 3]]
-    """
-    prompts = [tuple(s["prompt_ids"]) for s in samples]
-    lengths = [len(s["response_ids"]) for s in samples]
-    longest = {}  # prompt -> its longest response
-    for prompt, length in zip(prompts, lengths):
-        longest[prompt] = max(longest.get(prompt, 0), length)
-
-    def split(order: list[int]) -> list[list[int]]:
-        return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
-
-    def positions(micro: list[int]) -> int:  # distinct prompts x longest prompt + rows x longest response
-        distinct = {prompts[i] for i in micro}
-        return len(distinct) * max(map(len, distinct)) + len(micro) * max(lengths[i] for i in micro)
-
-    by_length = sorted(range(len(samples)), key=lambda i: (lengths[i], len(prompts[i])))
-    by_prompt = sorted(range(len(samples)), key=lambda i: (longest[prompts[i]], prompts[i], lengths[i]))
-    return min(split(by_length), split(by_prompt), key=lambda micros: sum(map(positions, micros)))
-
-
-def collate(samples: list[dict], pad_id: int, device) -> dict:
-    """Pad a list of samples into tensors: prompts left-padded, responses right-padded, so every
-    response starts at the same column and only the last R+1 logits are needed. Each distinct prompt
-    is also padded once (prompt_ids, prompt_mask), with the one each row continues (prompt_of_row)."""
-    prompt_len = max(len(s["prompt_ids"]) for s in samples)
-    response_len = max(1, max(len(s["response_ids"]) for s in samples))
-    prompts = list(dict.fromkeys(tuple(s["prompt_ids"]) for s in samples))  # distinct, in order of first use
-    prompt_index = {p: i for i, p in enumerate(prompts)}
-    input_ids, attention, response_mask = [], [], []
-    for s in samples:
-        p, r = s["prompt_ids"], s["response_ids"]
-        left, right = prompt_len - len(p), response_len - len(r)
-        input_ids.append([pad_id] * left + p + r + [pad_id] * right)
-        attention.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
-        response_mask.append([True] * len(r) + [False] * right)
-    batch = {
-        "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
-        "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
-        "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
-        "prompt_ids": torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in prompts], device=device),  # [prompts, P]
-        "prompt_mask": torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in prompts], device=device),  # [prompts, P]
-        "prompt_of_row": torch.tensor([prompt_index[tuple(s["prompt_ids"])] for s in samples], device=device),  # [rows]
-    }
-    batch["positions"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [rows, P + R]; position ids skip the padding
-    batch["prompt_positions"] = (batch["prompt_mask"].cumsum(-1) - 1).clamp(min=0)  # [prompts, P]
-    for key in ("old_logps", "ref_logps", "advantages", "loss_mask"):
-        if key in samples[0]:
-            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[:, :response_len]
-    return batch
-
-
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]."""
-    logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
-
-
-def last_hidden_state(model, **inputs) -> tuple[torch.Tensor, Cache | None]:
-    """One forward pass without the LM head: the final hidden states [rows, positions, hidden] and, with
-    use_cache=True, the KV cache (holding the positions of `cache=`, when given, before these)."""
-    if ev.is_sharded(model):  # --fsdp: only the whole model's forward gathers the embeddings and the LM head
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
-        return out.hidden_states[-1], out.cache  # hidden_states[-1] is after the final norm
-    out = model.base_model(**inputs)
-    return out.last_hidden_state, out.cache
-
-
-def response_logprobs(
-    model, batch: dict, temperature: float, chunk_tokens: int = 512, recompute_above: int = 2**28
-) -> torch.Tensor:
-    """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
-    so that exp(logp) is the probability the sampler used.
-
-    Rows with the same prompt (the sibling segments of a tree node) share one forward pass of it: each distinct prompt runs once,
-    its keys and values are repeated for its rows, and the responses run on top of them. The gradient flows back
-    through the shared keys and values: it is the sum over the rows, the same as from a forward pass per row.
-    (Under activation checkpointing, whose layers take no KV cache in a pass with gradients, every row runs its
-    prompt itself.)
-
-    The LM head runs on chunks of `chunk_tokens` response positions. When the micro-batch's fp32 logits would
-    hold more than `recompute_above` entries (2**28: 1 GiB), each chunk is recomputed in the backward pass, so
-    the [rows, R, vocab] logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch) never
-    exist at once; smaller logits (16 x 128 x 49,152 x 4 bytes = 0.4 GB for SmolLM2) are kept for the backward
-    pass, which saves a second LM-head pass. Either way the result is the same as from the model's full logits.
-    """
-    response_len, prompt_len = batch["response_mask"].shape[1], batch["prompt_ids"].shape[1]
-    # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where ev.set_precision chose it.
-    with ev.autocast(model.device.type):
-        # layers checkpointed for this backward pass take no KV cache: prompt and response in one pass
-        if model.is_activation_checkpointing and model.training and torch.is_grad_enabled():
-            hidden, _ = last_hidden_state(
-                model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["positions"],
-                use_cache=False,
-            )
-            hidden = hidden[:, prompt_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
-        else:
-            prompt_hidden, cache = last_hidden_state(
-                model, input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], position_ids=batch["prompt_positions"],
-                use_cache=True,
-            )  # [prompts, P, hidden]
-            cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]: each row's prompt keys and values
-            response_hidden, _ = last_hidden_state(
-                model, input_ids=batch["input_ids"][:, prompt_len:], attention_mask=batch["attention_mask"],
-                position_ids=batch["positions"][:, prompt_len:], cache=cache, use_cache=True,
-            )  # [rows, R, hidden]
-            # position t-1 predicts y_t: the prompt's last position predicts y_0
-            hidden = torch.cat([prompt_hidden[batch["prompt_of_row"], -1:], response_hidden[:, :-1]], dim=1)  # [rows, R, hidden]
-        targets = batch["input_ids"][:, prompt_len:]  # [rows, R]
-        rows, lm_head = hidden.shape[0], model.get_output_embeddings()
-        recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
-        chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
-        logps = [
-            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if recompute
-            else token_logprobs(lm_head, h, t, temperature)
-            for h, t in chunks
-        ]
-    return torch.cat(logps).view(rows, response_len)  # [rows, R]
-
-
-@torch.no_grad()
-def sample_logprobs(model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int) -> list[torch.Tensor]:
-    """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
-    was_training = model.training
-    model.eval()
-    out: list[torch.Tensor] = [None] * len(samples)
-    for indices in micro_batches(samples, micro_batch_size):
-        logps = response_logprobs(model, collate([samples[i] for i in indices], pad_id, model.device), temperature).cpu()
-        for i, row in zip(indices, logps):
-            out[i] = row[: len(samples[i]["response_ids"])]
-    model.train(was_training)
-    return out
+# The update: what the loss needs, gradients, optimizer steps
 
 
 def attach_targets(
     samples: list[dict], reference, *, device, micro_batch_size: int, temperature: float, pad_id: int,
-    prob_threshold: float, prob_mask: bool,
+    prob_threshold: float, prob_mask: bool, precision: Precision = FP32,
 ) -> None:
     """Set what the loss needs on every sample: "ref_logps" (the frozen reference model's log-probs; the old ones
     when there is no reference model, beta = 0), "loss_mask" (response tokens, with the probability mask only
@@ -658,31 +460,31 @@ def attach_targets(
         s["ref_logps"] = s["old_logps"]
     if reference is not None:  # parked on the CPU the rest of the time
         reference.to(device)
-        for s, logps in zip(edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id)):
+        for s, logps in zip(edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id, precision)):
             s["ref_logps"] = logps
         reference.to("cpu")
     lengths = [len(s["response_ids"]) for s in samples]
     flat_probs = torch.cat([s["old_logps"] for s in samples] or [torch.zeros(0)]).exp()  # [tokens], p_t of every response token
-    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=ev.all_sum)
+    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
     flat_advantages = torch.repeat_interleave(torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths, dtype=torch.long))
-    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=ev.all_sum)  # over the whole iteration batch's masked tokens
+    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum)  # over the whole iteration batch's masked tokens
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"], s["advantages"] = mask, advantage
 
 
 def accumulate_gradients(
     model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float, pad_id: int,
-    all_sum: Callable = lambda x: x,
+    all_sum: Callable = lambda x: x, precision: Precision = FP32,
 ) -> dict:
     """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
-    Under torchrun each rank passes its share of the batch (possibly none) and `all_sum=ev.all_sum`: the loss is
+    Under torchrun each rank passes its share of the batch (possibly none) and `all_sum=distributed.all_sum`: the loss is
     normalised by the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
     batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
-        logps = response_logprobs(model, batch, temperature)
+        logps = response_logprobs(model, batch, temperature, precision=precision)
         loss, micro = policy_loss(
             logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
             clip_eps, beta, batch_tokens, batch_sequences,
@@ -695,70 +497,153 @@ def accumulate_gradients(
     return stats
 
 
+def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int, streak: list[int],
+                  precision: Precision = FP32) -> list[dict]:
+    """--epochs passes over the samples in shuffled batches of --batch-size, each accumulated in micro-batches
+    and clipped into one optimizer step; then one scheduler step. Returns the stats of the steps taken.
+    Under torchrun `samples` is this rank's share: every rank takes the steps the whole iteration's samples make,
+    each with --batch-size / world size of its own (the last ones possibly none), and the gradients are summed."""
+    model.train()
+    model_stats, batch_size = [], args.batch_size // distributed.world_size()  # this rank's share of each batch
+    steps = math.ceil(int(distributed.all_sum(torch.tensor(len(samples)))) / args.batch_size)  # per epoch, the same on every rank
+    for _ in range(args.epochs):
+        order = torch.randperm(len(samples)).tolist()
+        for start in range(0, steps * batch_size, batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(
+                model, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, all_sum=distributed.all_sum,
+                precision=precision,
+            )
+            stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
+            if skipped_non_finite(stats, iteration, streak):
+                continue
+            distributed.all_reduce_gradients(model)
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            optimizer.step()
+            model_stats.append(stats)
+    optimizer.zero_grad(set_to_none=True)
+    # Once per iteration, not per step: one rule whether the number of steps varies (--samples-per-iteration 0) or not.
+    with warnings.catch_warnings():  # an iteration without edges makes no optimizer step; the schedule still advances
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()
+    return model_stats
+
 # ----------------------------------------------------------------------------------------------
-# Checkpoints and saved samples
+# Main loop: the algorithm box
 
 
-def write_samples(path: Path, records: list[dict]) -> None:
-    """One JSON record per line (the format viewer.py reads); floats rounded to keep the files small."""
-    def rounded(value):
-        if isinstance(value, float):
-            return round(value, 5)
-        if isinstance(value, list):
-            return [rounded(v) for v in value]
-        if isinstance(value, dict):
-            return {key: rounded(v) for key, v in value.items()}
-        return value
+def main(args: Args) -> dict:
+    device = distributed.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    branches = validate(args)
+    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
+        full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level without early leaves
+        return runs.dry_run(args, PAPER_SETTINGS, resolved={
+            "eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model), "branches": branches,
+            "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1],
+        })
+    torch.manual_seed(args.seed)
+    precision = choose_precision(args.precision, device)
+    distributed.print0(precision.line)
+    run_dir, checkpoint = runs.open_run(args, precision.line)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(rounded(r)) + "\n" for r in records))
-
-
-def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, scheduler, iteration: int, buffer: list[dict]) -> Path:
-    """Write runs/<run>/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact.
-    The replay buffer is saved with the optimizer: a resumed run trains on the same edges."""
-    final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
-    weights, optimizer_state = ev.full_state_dict(model), ev.optimizer_state(model, optimizer)
-    if ev.rank() > 0:  # every rank calls this (with --fsdp the shards are gathered); rank 0 writes
-        return final
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, state_dict=weights)
-    tokenizer.save_pretrained(staging)
-    torch.save(
-        {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "iteration": iteration, "buffer": buffer,
-         "world_size": ev.world_size()},
-        staging / "trainer_state.pt",
+    model, tokenizer, reference = models.load_policy(args.model, checkpoint, device, args.beta, args.gradient_checkpointing, args.fsdp)
+    train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
+    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
+    sampler = engines.make_sampler(
+        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed, precision=precision,
+        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
     )
-    if final.exists():
-        final.rename(previous)
-    staging.rename(final)
-    shutil.rmtree(previous, ignore_errors=True)
-    return final
+    # The schedule steps once per iteration (see the docstring). On the CPU: the buffer's log-probs stay there with
+    # the new edges'; the optimizer moves its state to the parameters.
+    state = checkpoints.load_trainer_state(checkpoint, "cpu") if checkpoint else None
+    optimizer, scheduler = checkpoints.make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, state)
+    start_iteration, buffer = (state["iteration"] + 1, state["buffer"]) if state else (1, [])  # buffer: edges waiting, oldest first
+    log = runs.RunLog(run_dir, start_iteration, args)
 
+    accuracy_before = accuracy_after = None
+    if start_iteration == 1 and args.eval_before:
+        log.write(0, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+        accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
+    streak = [0]  # non-finite losses in a row
+    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
+                         total=args.iterations, disable=distributed.rank() > 0)
+    for iteration in progress:
+        rng = reseed(args.seed, iteration, sampler)
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest whole checkpoint: checkpoint/, else checkpoint.old/ (killed between the two renames, or damaged)."""
-    damaged = []
-    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):
-        if (candidate / "trainer_state.pt").exists():
-            problem = ev.checkpoint_problem(candidate)
-            if problem is None:
-                if damaged:
-                    warnings.warn(f"{damaged[0]}; resuming from {candidate} instead")
-                return candidate
-            damaged.append(problem)
-    if damaged:
-        raise ev.UsageError(f"--resume {run_dir}: {'; '.join(damaged)}, and no intact checkpoint is left; start a new run")
-    return None
+        # 1. Rollout: one tree per question, grown level by level across all trees (this rank's share of them).
+        started = iteration_started = time.time()
+        question_ids = distributed.shard([rng.randrange(len(train_examples)) for _ in range(args.questions)])
+        questions = [train_examples[i] for i in question_ids]
+        trees, level_seconds = grow_trees(
+            sampler, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
+            max_new_tokens=args.max_new_tokens, context=args.context, temperature=args.temperature, top_p=args.top_p, stop=stop,
+        )
+        rollout_seconds = time.time() - started
+
+        # 2. Rewards: every finished leaf graded on its full response; unfinished leaves score 0.
+        grade_trees(trees, [q.answer for q in questions], tokenizer, args.task)
+
+        # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
+        #    Under torchrun every rank gets every rank's edges: the replay buffer is one, the same on all ranks.
+        new_edges, nonzero_edges = tree_edges(trees, question_ids, iteration, args.advantage)
+        for edge, logps in zip(new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id, precision)):
+            edge["old_logps"] = logps
+        new_edges = distributed.gather(new_edges)
+        saving = args.save_samples and iteration % args.save_samples == 0
+        saved_probs = node_probs(model, trees[: args.save_questions], args.micro_batch_size, args.temperature, pad_id, precision) if saving else {}
+
+        # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
+        #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
+        taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
+        samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)  # the buffer the checkpoint keeps
+        rank_samples = distributed.shard(samples)
+        attach_targets(rank_samples, reference, device=device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+                       pad_id=pad_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask, precision=precision)
+
+        # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.
+        sampler.sleep()
+        started, lr = time.time(), scheduler.get_last_lr()[0]
+        model_stats = update_policy(model, optimizer, scheduler, rank_samples, args, pad_id, iteration, streak, precision)
+        update_seconds = time.time() - started
+        sampler.wake_up()
+        sampler.load_weights(model)
+        iteration_seconds = time.time() - iteration_started
+        log.train_seconds += iteration_seconds
+        last = distributed.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
+
+        # 6. Log (over all ranks' trees), save samples, evaluate, checkpoint.
+        metrics = iteration_metrics(
+            iteration, distributed.gather(trees), samples, buffer, distributed.gather([s["loss_mask"] for s in rank_samples]),
+            nonzero_edges=int(distributed.all_sum(torch.tensor(nonzero_edges))), model_stats=model_stats, lr=lr,
+            level_seconds=level_seconds, rollout_seconds=rollout_seconds, update_seconds=update_seconds,
+            iteration_seconds=iteration_seconds, train_seconds=log.train_seconds,
+        )
+        log.write(iteration, metrics)
+        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
+        distributed.print0(progress_line(iteration, metrics, level_seconds), tqdm.tqdm.write)
+        if saving and distributed.rank() == 0:  # rank 0's trees
+            runs.write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(iteration, trees, questions, saved_probs, tokenizer, args))
+        if iteration % args.eval_every == 0 or last:
+            log.write(iteration, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            accuracy_after = eval_metrics["eval/accuracy"]
+        if iteration % args.save_every == 0 or last:
+            trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration, "buffer": buffer}
+            checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state)  # the buffer too: a resumed run trains on the same edges
+        distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
+        if last:
+            break
+    return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 
 # ----------------------------------------------------------------------------------------------
-# Main loop
+# Below main: this script's settings check, metrics and sample records
 
 
 def validate(args: Args) -> list[int]:
     """Check the configuration; return the branch factors of --tree."""
-    problems, branches = ev.setting_problems(args), []  # the settings every script shares first
+    problems, branches = runs.setting_problems(args, ev.task_problems), []  # the settings every script shares first
     try:
         branches = parse_tree(args.tree)
     except ValueError as error:
@@ -791,187 +676,22 @@ def validate(args: Args) -> list[int]:
         if args.samples_per_iteration == 0:
             problems.append("--fsdp needs a fixed --samples-per-iteration (not 0): every rank must train an equal share")
         per_rank["--samples-per-iteration"] = args.samples_per_iteration
-    problems += ev.world_size_problems(args, per_rank=per_rank)
+    problems += distributed.world_size_problems(args, per_rank=per_rank)
     if problems:
-        raise ev.UsageError("; ".join(problems))
+        raise UsageError("; ".join(problems))
     return branches
 
 
-def open_run(args: Args) -> tuple[Path, Path | None]:
-    """The run directory (new, or --resume's) and its newest intact checkpoint (None: start over); writes
-    args.json and records the start in the run."""
-    if args.resume:
-        run_dir = Path(args.resume)
-        checkpoint = latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
-        if checkpoint is None and not (run_dir / "args.json").exists():
-            raise ev.UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
-        ev.check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
-        if checkpoint is not None:
-            ev.check_world_size(checkpoint)  # each rank's questions and seeds depend on it
-    else:
-        run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint = ev.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
-    if ev.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-        ev.record_start(run_dir, resumed=bool(args.resume))
-    ev.barrier()
-    return run_dir, checkpoint
-
-
-def load_models(args: Args, checkpoint: Path | None, device: str) -> tuple:
-    """The policy (from the checkpoint when resuming, fp32 master weights), its tokenizer and the frozen
-    reference model (the starting model, parked on the CPU except while its log-probs are computed; None when
-    beta = 0)."""
-    model, tokenizer = ev.load_model(str(checkpoint) if checkpoint else args.model, dtype=torch.float32, device=device)
-    ev.check_logits_from_hidden(model)  # response_logprobs applies the LM head itself
-    reference = None
-    if args.beta > 0:
-        reference, _ = ev.load_model(args.model, dtype=model.dtype, device="cpu")
-        reference.requires_grad_(False)
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_enable()
-    if args.fsdp:
-        ev.fully_shard_model(model)  # the reference stays whole, parked on the CPU
-    return model, tokenizer, reference
-
-
-def load_examples(args: Args, eval_task: str, tokenizer) -> tuple[list, list]:
-    """Training and held-out questions with their prompts. A prompt that leaves no room for a response within
-    --context is dropped from training but kept (scoring 0) in evaluation, which keeps its denominator."""
-    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
-    eval_examples = ev.load_task(eval_task, "test", limit=args.eval_limit, seed=args.seed, tokenizer=tokenizer)
-    train_examples = ev.check_prompt_room(train_examples, args.context, f"--task {args.task}", drop=True)
-    eval_examples = ev.check_prompt_room(eval_examples, args.context, f"--eval-task {eval_task}", drop=False)
-    return train_examples, eval_examples
-
-
-def make_optimizer(args: Args, model, checkpoint: Path | None) -> tuple:
-    """AdamW and its schedule (--warmup-ratio linear warmup, then linear decay, stepped once per iteration),
-    restored from the checkpoint when resuming; returns (optimizer, scheduler, first iteration to run, replay
-    buffer: the edges waiting to be trained on, oldest first)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * args.iterations), args.iterations)
-    if checkpoint is None:
-        return optimizer, scheduler, 1, []
-    # On the CPU: the buffer's log-probs stay there with the new edges'; the optimizer moves its state to the parameters.
-    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
-    ev.load_optimizer_state(model, optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return optimizer, scheduler, state["iteration"] + 1, state["buffer"]
-
-
-class RunLog:
-    """The run's metrics: runs/<run>/metrics.jsonl (one line per iteration and per evaluation), TensorBoard, and
-    Weights & Biases with --track. Lines of iterations >= start_iteration are dropped (they will be redone), and
-    `train_seconds` continues from the kept lines."""
-
-    def __init__(self, run_dir: Path, start_iteration: int, args: Args):
-        self.path, self.train_seconds, self.writer, self.wandb = run_dir / "metrics.jsonl", 0.0, None, None
-        if ev.rank() > 0:  # under torchrun only rank 0 logs (the metrics are already reduced over ranks)
-            return
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        if args.track:
-            import wandb
-
-            wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
-            self.wandb = wandb
-
-    def write(self, iteration: int, metrics: dict) -> None:
-        if self.writer is None:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, iteration)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=iteration)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: list, args: Args) -> dict:
-    """Held-out accuracy of the current policy (--eval-samples per question), as eval/... metrics."""
-    result = ev.evaluate(
-        model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples,
-        temperature=args.eval_temperature, top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens,
-        context=args.context, sampler=sampler, seed=args.seed,
-    )
-    return {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-            "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]}
-
-
-def reseed(seed: int, iteration: int, sampler) -> random.Random:
-    """Seed torch and the sampler from (seed, iteration, rank) and return the iteration's random.Random (questions,
-    buffer; the same on every rank): a resumed run samples exactly what the uninterrupted one would (at the same
-    world size)."""
-    iteration_seed = seed * 1_000_003 + iteration
-    rank_seed = iteration_seed + (ev.rank() << 32)  # rank 0: the seed of a single-process run
-    torch.manual_seed(rank_seed)
-    if hasattr(sampler, "generator"):
-        sampler.generator.manual_seed(rank_seed)
-    return random.Random(iteration_seed)
-
-
-def node_probs(model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int) -> dict[int, list[float]]:
+def node_probs(model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int,
+               precision: Precision = FP32) -> dict[int, list[float]]:
     """p_t of every token of every non-root node of `trees` (zero-advantage nodes too), keyed by id(node): what
     --save-samples shows, computed before the update."""
     nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
     logps = sample_logprobs(
         model, [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes],
-        micro_batch_size, temperature, pad_id,
+        micro_batch_size, temperature, pad_id, precision,
     )
     return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
-
-
-def skipped_non_finite(stats: dict, iteration: int, streak: list[int]) -> bool:
-    """True when a batch's loss is not finite (its update is skipped); `streak` counts such batches in a row,
-    across iterations, and the third ends the run."""
-    if math.isfinite(stats["loss"]):
-        streak[0] = 0
-        return False
-    streak[0] += 1
-    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
-    if streak[0] >= 3:
-        raise ev.UsageError("three non-finite losses in a row: lower --lr, or check the model and data")
-    return True
-
-
-def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int, streak: list[int]) -> list[dict]:
-    """--epochs passes over the samples in shuffled batches of --batch-size, each accumulated in micro-batches
-    and clipped into one optimizer step; then one scheduler step. Returns the stats of the steps taken.
-    Under torchrun `samples` is this rank's share: every rank takes the steps the whole iteration's samples make,
-    each with --batch-size / world size of its own (the last ones possibly none), and the gradients are summed."""
-    model.train()
-    model_stats, batch_size = [], args.batch_size // ev.world_size()  # this rank's share of each batch
-    steps = math.ceil(int(ev.all_sum(torch.tensor(len(samples)))) / args.batch_size)  # per epoch, the same on every rank
-    for _ in range(args.epochs):
-        order = torch.randperm(len(samples)).tolist()
-        for start in range(0, steps * batch_size, batch_size):
-            optimizer.zero_grad(set_to_none=True)
-            stats = accumulate_gradients(
-                model, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
-                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, all_sum=ev.all_sum,
-            )
-            stats = ev.sum_over_ranks(stats)  # every rank takes the same decision below
-            if skipped_non_finite(stats, iteration, streak):
-                continue
-            ev.all_reduce_gradients(model)
-            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-            optimizer.step()
-            model_stats.append(stats)
-    optimizer.zero_grad(set_to_none=True)
-    # Once per iteration, not per step: one rule whether the number of steps varies (--samples-per-iteration 0) or not.
-    with warnings.catch_warnings():  # an iteration without edges makes no optimizer step; the schedule still advances
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        scheduler.step()
-    return model_stats
 
 
 def iteration_metrics(
@@ -1031,7 +751,7 @@ def node_record(node: Node, advantage: float | None, probs: dict[int, list[float
     `advantage` (None for the root; its children's by `advantage_kind`, rloo or grpo), reward and finish reason."""
     ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
     return {
-        "token_ids": ids, "tokens": ev.token_pieces(tokenizer, ids),
+        "token_ids": ids, "tokens": engines.token_pieces(tokenizer, ids),
         "probs": probs[id(node)] if node.depth else [], "value": node.value, "advantage": advantage,
         "reward": node.reward, "finish_reason": node.finish_reason,
         "children": [
@@ -1053,116 +773,5 @@ def sample_records(iteration: int, trees: list[Node], questions: list, probs: di
     ]
 
 
-def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
-    """Close the log, write summary.json and print the run's one-line result (rank 0 under torchrun)."""
-    log.close()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
-    if ev.rank() > 0:
-        return summary
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
-    after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
-    print(f"accuracy {before} -> {after} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
-    return summary
-
-
-def main(args: Args) -> dict:
-    device = ev.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
-    branches = validate(args)
-    eval_task = args.eval_task or ev.default_eval_task(args.task)
-    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level without early leaves
-        return ev.dry_run(args, PAPER_SETTINGS, resolved={
-            "eval_task": eval_task, "model_id": ev.ALIASES.get(args.model, args.model), "branches": branches,
-            "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1],
-        })
-    torch.manual_seed(args.seed)
-    ev.print0(ev.set_precision(args.precision, device))
-    run_dir, checkpoint = open_run(args)
-
-    model, tokenizer, reference = load_models(args, checkpoint, device)
-    train_examples, eval_examples = load_examples(args, eval_task, tokenizer)
-    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = ev.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed,
-        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-    )
-    optimizer, scheduler, start_iteration, buffer = make_optimizer(args, model, checkpoint)
-    log = RunLog(run_dir, start_iteration, args)
-
-    accuracy_before = accuracy_after = None
-    if start_iteration == 1 and args.eval_before:
-        log.write(0, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-        accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
-    streak = [0]  # non-finite losses in a row
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
-                         total=args.iterations, disable=ev.rank() > 0)
-    for iteration in progress:
-        rng = reseed(args.seed, iteration, sampler)
-
-        # 1. Rollout: one tree per question, grown level by level across all trees (this rank's share of them).
-        started = iteration_started = time.time()
-        question_ids = ev.shard([rng.randrange(len(train_examples)) for _ in range(args.questions)])
-        questions = [train_examples[i] for i in question_ids]
-        trees, level_seconds = grow_trees(
-            sampler, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
-            max_new_tokens=args.max_new_tokens, context=args.context, temperature=args.temperature, top_p=args.top_p, stop=stop,
-        )
-        rollout_seconds = time.time() - started
-
-        # 2. Rewards: every finished leaf graded on its full response; unfinished leaves score 0.
-        grade_trees(trees, [q.answer for q in questions], tokenizer, args.task)
-
-        # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
-        #    Under torchrun every rank gets every rank's edges: the replay buffer is one, the same on all ranks.
-        new_edges, nonzero_edges = tree_edges(trees, question_ids, iteration, args.advantage)
-        for edge, logps in zip(new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id)):
-            edge["old_logps"] = logps
-        new_edges = ev.gather(new_edges)
-        saving = args.save_samples and iteration % args.save_samples == 0
-        saved_probs = node_probs(model, trees[: args.save_questions], args.micro_batch_size, args.temperature, pad_id) if saving else {}
-
-        # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
-        #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
-        taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
-        samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)  # the buffer the checkpoint keeps
-        rank_samples = ev.shard(samples)
-        attach_targets(rank_samples, reference, device=device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-                       pad_id=pad_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
-
-        # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.
-        sampler.sleep()
-        started, lr = time.time(), scheduler.get_last_lr()[0]
-        model_stats = update_policy(model, optimizer, scheduler, rank_samples, args, pad_id, iteration, streak)
-        update_seconds = time.time() - started
-        sampler.wake_up()
-        sampler.load_weights(model)
-        iteration_seconds = time.time() - iteration_started
-        log.train_seconds += iteration_seconds
-        last = ev.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
-
-        # 6. Log (over all ranks' trees), save samples, evaluate, checkpoint.
-        metrics = iteration_metrics(
-            iteration, ev.gather(trees), samples, buffer, ev.gather([s["loss_mask"] for s in rank_samples]),
-            nonzero_edges=int(ev.all_sum(torch.tensor(nonzero_edges))), model_stats=model_stats, lr=lr,
-            level_seconds=level_seconds, rollout_seconds=rollout_seconds, update_seconds=update_seconds,
-            iteration_seconds=iteration_seconds, train_seconds=log.train_seconds,
-        )
-        log.write(iteration, metrics)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        ev.print0(progress_line(iteration, metrics, level_seconds), tqdm.tqdm.write)
-        if saving and ev.rank() == 0:  # rank 0's trees
-            write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(iteration, trees, questions, saved_probs, tokenizer, args))
-        if iteration % args.eval_every == 0 or last:
-            log.write(iteration, eval_metrics := evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-            accuracy_after = eval_metrics["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
-            save_checkpoint(run_dir, model, tokenizer, optimizer, scheduler, iteration, buffer)
-        ev.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        if last:
-            break
-    return finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
-
-
 if __name__ == "__main__":
-    ev.run_cli(main, ev.cli(Args))
+    runs.run_cli(main, runs.cli(Args))

@@ -27,7 +27,7 @@ How.
                       last token, gamma 1, lambda --lam). Its value head starts at zero, so V = 0 everywhere and with
                       gamma = lambda = 1 every token's advantage is the response's reward R: a no-baseline estimator;
    ppo_trained        the same with the critic of a ppo_baseline.py checkpoint (--ppo-checkpoint RUN/checkpoint,
-                      critic.pt loaded as ppo_baseline.load_models loads it). That critic learned the values of its
+                      critic.pt loaded as ppo_baseline.load_critic loads it). That critic learned the values of its
                       run's policy, which after a few iterations at lr 1e-6 is still the starting model;
    spo_tree           spo_tree.grow_trees (--tree, --segment-tokens) + grade_trees + backup_values + edge_advantages
                       ("rloo": V(child) - V(parent), zero edges included; training drops those), compared on its own
@@ -80,6 +80,9 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
+from plumbing import engines, models, runs  # noqa: E402
+from plumbing import UsageError  # noqa: E402
+from plumbing.precision import choose_precision  # noqa: E402
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
@@ -428,12 +431,12 @@ def spo_chain_advantages(
 
 def load_critic(policy, checkpoint: str | None, device: str) -> ppo_baseline.Critic:
     """ppo_baseline's critic: make_critic(policy) (a copy of the policy's backbone with a zero value head), with the
-    weights of checkpoint/critic.pt when given, loaded as ppo_baseline.load_models loads them."""
+    weights of checkpoint/critic.pt when given, loaded as ppo_baseline.load_critic loads them."""
     critic = ppo_baseline.make_critic(policy)
     if checkpoint is not None:
         path = Path(checkpoint) / "critic.pt"
         if not path.is_file():
-            raise ev.UsageError(f"--ppo-checkpoint {checkpoint}: no critic.pt there; give a ppo_baseline.py checkpoint (RUN/checkpoint)")
+            raise UsageError(f"--ppo-checkpoint {checkpoint}: no critic.pt there; give a ppo_baseline.py checkpoint (RUN/checkpoint)")
         critic.load_state_dict(torch.load(path, map_location=device, weights_only=True))
     return critic
 
@@ -493,7 +496,7 @@ def validate(args: Args) -> list[int]:
     except ValueError as error:
         problems.append(f"--tree {error}")
     if problems:
-        raise ev.UsageError("; ".join(problems))
+        raise UsageError("; ".join(problems))
     return branches
 
 
@@ -502,7 +505,7 @@ def draw_questions(args: Args, tokenizer) -> list[ev.Example]:
     examples = ev.load_task(args.task, args.split, seed=args.seed, tokenizer=tokenizer)
     examples = ev.check_prompt_room(examples, args.context, f"--task {args.task}", drop=True)
     if len(examples) < args.questions:
-        raise ev.UsageError(f"--questions {args.questions}: --task {args.task} has only {len(examples)} usable questions")
+        raise UsageError(f"--questions {args.questions}: --task {args.task} has only {len(examples)} usable questions")
     return random.Random(args.seed).sample(examples, args.questions)
 
 
@@ -601,9 +604,10 @@ def main(args: Args) -> dict:
     started, seconds = time.time(), {}
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(ev.set_precision(args.precision, device))
-    model, tokenizer = ev.load_model(args.model, dtype=torch.float32, device=device)
-    sampler = ev.make_sampler("hf", model, tokenizer, args.model, seed=args.seed)
+    precision = choose_precision(args.precision, device)
+    print(precision.line)
+    model, tokenizer = models.load_model(args.model, dtype=torch.float32, device=device)
+    sampler = engines.make_sampler("hf", model, tokenizer, args.model, seed=args.seed, precision=precision)
     pad_id, stop, reward = tokenizer.pad_token_id, ev.stop_strings(tokenizer), graded_reward(tokenizer, args.task)
     questions, rng = draw_questions(args, tokenizer), random.Random(args.seed)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, stop=stop, context=args.context)
@@ -619,7 +623,7 @@ def main(args: Args) -> dict:
     rewards = reward([c.ids for c in completions], [c.finish_reason == "stop" for c in completions], [s["answer"] for s in samples])
 
     # 2. p_t from the training log-probs (logits / temperature); up to P low-probability probes per response.
-    logps = spo_chain.sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id)
+    logps = spo_chain.sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)
     for s, logp in zip(samples, logps):
         s["old_logps"] = logp
     probs = [logp.exp().tolist() for logp in logps]
@@ -725,4 +729,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    ev.run_cli(main, tyro.cli(Args))
+    runs.run_cli(main, tyro.cli(Args))

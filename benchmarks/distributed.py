@@ -32,26 +32,45 @@ SETTINGS = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max_t
             "--micro-batch-size", "8", "--no-eval-before", "--eval-every", "1000", "--eval-limit", "4", "--precision", "fp32"]
 
 
+def time_collectives(distributed) -> list[float]:
+    """Spy on the helpers of plumbing.distributed that run collectives: their wall time (waiting for other ranks
+    included) adds up in the returned [seconds], once where one calls another (sum_over_ranks through all_sum)."""
+    seconds, depth = [0.0], [0]
+    for name in ("all_sum", "gather", "broadcast", "barrier", "all_reduce_gradients", "gather_parameters", "full_state_dict",
+                 "optimizer_state"):
+        def timed(*args, _real=getattr(distributed, name), **kwargs):
+            started, depth[0] = time.perf_counter(), depth[0] + 1
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    seconds[0] += time.perf_counter() - started
+        setattr(distributed, name, timed)
+    return seconds
+
+
 def worker(output_dir: str, report: str) -> None:
     """Run grpo_baseline.main in this process (started by python or torchrun) and let rank 0 write the report."""
     sys.path.insert(0, str(ROOT))
-    import eval as ev
+    from plumbing import distributed, models, runs
     import grpo_baseline as grpo
 
-    summary = grpo.main(ev.cli(grpo.Args, SETTINGS + ["--output-dir", output_dir]))
-    seconds = ev.gather([ev.collective_seconds()])
+    collective_seconds = time_collectives(distributed)
+    summary = grpo.main(runs.cli(grpo.Args, SETTINGS + ["--output-dir", output_dir]))
+    seconds = distributed.gather([collective_seconds[0]])
     # The gradient all-reduce alone, ranks started together (no waiting for a slower rank): the transfer cost
     # of one optimizer step's communication.
-    model, _ = ev.load_model(summary["checkpoint"], dtype=torch.float32)
+    model, _ = models.load_model(summary["checkpoint"], dtype=torch.float32)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     all_reduce = []
     for _ in range(3):
-        ev.barrier()
+        distributed.barrier()
         started = time.perf_counter()
-        ev.all_reduce_gradients(model)
+        distributed.all_reduce_gradients(model)
         all_reduce.append(time.perf_counter() - started)
-    if ev.rank() == 0:
+    if distributed.rank() == 0:
         metrics = [json.loads(line) for line in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()]
         Path(report).write_text(json.dumps({
             "metrics": [m for m in metrics if "time/iteration_seconds" in m], "collective_seconds_per_rank": seconds,

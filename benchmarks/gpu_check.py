@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import eval as ev  # noqa: E402
+from plumbing import engines, models  # noqa: E402
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
@@ -70,9 +71,9 @@ def run_script(module, name: str, model: Path, task: Path, out: Path, **specific
 
 
 def sampler_throughput(model_dir: Path) -> dict:
-    model, tokenizer = ev.load_model(str(model_dir))
+    model, tokenizer = models.load_model(str(model_dir))
     prompts = [ev.encode_prompt(f"Problem: what is {i} + {i + 1}?\n", tokenizer) for i in range(16)]
-    sampler = ev.HFSampler(model, tokenizer, seed=0, batch_size=256)
+    sampler = engines.HFSampler(model, tokenizer, seed=0, batch_size=256)
     sampler.sample(prompts[:2], 2, temperature=1.0, top_p=1.0, max_new_tokens=8)  # warm-up
     torch.cuda.synchronize()
     started = time.time()

@@ -35,6 +35,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
+from plumbing.precision import cpu_description  # noqa: E402
 
 # Per-algorithm settings: sized so each makes several iterations in 12 minutes on 2 CPU cores.
 ALGORITHMS = {
@@ -131,7 +132,7 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
         run_dir = finished_run(directory)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         (run_dir / "benchmark.json").write_text(json.dumps({"wall_seconds": time.time() - started, "load_before": load,
-                                                            "load_after": os.getloadavg()[0], "commit": commit, "cpu": ev.cpu_description()}))
+                                                            "load_after": os.getloadavg()[0], "commit": commit, "cpu": cpu_description()}))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     evals = [m for m in lines if "eval/accuracy" in m]

@@ -31,6 +31,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
+from plumbing import models  # noqa: E402
 import grpo_baseline  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def peak_rss_kb() -> int:
 def measure(args: Args) -> dict:
     """Forward + backward of one micro-batch twice; the second pass's peak above its starting memory."""
     torch.manual_seed(0)
-    model, _ = ev.load_model(args.model, dtype=torch.float32, device="cpu")
+    model, _ = models.load_model(args.model, dtype=torch.float32, device="cpu")
     if args.variant.endswith("+gc"):
         model.activation_checkpointing_enable()
     model.train()

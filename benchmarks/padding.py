@@ -10,7 +10,7 @@ Rollouts: 8 questions x 8 responses of up to 128 tokens (the learning benchmark'
 batches of 32 in a shuffled order (a prompt has about 4 rows in a batch), micro-batches of 16, as
 grpo_baseline.update_policy makes them. A micro-batch computes (prompts run x longest prompt) + (rows x longest
 response) positions; padding is the share of them that hold no token. The seconds are one forward/backward pass
-(grpo_baseline.accumulate_gradients) over the same batch each way, after one untimed warm-up pass, the order of
+(plumbing.training.response_logprobs under grpo_baseline's on-policy loss) over the same batch each way, after one untimed warm-up pass, the order of
 the three rotating from batch to batch; the gradients agree (neither split nor sharing changes them).
 
   python benchmarks/padding.py                 # writes benchmarks/results/padding.json
@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
+from plumbing import engines, models, training  # noqa: E402
+from plumbing.precision import FP32, choose_precision  # noqa: E402
 import grpo_baseline as grpo  # noqa: E402
 
 TASK, QUESTIONS, GROUP, NEW_TOKENS, BATCH, MICRO = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", 8, 8, 128, 32, 16
@@ -42,9 +44,8 @@ def by_length(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
     return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
 
 
-def collate_per_row(samples: list[dict], pad_id: int, device, collate=grpo.collate) -> dict:
-    """grpo_baseline.collate (the real one, bound here: timed_update swaps the module's) with every row running its
-    own prompt, even when rows share it."""
+def collate_per_row(samples: list[dict], pad_id: int, device, collate=training.collate) -> dict:
+    """The scripts' collate (plumbing.training) with every row running its own prompt, even when rows share it."""
     batch = collate(samples, pad_id, device)
     prompt_len = batch["prompt_ids"].shape[1]
     batch.update(prompt_ids=batch["input_ids"][:, :prompt_len], prompt_mask=batch["attention_mask"][:, :prompt_len],
@@ -55,7 +56,7 @@ def collate_per_row(samples: list[dict], pad_id: int, device, collate=grpo.colla
 WAYS = {  # name -> (split, collate)
     "arrival_order": (in_arrival_order, collate_per_row),
     "by_length": (by_length, collate_per_row),
-    "micro_batches": (grpo.micro_batches, grpo.collate),
+    "micro_batches": (training.micro_batches, training.collate),
 }
 
 
@@ -71,25 +72,28 @@ def positions(samples: list[dict], split: list[list[int]], shared: bool) -> tupl
     return computed, tokens
 
 
-def timed_update(model, batch: list[dict], way: str, pad_id: int) -> tuple[float, list[torch.Tensor]]:
-    real = grpo.micro_batches, grpo.collate
-    grpo.micro_batches, grpo.collate = WAYS[way]
-    try:
-        model.zero_grad(set_to_none=True)
-        started = time.perf_counter()
-        grpo.accumulate_gradients(model, batch, micro_batch_size=MICRO, temperature=0.7, clip_eps=0.2, beta=0.0, pad_id=pad_id, on_policy=True)
-        seconds = time.perf_counter() - started
-    finally:
-        grpo.micro_batches, grpo.collate = real
+def timed_update(model, batch: list[dict], way: str, pad_id: int, precision=FP32) -> tuple[float, list[torch.Tensor]]:
+    """Seconds of one forward/backward pass of the batch's loss in the micro-batches and with the collate of `way`,
+    and the gradient. The loss is grpo_baseline's on-policy loss with beta 0 (ratio 1, nothing clipped), whose
+    gradient is that of -sum(A_t log pi(y_t)) / tokens."""
+    split, collate = WAYS[way]
+    tokens = sum(int(s["loss_mask"].sum()) for s in batch)
+    model.zero_grad(set_to_none=True)
+    started = time.perf_counter()
+    for indices in split(batch, MICRO):
+        micro = collate([batch[i] for i in indices], pad_id, model.device)
+        logps = training.response_logprobs(model, micro, 0.7, precision=precision)  # [rows, R]
+        (-(logps * micro["advantages"] * micro["loss_mask"]).sum() / tokens).backward()
+    seconds = time.perf_counter() - started
     return seconds, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 def main() -> None:
-    model, tokenizer = ev.load_model("smollm2-135m")
-    precision = ev.set_precision("auto", "cpu")
-    print(precision)
+    model, tokenizer = models.load_model("smollm2-135m")
+    precision = choose_precision("auto", "cpu")
+    print(precision.line)
     examples = ev.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
-    groups = ev.HFSampler(model, tokenizer, seed=0).sample([e.prompt_ids for e in examples], GROUP, temperature=0.7, top_p=1.0,
+    groups = engines.HFSampler(model, tokenizer, seed=0).sample([e.prompt_ids for e in examples], GROUP, temperature=0.7, top_p=1.0,
                                                           max_new_tokens=NEW_TOKENS, progress="rollouts")
     rewards = torch.rand(len(examples) * GROUP, generator=torch.Generator().manual_seed(0)).round()  # any advantages will do
     advantages = grpo.group_advantages(rewards, GROUP)
@@ -98,21 +102,21 @@ def main() -> None:
                for (e, g), a_group in zip(zip(examples, groups), advantages.view(len(examples), GROUP)) for c, a in zip(g, a_group)]
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [[samples[i] for i in order[start : start + BATCH]] for start in range(0, len(order), BATCH)]
-    result = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "precision": precision, "model": "smollm2-135m", "task": TASK,
+    result = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "precision": precision.line, "model": "smollm2-135m", "task": TASK,
               "samples": len(samples), "batch_size": BATCH, "micro_batch_size": MICRO,
               "prompt_tokens": statistics.mean(len(s["prompt_ids"]) for s in samples),
               "response_tokens": statistics.mean(len(s["response_ids"]) for s in samples), "ways": {}, "max_grad_difference": 0.0}
     for way, (split, collate) in WAYS.items():
-        counts = [positions(b, split(b, MICRO), shared=collate is grpo.collate) for b in batches]
+        counts = [positions(b, split(b, MICRO), shared=collate is training.collate) for b in batches]
         computed, tokens = sum(c for c, _ in counts), sum(t for _, t in counts)
         result["ways"][way] = {"positions": computed, "padding": 1 - tokens / computed, "seconds": []}
     model.train()
-    timed_update(model, batches[0], "micro_batches", tokenizer.pad_token_id)  # warm-up: first-call allocations are not timed
+    timed_update(model, batches[0], "micro_batches", tokenizer.pad_token_id, precision)  # warm-up: first-call allocations are not timed
     names = list(WAYS)
     for index, batch in enumerate(batches):
         grads = {}
         for way in names[index % len(names) :] + names[: index % len(names)]:  # the first to run rotates
-            seconds, grads[way] = timed_update(model, batch, way, tokenizer.pad_token_id)
+            seconds, grads[way] = timed_update(model, batch, way, tokenizer.pad_token_id, precision)
             result["ways"][way]["seconds"].append(seconds)
         for way in names[1:]:
             difference = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-12) for a, b in zip(grads[way], grads[names[0]]))

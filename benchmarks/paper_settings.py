@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import eval as ev  # noqa: E402
+from plumbing import runs  # noqa: E402
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
@@ -41,7 +42,7 @@ def table() -> str:
         "|---|" + "---|" * len(columns),
     ]
     for name in rows:
-        cells = [ev.format_setting(paper[name]) if name in paper else "" for _, _, paper in columns]
+        cells = [runs.format_setting(paper[name]) if name in paper else "" for _, _, paper in columns]
         lines.append(f"| `--{name.replace('_', '-')}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

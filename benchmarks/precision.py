@@ -18,23 +18,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
+from plumbing import engines, models  # noqa: E402
+from plumbing.precision import fast_bf16, choose_precision  # noqa: E402
 import grpo_baseline as grpo  # noqa: E402
 
 TASK, QUESTIONS, SAMPLES, NEW_TOKENS, TEMPERATURE, THRESHOLD = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", 6, 4, 64, 0.6, 0.9
 
 
 def main() -> None:
-    model, tokenizer = ev.load_model("smollm2-135m")
-    ev.set_precision("fp32", "cpu")
+    model, tokenizer = models.load_model("smollm2-135m")
     examples = ev.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
-    groups = ev.HFSampler(model, tokenizer, seed=0).sample([e.prompt_ids for e in examples], SAMPLES, temperature=TEMPERATURE,
+    groups = engines.HFSampler(model, tokenizer, seed=0).sample([e.prompt_ids for e in examples], SAMPLES, temperature=TEMPERATURE,
                                                           top_p=1.0, max_new_tokens=NEW_TOKENS, progress="rollouts")
     samples = [{"prompt_ids": e.prompt_ids, "response_ids": c.ids} for e, g in zip(examples, groups) for c in g if c.ids]
     logps, seconds = {}, {}
     for precision in ("fp32", "bf16"):
-        ev.set_precision(precision, "cpu")
         started = time.perf_counter()
-        logps[precision] = torch.cat(grpo.sample_logprobs(model, samples, 8, TEMPERATURE, tokenizer.pad_token_id))
+        logps[precision] = torch.cat(grpo.sample_logprobs(model, samples, 8, TEMPERATURE, tokenizer.pad_token_id,
+                                                              choose_precision(precision, "cpu")))
         seconds[precision] = time.perf_counter() - started
     delta = (logps["bf16"] - logps["fp32"]).abs()
     p32, p16 = logps["fp32"].exp(), logps["bf16"].exp()
@@ -46,7 +47,7 @@ def main() -> None:
         "fraction_crossing_threshold": ((p32 < THRESHOLD) != (p16 < THRESHOLD)).float().mean().item(),
         "fraction_below_threshold_fp32": (p32 < THRESHOLD).float().mean().item(),
         "fraction_ratio_outside_clip": ((ratio < 0.8) | (ratio > 1.2)).float().mean().item(),
-        "seconds": seconds, "fast_bf16": ev.fast_bf16("cpu")[0], "why": ev.fast_bf16("cpu")[1],
+        "seconds": seconds, "fast_bf16": fast_bf16("cpu")[0], "why": fast_bf16("cpu")[1],
     }
     output = Path(__file__).parent / "results" / "precision.json"
     output.write_text(json.dumps(result, indent=1))

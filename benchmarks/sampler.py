@@ -27,6 +27,8 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
+from plumbing import engines, models  # noqa: E402
+from plumbing.precision import cpu_description, fast_bf16, choose_precision  # noqa: E402
 
 REPEATS = 3
 TEMPERATURE, TOP_P = 0.6, 0.9
@@ -69,32 +71,32 @@ def long_prefixes(tokenizer, count: int, length: int) -> list[list[int]]:
     return prefixes
 
 
-def run_hf_sampler(model, tokenizer, prompts, k, new_tokens) -> tuple[float, int]:
-    sampler = ev.HFSampler(model, tokenizer, seed=0)
+def run_hf_sampler(model, tokenizer, prompts, k, new_tokens, precision) -> tuple[float, int]:
+    sampler = engines.HFSampler(model, tokenizer, seed=0, precision=precision)
     started = time.perf_counter()
     groups = sampler.sample(prompts, k, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=new_tokens, ignore_eos=True)
     return time.perf_counter() - started, sum(len(c.ids) for g in groups for c in g)
 
 
-def run_generate(model, tokenizer, prompts, k, new_tokens) -> tuple[float, int]:
+def run_generate(model, tokenizer, prompts, k, new_tokens, precision) -> tuple[float, int]:
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     torch.manual_seed(0)
     started = time.perf_counter()
-    with torch.no_grad(), ev.autocast("cpu"):
+    with torch.no_grad(), precision.autocast("cpu"):
         out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P,
                              top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=k, pad_token_id=pad)
     return time.perf_counter() - started, out[:, width:].numel()
 
 
-def measure(model, tokenizer, prompts, k, new_tokens, peak: float) -> dict:
+def measure(model, tokenizer, prompts, k, new_tokens, peak: float, precision) -> dict:
     flops = model_flops(model, prompts, k, new_tokens)
     result = {"prompts": len(prompts), "k": k, "prompt_tokens": statistics.mean(len(p) for p in prompts),
               "new_tokens": new_tokens, "useful_gflop": flops / 1e9}
     for name, fn in (("hf_sampler", run_hf_sampler), ("generate", run_generate)):
-        runs = [fn(model, tokenizer, prompts, k, new_tokens) for _ in range(REPEATS)]
+        runs = [fn(model, tokenizer, prompts, k, new_tokens, precision) for _ in range(REPEATS)]
         assert all(tokens == len(prompts) * k * new_tokens for _, tokens in runs), "unequal output lengths"
         seconds = statistics.median(s for s, _ in runs)
         result[name] = {"seconds": seconds, "runs_seconds": [s for s, _ in runs], "tokens_per_second": runs[0][1] / seconds,
@@ -118,22 +120,22 @@ def bf16_over_fp32_generate(precisions: dict) -> dict:
 
 def main(out: Path = Path(__file__).parent / "results" / "sampler.json") -> None:
     """Measure both cases in fp32 (and bf16 where the CPU has fast bf16) and write the results JSON to `out`."""
-    model, tokenizer = ev.load_model("smollm2-135m")
+    model, tokenizer = models.load_model("smollm2-135m")
     short = [e.prompt_ids for e in ev.load_task("rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "train", limit=4, tokenizer=tokenizer)]
     long = long_prefixes(tokenizer, 4, 256)
-    fast, why = ev.fast_bf16("cpu")
+    fast, why = fast_bf16("cpu")
     peaks = {"fp32": matmul_peak(torch.float32)}
     peaks["bf16"] = matmul_peak(torch.bfloat16) if fast else matmul_peak(torch.bfloat16, size=512, repeats=3)
-    results = {"model": "smollm2-135m", "device": "cpu", "cpu": ev.cpu_description(), "threads": torch.get_num_threads(), "fast_bf16": fast, "why": why,
+    results = {"model": "smollm2-135m", "device": "cpu", "cpu": cpu_description(), "threads": torch.get_num_threads(), "fast_bf16": fast, "why": why,
                "matmul_peak_gflops": {k: v / 1e9 for k, v in peaks.items()}, "precisions": {}}
     for precision in ("fp32", "bf16"):
         if precision == "bf16" and not fast:
             results["precisions"]["bf16"] = {"skipped": f"{why} (bf16 matmul here: {peaks['bf16'] / 1e9:.1f} GFLOP/s)"}
             continue
-        ev.set_precision(precision, "cpu")
+        chosen = choose_precision(precision, "cpu")
         results["precisions"][precision] = {
-            "mc_k9_prefix256": measure(model, tokenizer, long, 9, 64, peaks[precision]),
-            "tree_k6_short": measure(model, tokenizer, short, 6, 64, peaks[precision]),
+            "mc_k9_prefix256": measure(model, tokenizer, long, 9, 64, peaks[precision], chosen),
+            "tree_k6_short": measure(model, tokenizer, short, 6, 64, peaks[precision], chosen),
         }
     results["hf_sampler_bf16_over_generate_fp32"] = bf16_over_fp32_generate(results["precisions"])
     output = Path(out)

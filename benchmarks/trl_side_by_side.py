@@ -321,8 +321,10 @@ def run_trl(args: Args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     import eval as ev
+    from plumbing import models
+    from plumbing.precision import cpu_description
 
-    model, tokenizer = ev.load_model(args.model, dtype=torch.float32, device="cpu")
+    model, tokenizer = models.load_model(args.model, dtype=torch.float32, device="cpu")
     train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
     step_questions = prompts_for_steps(train_examples, args.questions, args.steps, args.seed)
     for example in {id(q): q for step in step_questions for q in step}.values():
@@ -334,7 +336,7 @@ def run_trl(args: Args) -> None:
     dataset = datasets.Dataset.from_list([
         {"prompt": q.prompt, "answer": q.answer, "question": q.question} for step in step_questions for q in step
     ])
-    eos = ev.eos_ids(model, tokenizer)
+    eos = models.eos_ids(model, tokenizer)
     seen_questions = []
 
     def graded_answer(prompts, completions, completion_ids, answer, question, **kwargs):
@@ -398,7 +400,7 @@ def run_trl(args: Args) -> None:
     write_json(Path(args.child_out), {
         "steps": steps, "logs": timer.logs, "questions_per_step": seen_questions,
         "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
-        "torch_threads": torch.get_num_threads(), "cpu": ev.cpu_description(), "stop_strings": ev.stop_strings(tokenizer),
+        "torch_threads": torch.get_num_threads(), "cpu": cpu_description(), "stop_strings": ev.stop_strings(tokenizer),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                      "datasets": datasets.__version__},
         "config": {k: v for k, v in config.to_dict().items() if k in TRL_SETTINGS_RECORDED},

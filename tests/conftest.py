@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repository root
 import eval as ev  # noqa: E402
+from plumbing import precision as precision_module  # noqa: E402
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
@@ -61,16 +62,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 @pytest.fixture(autouse=True)
 def fp32_unless_a_test_sets_precision():
     """Tests compute in fp32 on every CPU: --precision auto sees no bf16 hardware (so results do not depend on the
-    machine CI runs on; tests of the choice set the flags they need). ev.set_precision is process-wide, as in a
-    real run: a test's main() must not change the next test's precision. The patch has its own MonkeyPatch, so a
-    test's monkeypatch.undo() cannot lift it."""
-    flags = ev.cpu_flags
-    saved = set(ev._BF16_DEVICES)
+    machine CI runs on; tests of the choice set the flags they need, or pass a Precision). The patch has its own
+    MonkeyPatch, so a test's monkeypatch.undo() cannot lift it."""
+    flags = precision_module.cpu_flags
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ev, "cpu_flags", lambda: flags() - ev.BF16_CPU_FLAGS)
+        patch.setattr(precision_module, "cpu_flags", lambda: flags() - precision_module.BF16_CPU_FLAGS)
         yield
-    ev._BF16_DEVICES.clear()
-    ev._BF16_DEVICES.update(saved)
 
 
 @pytest.fixture(scope="session")
@@ -119,3 +116,26 @@ def read_metrics(run_dir) -> list[dict]:
     """A run's metrics.jsonl without its timing entries (those differ between otherwise identical runs)."""
     lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
+
+
+# ----------------------------------------------------------------------------------------------
+# The quick check and the slow set: `python -m pytest tests/` runs the quick check (every algorithm's pure
+# functions, a smoke run of each script, grading, resume); `--slow` adds the slow integration tests (torchrun,
+# kill and resume, reward that rises, the benchmarks' own runs), marked @pytest.mark.slow. CI runs both.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the slow integration tests (@pytest.mark.slow)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a slow integration test, run only with --slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow integration test: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 tests/distributed_step.py SCRIPT MODEL_DIR OUT --fsdp   # the models sharded (FSDP2)
 
 The rollouts (prompts, responses, rewards, values or tree edges) are drawn from a fixed seed, the same in every
-process; each rank keeps the share of questions that main() would give it (ev.shard) and runs the script's own
+process; each rank keeps the share of questions that main() would give it (distributed.shard) and runs the script's own
 functions in main()'s order. Rank 0 writes OUT/world{N}.pt: the parameters after the step and the step's stats.
 The step uses plain SGD (lr 1) without gradient clipping, so the parameter change is the gradient itself: a
 gradient averaged instead of summed over ranks, or a statistic taken per rank, shows as a difference (the
@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
+from plumbing import distributed, models  # noqa: E402
 
 QUESTIONS, GROUP = 4, 4
 FSDP = "--fsdp" in sys.argv
@@ -48,8 +49,8 @@ def sgd(model, total_steps: int = 1):
 
 def models_and_rollouts(model_dir: str):
     """The policy, a reference model (the same weights), the tokenizer and the fixed rollouts."""
-    model, tokenizer = ev.load_model(model_dir, dtype=torch.float32)
-    reference, _ = ev.load_model(model_dir, dtype=torch.float32)
+    model, tokenizer = models.load_model(model_dir, dtype=torch.float32)
+    reference, _ = models.load_model(model_dir, dtype=torch.float32)
     return model, reference, tokenizer, *fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
 
 
@@ -62,8 +63,8 @@ def fsdp(*models) -> None:
     as main()'s awake sampler holds it; release() gives back the shards for the update, as the sampler's sleep()."""
     if FSDP:
         for model in models:
-            ev.fully_shard_model(model)
-        ev.gather_parameters(models[0], True)
+            distributed.fully_shard_model(model)
+        distributed.gather_parameters(models[0], True)
 
 
 def release(*models) -> None:
@@ -71,12 +72,12 @@ def release(*models) -> None:
     gathered after a no-grad forward, the critic's included)."""
     if FSDP:
         for model in models:
-            ev.gather_parameters(model, False)
+            distributed.gather_parameters(model, False)
 
 
 def local_samples(prompts, responses, rewards) -> tuple[list[dict], torch.Tensor, list[int]]:
     """This rank's share: its questions' samples (question-major, as main() builds them), rewards, question ids."""
-    mine = ev.shard(list(range(len(prompts))))
+    mine = distributed.shard(list(range(len(prompts))))
     samples = [{"prompt_ids": prompts[q], "response_ids": r} for q in mine for r in responses[q]]
     return samples, rewards[mine].flatten(), mine
 
@@ -93,7 +94,7 @@ def grpo(model_dir: str) -> tuple[list, dict]:
     release(model)
     optimizer, scheduler = sgd(model)
     steps, _ = script.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, False, 1, [0])
-    return [model], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
+    return [model], {**steps[0], "mask_fraction": distributed.gather(flat_mask).float().mean().item()}
 
 
 def ppo(model_dir: str) -> tuple[list, dict]:
@@ -116,7 +117,7 @@ def ppo(model_dir: str) -> tuple[list, dict]:
     steps = script.update_policy(model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args,
                                  tokenizer.pad_token_id, 1, [0])
     flat_mask = torch.cat([s["loss_mask"] for s in samples])
-    return [model, critic], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
+    return [model, critic], {**steps[0], "mask_fraction": distributed.gather(flat_mask).float().mean().item()}
 
 
 def spo_chain(model_dir: str) -> tuple[list, dict]:
@@ -143,8 +144,8 @@ def spo_chain(model_dir: str) -> tuple[list, dict]:
     release(model)
     optimizer, scheduler = sgd(model)
     steps = script.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, 1, [0])
-    assert sum(map(len, ev.gather(cutpoints))) > 0
-    return [model], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
+    assert sum(map(len, distributed.gather(cutpoints))) > 0
+    return [model], {**steps[0], "mask_fraction": distributed.gather(flat_mask).float().mean().item()}
 
 
 def spo_tree(model_dir: str) -> tuple[list, dict]:
@@ -157,13 +158,13 @@ def spo_tree(model_dir: str) -> tuple[list, dict]:
     args = script.Args(model=model_dir, questions=QUESTIONS, tree="4", batch_size=16, edges_per_question=3, samples_per_iteration=14,
                        **COMMON)
     new_edges = [{"question": q, "born": 1, "prompt_ids": prompts[q], "response_ids": responses[q][j], "advantage": rewards[q, j].item() - 0.5}
-                 for q in ev.shard(list(range(QUESTIONS))) for j in range(GROUP)]
+                 for q in distributed.shard(list(range(QUESTIONS))) for j in range(GROUP)]
     for edge, logps in zip(new_edges, script.sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, tokenizer.pad_token_id)):
         edge["old_logps"] = logps
     rng = random.Random(5)  # main's per-iteration generator: the same on every rank
-    taken, buffer = script.sample_buffer(ev.gather(new_edges), 1, args.buffer_max_age, args.edges_per_question, rng)
+    taken, buffer = script.sample_buffer(distributed.gather(new_edges), 1, args.buffer_max_age, args.edges_per_question, rng)
     samples, buffer = script.fill_samples(taken, buffer, args.samples_per_iteration, rng)
-    rank_samples = ev.shard(samples)
+    rank_samples = distributed.shard(samples)
     script.attach_targets(rank_samples, reference, device="cpu", micro_batch_size=args.micro_batch_size, temperature=args.temperature,
                           pad_id=tokenizer.pad_token_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
     release(model)
@@ -171,19 +172,19 @@ def spo_tree(model_dir: str) -> tuple[list, dict]:
     steps = script.update_policy(model, optimizer, scheduler, rank_samples, args, tokenizer.pad_token_id, 1, [0])
     assert len(samples) == 14 and len({id(s) for s in samples}) == 12
     flat_mask = torch.cat([s["loss_mask"] for s in rank_samples])
-    return [model], {**steps[0], "mask_fraction": ev.gather(flat_mask).float().mean().item()}
+    return [model], {**steps[0], "mask_fraction": distributed.gather(flat_mask).float().mean().item()}
 
 
 def main() -> None:
     script, model_dir, out = sys.argv[1:4]
-    ev.init_distributed()
+    distributed.init_distributed()
     torch.manual_seed(0)
     random.seed(0)
     models, stats = {"grpo_baseline": grpo, "ppo_baseline": ppo, "spo_chain": spo_chain, "spo_tree": spo_tree}[script](model_dir)
-    parameters = [{name: t.detach().clone() for name, t in ev.full_state_dict(m).items()} for m in models]  # every rank
-    if ev.rank() == 0:
+    parameters = [{name: t.detach().clone() for name, t in distributed.full_state_dict(m).items()} for m in models]  # every rank
+    if distributed.rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
-        name = f"world{ev.world_size()}{'_fsdp' if FSDP else ''}.pt"
+        name = f"world{distributed.world_size()}{'_fsdp' if FSDP else ''}.pt"
         torch.save({"parameters": parameters, "stats": stats}, Path(out) / name)
 
 

@@ -116,6 +116,7 @@ def test_context_shorter_than_every_prompt_fails_and_leaves_no_run_directory(tin
 
 def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8k_jsonl):
     import eval as ev
+    from plumbing import UsageError
 
     examples = ev.load_task(str(gsm8k_jsonl), "train")
     for e, n in zip(examples, range(len(examples))):
@@ -125,5 +126,5 @@ def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8
     assert [len(e.prompt_ids) for e in kept] == [10, 11]
     with pytest.warns(UserWarning, match="kept; they score 0"):
         assert ev.check_prompt_room(examples, 12, "T", drop=False) == examples
-    with pytest.raises(ev.UsageError, match="--context 10 leaves no room .*prompts are 10-17 tokens"):
+    with pytest.raises(UsageError, match="--context 10 leaves no room .*prompts are 10-17 tokens"):
         ev.check_prompt_room(examples, 10, "T", drop=True)

@@ -15,15 +15,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import credit_assignment as ca  # noqa: E402
 import eval as ev  # noqa: E402
+from plumbing import checkpoints, engines, models  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
+
+pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
 TEMPERATURE = 0.1  # the tiny random model is nearly uniform at 0.6; at 0.1 its most likely token has p ~ 0.2
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir), dtype=torch.float32, device="cpu")
+    model, tokenizer = models.load_model(str(tiny_model_dir), dtype=torch.float32, device="cpu")
     prompt = tokenizer("Tom has 3")["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1].float()  # [vocab]
@@ -38,7 +41,7 @@ def first_token_reward(x: int) -> ca.Reward:
 
 
 def reference(model, tokenizer, states, samples, reward, max_new_tokens=1, seed=0):
-    sampler = ev.HFSampler(model, tokenizer, seed=seed)
+    sampler = engines.HFSampler(model, tokenizer, seed=seed)
     return ca.mc_rewards(sampler, states, samples=samples, reward=reward, temperature=TEMPERATURE, top_p=1.0,
                          max_new_tokens=max_new_tokens, context=256, stop=[])
 
@@ -92,7 +95,7 @@ def test_reference_continues_states_exactly_as_spo_chain_mc_values(tiny, gsm8k_j
     task, answer = str(gsm8k_jsonl), "7"
     states = [(tuple(prompt), prefix, answer, None) for prefix in prefixes]
     rewards, tokens = reference(model, tokenizer, states, 8, ca.graded_reward(tokenizer, task), max_new_tokens=8, seed=5)
-    values, stats = spo_chain.mc_values(ev.HFSampler(model, tokenizer, seed=5), tokenizer, [(prompt, list(p), answer) for p in prefixes],
+    values, stats = spo_chain.mc_values(engines.HFSampler(model, tokenizer, seed=5), tokenizer, [(prompt, list(p), answer) for p in prefixes],
                                         mc_samples=8, temperature=TEMPERATURE, top_p=1.0, max_new_tokens=8, context=256, task=task, stop=[])
     assert [sum(r) / 8 for r in rewards] == values and tokens == stats["mc_tokens"] > 0
 
@@ -164,10 +167,10 @@ def test_probe_cutpoint_values_give_the_full_chain_advantages_at_the_probes():
 
 def test_end_to_end_writes_a_row_per_estimator_and_a_plot(tiny_model_dir, gsm8k_jsonl, tmp_path):
     # A ppo_baseline.py checkpoint, written by its own save_checkpoint, whose critic predicts 0.25 for every state.
-    model, tokenizer = ev.load_model(str(tiny_model_dir), dtype=torch.float32, device="cpu")
+    model, tokenizer = models.load_model(str(tiny_model_dir), dtype=torch.float32, device="cpu")
     critic = ppo_baseline.make_critic(model)
     torch.nn.init.constant_(critic.value_head.bias, 0.25)
-    checkpoint = ppo_baseline.save_checkpoint(tmp_path / "ppo", model, tokenizer, critic, {"iteration": 1})
+    checkpoint = checkpoints.save_checkpoint(tmp_path / "ppo", model, tokenizer, {"iteration": 1}, modules={"critic": critic})
     args = ca.Args(model=str(tiny_model_dir), task=str(gsm8k_jsonl), questions=2, group_size=2, probes=2, reference_samples=2,
                    max_new_tokens=6, context=128, mc_samples=[2], intervals=[1, 5], tree="2,2", segment_tokens=2, bootstrap=20,
                    ppo_checkpoint=str(checkpoint), output=str(tmp_path / "out" / "credit.json"))

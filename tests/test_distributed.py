@@ -16,6 +16,9 @@ import torch
 from conftest import SMOKE_SETTINGS, read_metrics
 
 import eval as ev
+from plumbing import distributed, models
+
+pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "distributed_step.py"
@@ -46,7 +49,7 @@ def one_process_steps(tiny_model_dir, tmp_path_factory) -> Callable[[str], Path]
 def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(script, sharding, one_process_steps, tiny_model_dir, tmp_path):
     run(TORCHRUN + [str(DRIVER), script, str(tiny_model_dir), str(tmp_path)] + (["--fsdp"] if sharding == "fsdp" else []))
     one, two = torch.load(one_process_steps(script)), torch.load(tmp_path / ("world2_fsdp.pt" if sharding == "fsdp" else "world2.pt"))
-    initial = dict(ev.load_model(str(tiny_model_dir), dtype=torch.float32)[0].named_parameters())
+    initial = dict(models.load_model(str(tiny_model_dir), dtype=torch.float32)[0].named_parameters())
     assert max((one["parameters"][0][name] - p).abs().max().item() for name, p in initial.items()) > 1e-3  # the step moved
     if "mask_fraction" in one["stats"]:
         assert 0 < one["stats"]["mask_fraction"] < 1  # the probability mask is in play
@@ -97,7 +100,7 @@ def test_torchrun_trains_and_writes_one_checkpoint_that_reloads(script, tiny_mod
     assert [m["iteration"] for m in train] == [1, 2] and all(math.isfinite(v) for m in metrics for v in m.values())
     assert [m for m in metrics if "eval/accuracy" in m], "evaluated"
     assert json.loads((full / "summary.json").read_text())["checkpoint"] == str(full / "checkpoint")
-    model, _ = ev.load_model(str(full / "checkpoint"))  # one save_pretrained directory that eval.py loads
+    model, _ = models.load_model(str(full / "checkpoint"))  # one save_pretrained directory that eval.py loads
     assert torch.load(full / "checkpoint" / "trainer_state.pt", weights_only=False)["world_size"] == 2
     assert len((full / "starts.jsonl").read_text().splitlines()) == 1  # rank 0 alone records the start
 
@@ -112,11 +115,11 @@ def test_fsdp_trains_saves_one_whole_checkpoint_and_resumes_like_the_uninterrupt
     assert [m for m in metrics if "eval/accuracy" in m], "evaluated"
     # The checkpoint is the whole model, gathered from the shards: every weight at its full shape, under the model's
     # own class (the gathered values are checked against one process's by the equal-update test, through the same
-    # ev.full_state_dict).
+    # distributed.full_state_dict).
     config = json.loads((full / "checkpoint" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    trained = ev.load_model(str(full / "checkpoint"))[0].state_dict()
-    initial = ev.load_model(str(tiny_model_dir))[0].state_dict()
+    trained = models.load_model(str(full / "checkpoint"))[0].state_dict()
+    initial = models.load_model(str(tiny_model_dir))[0].state_dict()
     assert trained.keys() == initial.keys() and all(trained[k].shape == initial[k].shape for k in initial)
     if script == "ppo_baseline":
         critic = torch.load(full / "checkpoint" / "critic.pt", weights_only=True)
@@ -134,8 +137,8 @@ def test_torchrun_converts_smollm2_into_an_empty_cache_on_every_rank(tmp_path):
     """transformers' save_pretrained writes only on rank 0 under a process group: a rank that converted SmolLM2 in
     process would leave a cache without weights. Every rank must find a whole, loadable model."""
     script = tmp_path / "convert.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\nimport eval as ev\nev.init_distributed()\n"
-                      "path = ev.smollm2_dir()\nassert (path / 'config.json').exists() and (path / 'model.safetensors').exists()\n")
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom plumbing import distributed, models\ndistributed.init_distributed()\n"
+                      "path = models.smollm2_dir()\nassert (path / 'config.json').exists() and (path / 'model.safetensors').exists()\n")
     environment = {**os.environ, "SPO_CACHE": str(tmp_path / "cache")}
     result = subprocess.run(TORCHRUN + [str(script)], capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]

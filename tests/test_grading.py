@@ -1,4 +1,4 @@
-"""Tests for the answer-grading section of eval.py (grade, check_reference)."""
+"""Tests for grading (plumbing/grading.py: grade, check_reference), which eval.py re-exports."""
 import os
 import signal
 import subprocess
@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 import eval as eval_module
-from eval import check_reference, grade, grade_failures
+from eval import check_reference, grade, grade_failures  # through eval: the scripts' way in
+from plumbing import grading
 
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "spo-hypothesis")  # its caches, not in the repo
 
@@ -131,29 +132,31 @@ def test_pathological_items_score_zero_and_others_survive():
     start = time.monotonic()
     scores = grade([HUGE, "The answer is 5", SLOW, r"\boxed{5}"], ["5"] * 4, "math", timeout=1.0)
     assert scores == [0.0, 1.0, 0.0, 1.0]
-    assert time.monotonic() - start < 1.0 + eval_module._GRADE_HARD_GRACE + 1.0
+    assert time.monotonic() - start < 1.0 + grading._GRADE_HARD_GRACE + 1.0
     assert grade_failures() - before >= 1  # SLOW timed out; HUGE may fail inside math-verify
 
 
-def test_hung_worker_is_killed(monkeypatch):
+def test_hung_worker_is_killed():
     # A negative grace makes the parent kill before the worker's own alarm fires,
     # as it would for a worker stuck in C code.
-    monkeypatch.setattr(eval_module, "_GRADE_HARD_GRACE", -0.3)
+    grade(["1"], ["1"], "math", workers=1)
+    pid = grading._grade_workers[0].pid
     before = grade_failures()
-    scores = grade([r"\boxed{7}", SLOW, r"\boxed{8}"], ["7", "7", "8"], "math", timeout=1.0, workers=1)
+    scores = grade([r"\boxed{7}", SLOW, r"\boxed{8}"], ["7", "7", "8"], "math", timeout=1.0, workers=1, grace=-0.3)
     assert scores == [1.0, 0.0, 1.0]
     assert grade_failures() - before == 1
+    assert grading._grade_workers[0].pid != pid  # killed by the parent, not saved by its alarm: grace arrived
 
 
 def test_crashed_worker_is_replaced():
     grade(["1"], ["1"], "math", workers=1)
-    pid = eval_module._grade_workers[0].pid
+    pid = grading._grade_workers[0].pid
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     before = grade_failures()
     scores = grade([SLOW, r"\boxed{5}"], ["5", "5"], "math", timeout=5.0, workers=1)
     assert scores == [0.0, 1.0]
     assert grade_failures() - before == 1
-    assert eval_module._grade_workers[0].pid != pid
+    assert grading._grade_workers[0].pid != pid
 
 
 def test_grade_from_non_main_thread():
@@ -190,12 +193,57 @@ def test_grade_from_a_script_without_main_guard(tmp_path):
 
 def test_grading_server_that_died_is_restarted():
     grade(["1"], ["1"], "gsm8k", workers=1)
-    for w in eval_module._grade_workers:
+    for w in grading._grade_workers:
         w.kill()
-    eval_module._grade_server.proc.kill()
-    eval_module._grade_server.proc.wait()
+    grading._grade_server.proc.kill()
+    grading._grade_server.proc.wait()
     assert grade(["#### 3", "#### 4"], ["3", "3"], "gsm8k", workers=1) == [1.0, 0.0]
-    assert eval_module._grade_server.proc.poll() is None
+    assert grading._grade_server.proc.poll() is None
+
+
+def test_eval_reexports_grading():
+    for name in ("grade", "check_references", "check_reference", "grade_failures"):
+        assert getattr(eval_module, name) is getattr(grading, name)
+
+
+def test_grading_module_loads_without_torch_or_the_project():
+    # Load plumbing/grading.py exactly as the grading server does (its boot code, up to the call that
+    # serves), with the repository on sys.path, and list what it imported.
+    boot, call = grading._GRADE_SERVER_BOOT.rstrip().rsplit("\n", 1)
+    assert call.startswith("module._grade_server_main(")
+    repo = Path(grading.__file__).resolve().parents[1]
+    report = (
+        "\nimport os\n"
+        f"repo = {str(repo)!r}\n"
+        "ours = sorted(name for name, m in sys.modules.items() if name != spec.name\n"
+        "              and os.path.realpath(getattr(m, '__file__', None) or '/').startswith(repo + os.sep))\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'torch'), ours)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", boot + report, str(Path(grading.__file__).resolve())],
+                         capture_output=True, text=True, timeout=120, cwd=repo)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["[] []"]
+
+
+def _torch_files_mapped(pid: int) -> list[str]:
+    """The files of torch (its package directory, libtorch*, libc10*) that process pid has mapped."""
+    import torch  # the tests' process has it already (conftest.py); only its location is needed
+
+    torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
+    with open(f"/proc/{pid}/maps") as maps:
+        paths = {line.split(maxsplit=5)[5].strip() for line in maps if len(line.split(maxsplit=5)) == 6}
+    return sorted(p for p in paths
+                  if p.startswith(torch_dir) or os.path.basename(p).startswith(("libtorch", "libc10")))
+
+
+def test_grading_server_and_workers_hold_no_torch():
+    # torch's shared libraries are mapped by `import torch` (torch._C) and never unmapped, so a process
+    # that maps none of them has no torch in its sys.modules. Checked on the real server and a real worker.
+    assert _torch_files_mapped(os.getpid())  # the check sees torch where it is loaded
+    assert grade(["#### 3"], ["3"], "gsm8k", workers=1) == [1.0]
+    pids = {"server": grading._grade_server.proc.pid, "worker": grading._grade_workers[0].pid}
+    assert grading._grade_server.proc.poll() is None
+    assert {name: _torch_files_mapped(pid) for name, pid in pids.items()} == {"server": [], "worker": []}
 
 
 @pytest.mark.parametrize("reference,task", [
@@ -211,6 +259,11 @@ def test_check_reference_accepts(reference, task):
 ])
 def test_check_reference_rejects(reference, task):
     assert not check_reference(reference, task)
+
+
+def test_deadline_before_the_start_raises():
+    with pytest.raises(ValueError, match="timeout \\+ grace must be positive"):
+        grade(["1"], ["1"], "gsm8k", timeout=1.0, grace=-1.0)
 
 
 def test_mismatched_lengths_raise():
@@ -270,9 +323,9 @@ def test_answer_text_fuzz_is_fast_and_total():
     @given(text=st.one_of(_responses(["x"]), long_text), numeric=st.booleans(), reference=st.sampled_from(REFERENCES))
     def check(text, numeric, reference):
         start = time.monotonic()
-        answer = eval_module._answer_text(text, numeric, reference)
+        answer = grading._answer_text(text, numeric, reference)
         assert time.monotonic() - start < 0.5
-        assert isinstance(answer, str) and len(answer) <= eval_module._GRADE_TAIL_CHARS + 16
+        assert isinstance(answer, str) and len(answer) <= grading._GRADE_TAIL_CHARS + 16
 
     check()
 
@@ -295,7 +348,7 @@ def test_grade_fuzz_never_crashes_hangs_or_executes(tmp_path):
         assert len(scores) == len(items)
         assert all(type(s) is float and s in (0.0, 1.0) for s in scores)
         # Each item costs at most timeout + grace (then its worker is killed and replaced in milliseconds).
-        assert elapsed < len(items) * (timeout + eval_module._GRADE_HARD_GRACE) + 2.0
+        assert elapsed < len(items) * (timeout + grading._GRADE_HARD_GRACE) + 2.0
         assert not marker.exists()
 
     check()

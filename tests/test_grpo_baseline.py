@@ -10,6 +10,8 @@ import torch
 from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
+from plumbing import models
+from plumbing import UsageError
 import grpo_baseline as grpo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +86,7 @@ def _samples(tokenizer, n=6, seed=0):
 
 
 def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     samples = _samples(tokenizer)
     grads = []
     for micro in (1, 2, 6):
@@ -98,7 +100,7 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
 
 
 def test_on_policy_update_uses_its_own_forward_as_pi_old_with_the_same_gradient(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     two_pass = [{k: v for k, v in s.items() if k != "ref_logps"} for s in _samples(tokenizer)]
     for s, logps in zip(two_pass, grpo.sample_logprobs(model, two_pass, 4, 0.7, tokenizer.pad_token_id)):
         s["old_logps"] = logps
@@ -120,7 +122,7 @@ def test_on_policy_update_uses_its_own_forward_as_pi_old_with_the_same_gradient(
 
 
 def test_eos_is_in_the_loss_mask_even_when_pad_equals_eos(tiny_model_dir):
-    _, tokenizer = ev.load_model(str(tiny_model_dir))
+    _, tokenizer = models.load_model(str(tiny_model_dir))
     eos = tokenizer.eos_token_id
     samples = [{"prompt_ids": [5, 6], "response_ids": [7, eos]}, {"prompt_ids": [5], "response_ids": [8, 9, 10, eos]}]
     batch = grpo.collate(samples, pad_id=eos, device="cpu")  # the trap: pad id == EOS id
@@ -130,7 +132,7 @@ def test_eos_is_in_the_loss_mask_even_when_pad_equals_eos(tiny_model_dir):
 
 
 def test_response_logprobs_match_a_plain_forward(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23]}]
     logps = grpo.response_logprobs(model, grpo.collate(samples, 0, "cpu"), temperature=0.5)
     for row, s in enumerate(samples):
@@ -141,9 +143,9 @@ def test_response_logprobs_match_a_plain_forward(tiny_model_dir):
 
 
 def test_impossible_batch_configuration_is_one_clear_error():
-    with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
+    with pytest.raises(UsageError, match="multiple of --micro-batch-size"):
         grpo.validate(grpo.Args(batch_size=6, micro_batch_size=4))
-    with pytest.raises(ev.UsageError, match="group-size"):
+    with pytest.raises(UsageError, match="group-size"):
         grpo.validate(grpo.Args(group_size=1))
 
 
@@ -164,7 +166,7 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_eval_reloads(tiny_mode
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
     assert "losses/kl" in train[0] and "losses/grad_norm" in train[0]
-    model, tokenizer = ev.load_model(summary["checkpoint"])
+    model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(gsm8k_jsonl), limit=2, max_new_tokens=4)
     assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
     state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
@@ -204,6 +206,7 @@ def test_same_seed_gives_identical_metrics(tiny_model_dir, gsm8k_jsonl, tmp_path
     assert read_metrics(one["run_dir"]) == read_metrics(two["run_dir"])
 
 
+@pytest.mark.slow
 def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     # Digits-only vocabulary; every answer is 7, so "7<eos>" is always right and GRPO must find it.
     model_dir = make_tiny_model(tmp_path / "digits", alphabet="0123456789 ")
@@ -232,7 +235,7 @@ def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model
 
     records = [json.loads(line) for line in (run_dir / "samples" / "iter_1.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 4 and [r["question_index"] for r in records] == [0] * 4 + [1] * 4
-    tokenizer = ev.load_model(str(tiny_model_dir))[1]
+    tokenizer = models.load_model(str(tiny_model_dir))[1]
     for r in records:
         n = len(r["token_ids"])
         assert len(r["tokens"]) == len(r["probs"]) == len(r["advantages"]) == len(r["loss_mask"]) == n

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

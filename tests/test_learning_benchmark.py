@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import learning  # noqa: E402
 
+pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
+
 
 def finished_run(run_dir: Path, accuracy_after: float) -> Path:
     """A finished one-iteration run directory that evaluated 0.2 before and accuracy_after after training."""

@@ -7,6 +7,8 @@ from conftest import make_tiny_model
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import eval as ev
+from plumbing import models
+from plumbing import UsageError
 import grpo_baseline
 import ppo_baseline
 import spo_chain
@@ -28,7 +30,7 @@ def _full_logits_logprobs(model, samples, temperature):
 @pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
 def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, recompute, tiny_model_dir):
-    model, _ = ev.load_model(str(tiny_model_dir))
+    model, _ = models.load_model(str(tiny_model_dir))
     samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23, 24, 25]}]
     weights = [torch.randn(len(s["response_ids"])) for s in samples]
 
@@ -53,14 +55,14 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, recompute,
 
 
 def test_models_that_change_logits_after_the_lm_head_are_refused(tiny_model_dir):
-    model, _ = ev.load_model(str(tiny_model_dir))
-    ev.check_logits_from_hidden(model)  # Llama: logits = lm_head(hidden)
+    model, _ = models.load_model(str(tiny_model_dir))
+    models.check_logits_from_hidden(model)  # Llama: logits = lm_head(hidden)
     config = Gemma2Config(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5,
     )
-    with pytest.raises(ev.UsageError, match="soft-capping"):
-        ev.check_logits_from_hidden(Gemma2ForCausalLM(config))
+    with pytest.raises(UsageError, match="soft-capping"):
+        models.check_logits_from_hidden(Gemma2ForCausalLM(config))
 
 
 # Three rows continue one prompt, two continue a shorter one (left-padded in the micro-batch), one is alone.
@@ -77,7 +79,7 @@ SHARED_PROMPTS = [
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["cached", "activation-checkpointed"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
 def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate_passes(script, checkpointed, tiny_model_dir):
-    model, _ = ev.load_model(str(tiny_model_dir))
+    model, _ = models.load_model(str(tiny_model_dir))
     model.train()  # activation checkpointing acts in training mode only (the tiny Llama has no dropout)
     weights = [torch.randn(len(s["response_ids"])) for s in SHARED_PROMPTS]
     model.zero_grad()

@@ -11,6 +11,8 @@ import torch
 from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
+from plumbing import models, runs
+from plumbing import UsageError
 import ppo_baseline as ppo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +146,7 @@ def _critic_with_random_head(model, seed=0):
 
 
 def test_critic_starts_from_the_policy_weights_with_a_zero_head(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     critic = ppo.make_critic(model)
     policy_backbone = dict(model.base_model.named_parameters())
     critic_backbone = dict(critic.backbone.named_parameters())
@@ -158,7 +160,7 @@ def test_critic_starts_from_the_policy_weights_with_a_zero_head(tiny_model_dir):
 
 
 def test_value_shapes_and_positions_match_a_plain_forward(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     critic = _critic_with_random_head(model)
     samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23]}]
     batch = ppo.collate(samples, 0, "cpu")
@@ -174,7 +176,7 @@ def test_value_shapes_and_positions_match_a_plain_forward(tiny_model_dir):
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["cached", "activation-checkpointed"])
 def test_critic_runs_a_shared_prompt_once_with_the_values_and_gradient_of_separate_passes(checkpointed, tiny_model_dir):
-    model, _ = ev.load_model(str(tiny_model_dir))
+    model, _ = models.load_model(str(tiny_model_dir))
     critic = _critic_with_random_head(model)
     critic.train()  # activation checkpointing acts in training mode only (the tiny Llama has no dropout)
     samples = [  # two prompts of two rows each (the second left-padded), one alone
@@ -210,7 +212,7 @@ def test_critic_runs_a_shared_prompt_once_with_the_values_and_gradient_of_separa
 
 
 def test_gradients_do_not_depend_on_micro_batch_split(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     critic = _critic_with_random_head(model)
     samples = _samples(tokenizer)
     policy_grads, critic_grads = [], []
@@ -230,7 +232,7 @@ def test_gradients_do_not_depend_on_micro_batch_split(tiny_model_dir):
 
 
 def test_critic_fits_its_returns(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     critic = ppo.make_critic(model)
     samples = _samples(tokenizer)
     for s in samples:
@@ -253,32 +255,35 @@ def test_critic_fits_its_returns(tiny_model_dir):
 
 
 def test_bad_configuration_is_one_clear_error():
-    with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
+    with pytest.raises(UsageError, match="multiple of --micro-batch-size"):
         ppo.validate(ppo.Args(batch_size=6, micro_batch_size=4))
-    with pytest.raises(ev.UsageError, match="--lam"):
+    with pytest.raises(UsageError, match="--lam"):
         ppo.validate(ppo.Args(lam=1.5))
 
 
 def test_three_non_finite_losses_in_a_row_are_one_clear_error():
+    def skipped(stats, iteration, streak):  # as ppo_baseline.update_policy checks its two losses
+        return ppo.skipped_non_finite(stats, iteration, streak, keys=("loss", "value_loss"), fix="lower --lr / --critic-lr")
+
     streak, finite, non_finite = [0], {"loss": 0.5, "value_loss": 0.1}, {"loss": 0.5, "value_loss": float("nan")}
     with pytest.warns(UserWarning, match="iteration 4: non-finite loss, update skipped"):
-        assert ppo.skipped_non_finite(non_finite, 4, streak) and ppo.skipped_non_finite(non_finite, 4, streak)
-    assert not ppo.skipped_non_finite(finite, 5, streak) and streak == [0]  # a finite loss ends the streak
+        assert skipped(non_finite, 4, streak) and skipped(non_finite, 4, streak)
+    assert not skipped(finite, 5, streak) and streak == [0]  # a finite loss ends the streak
     with pytest.warns(UserWarning):
-        assert ppo.skipped_non_finite(non_finite, 6, streak) and ppo.skipped_non_finite(non_finite, 6, streak)
-    with pytest.warns(UserWarning), pytest.raises(ev.UsageError, match="three non-finite losses in a row"):
-        ppo.skipped_non_finite({"loss": float("inf"), "value_loss": 0.1}, 6, streak)  # the policy loss counts too
+        assert skipped(non_finite, 6, streak) and skipped(non_finite, 6, streak)
+    with pytest.warns(UserWarning), pytest.raises(UsageError, match="three non-finite losses in a row"):
+        skipped({"loss": float("inf"), "value_loss": 0.1}, 6, streak)  # the policy loss counts too
 
 
 def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
-    runs = tmp_path / "runs"
-    assert ppo.main(ppo.Args(dry_run=True, output_dir=str(runs)))["differences"] == []  # the defaults are the paper's run
-    result = ppo.main(ev.cli(ppo.Args, ["--dry-run", "--lam", "0.96", "--output-dir", str(runs)]))
+    runs_dir = tmp_path / "runs"
+    assert ppo.main(ppo.Args(dry_run=True, output_dir=str(runs_dir)))["differences"] == []  # the defaults are the paper's run
+    result = ppo.main(runs.cli(ppo.Args, ["--dry-run", "--lam", "0.96", "--output-dir", str(runs_dir)]))
     assert result["differences"] == ["lam"]
     assert result["resolved"] == {"eval_task": "gsm8k", "model_id": "realtreetune/rho-1b-sft-GSM8K"}
     assert "* --lam" in capsys.readouterr().out
-    assert ppo.main(ppo.Args(dry_run=True, task="math", output_dir=str(runs)))["resolved"]["eval_task"] == "math500"
-    assert not runs.exists()  # nothing loaded, nothing written
+    assert ppo.main(ppo.Args(dry_run=True, task="math", output_dir=str(runs_dir)))["resolved"]["eval_task"] == "math500"
+    assert not runs_dir.exists()  # nothing loaded, nothing written
 
 
 def test_cli_bad_input_prints_one_error_line(tmp_path):
@@ -320,7 +325,7 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_with_the_critic(sevens
     assert train[0]["charts/mean_value"] == 0.0 and train[1]["charts/mean_value"] != 0.0  # zero head at first, then trained
     assert -10 < train[0]["losses/explained_variance"] <= 1
     # The policy is a plain save_pretrained directory that eval.py loads.
-    model, tokenizer = ev.load_model(summary["checkpoint"])
+    model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(sevens[1]), limit=2, max_new_tokens=4)
     assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
     # The critic: the policy's backbone layout plus a value head, trained away from its zero init.
@@ -370,10 +375,11 @@ def test_prob_mask_gradient_checkpointing_and_no_reference_model_run(sevens, tmp
 
 
 def test_resume_from_a_directory_without_checkpoint_is_one_clear_error(tmp_path):
-    with pytest.raises(ev.UsageError, match="no checkpoint found"):
+    with pytest.raises(UsageError, match="no checkpoint found"):
         ppo.main(ppo.Args(resume=str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     # Digits-only vocabulary; every answer is 7, so "7<eos>" is always right and PPO must find it.
     model_dir = make_tiny_model(tmp_path / "digits", alphabet="0123456789 ")

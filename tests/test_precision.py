@@ -8,6 +8,7 @@ import torch
 from conftest import read_metrics, smoke_args
 
 import eval as ev
+from plumbing import models
 import grpo_baseline
 import ppo_baseline
 import spo_chain
@@ -20,15 +21,15 @@ SCRIPTS = [grpo_baseline, ppo_baseline, spo_chain, spo_tree]
 def lm_head_dtypes(monkeypatch) -> list:
     """The output dtype of every LM-head call of the models a run loads (the 4-token model check, fp32 by design,
     excluded)."""
-    dtypes, load, check = [], ev.load_model, ev.check_logits_from_hidden
+    dtypes, load, check = [], models.load_model, models.check_logits_from_hidden
 
     def load_and_watch(*args, **kwargs):
         model, tokenizer = load(*args, **kwargs)
         model.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: dtypes.append(logits.dtype))
         return model, tokenizer
 
-    monkeypatch.setattr(ev, "load_model", load_and_watch)
-    monkeypatch.setattr(ev, "check_logits_from_hidden", lambda model: (check(model), dtypes.clear()))
+    monkeypatch.setattr(models, "load_model", load_and_watch)
+    monkeypatch.setattr(models, "check_logits_from_hidden", lambda model: (check(model), dtypes.clear()))
     return dtypes
 
 
@@ -39,7 +40,7 @@ def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(scr
     assert lm_head_dtypes and set(lm_head_dtypes) == {torch.bfloat16}  # sampler, log-prob passes, update and evaluation alike
     start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[-1])
     assert "cpu bf16 autocast (--precision bf16)" in start["precision"]
-    weights, _ = ev.load_model(str(run_dir / "checkpoint"))
+    weights, _ = models.load_model(str(run_dir / "checkpoint"))
     assert all(p.dtype == torch.float32 for p in weights.parameters())
     assert all(v == v for m in read_metrics(run_dir) for v in m.values() if isinstance(v, float))  # finite, no NaN
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+from plumbing import checkpoints, runs
+from plumbing import UsageError
 import grpo_baseline
 import ppo_baseline
 import spo_chain
@@ -27,33 +29,33 @@ def _saved_run(module, run_dir: Path, **settings):
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
 def test_resume_takes_the_runs_settings_and_explicit_safe_flags(module, tmp_path):
     saved = _saved_run(module, tmp_path / "run")
-    args = ev.cli(module.Args, ["--resume", str(tmp_path / "run")])
+    args = runs.cli(module.Args, ["--resume", str(tmp_path / "run")])
     assert asdict(args) == {**asdict(saved), "resume": str(tmp_path / "run")}  # not the script's defaults
-    args = ev.cli(module.Args, [f"--resume={tmp_path / 'run'}", "--iterations", "9", "--max-minutes", "5"])
+    args = runs.cli(module.Args, [f"--resume={tmp_path / 'run'}", "--iterations", "9", "--max-minutes", "5"])
     assert (args.iterations, args.max_minutes, args.model, args.lr) == (9, 5.0, "my/model", 3e-6)
-    ev.check_resume_settings(args, tmp_path / "run")  # safe changes pass
+    runs.check_resume_settings(args, tmp_path / "run")  # safe changes pass
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
 def test_resume_refuses_a_setting_that_changes_the_algorithm(module, tmp_path):
     _saved_run(module, tmp_path / "run")
-    args = ev.cli(module.Args, ["--resume", str(tmp_path / "run"), "--seed", "8", "--lr", "1e-3"])
-    with pytest.raises(ev.UsageError, match=r"--seed 8 \(the run has 7\), --lr 0.001 \(the run has 3e-06\) would change"):
-        ev.check_resume_settings(args, tmp_path / "run")
+    args = runs.cli(module.Args, ["--resume", str(tmp_path / "run"), "--seed", "8", "--lr", "1e-3"])
+    with pytest.raises(UsageError, match=r"--seed 8 \(the run has 7\), --lr 0.001 \(the run has 3e-06\) would change"):
+        runs.check_resume_settings(args, tmp_path / "run")
 
 
 def test_resume_of_another_scripts_run_is_one_clear_error(tmp_path):
     _saved_run(grpo_baseline, tmp_path / "run")
-    with pytest.raises(ev.UsageError, match="resume a run with the script that started it"):
-        ev.saved_settings(spo_tree.Args, tmp_path / "run")
-    with pytest.raises(ev.UsageError, match="cannot read the run's settings"):
-        ev.saved_settings(spo_tree.Args, tmp_path / "nothing-here")
+    with pytest.raises(UsageError, match="resume a run with the script that started it"):
+        runs.saved_settings(spo_tree.Args, tmp_path / "run")
+    with pytest.raises(UsageError, match="cannot read the run's settings"):
+        runs.saved_settings(spo_tree.Args, tmp_path / "nothing-here")
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
 def test_saved_settings_round_trip(module, tmp_path):
     saved = _saved_run(module, tmp_path / "run", eval_limit=5)
-    assert ev.saved_settings(module.Args, tmp_path / "run") == saved
+    assert runs.saved_settings(module.Args, tmp_path / "run") == saved
 
 
 def test_a_run_saved_before_a_new_setting_resumes_only_if_that_setting_cannot_change_the_algorithm(tmp_path):
@@ -61,11 +63,11 @@ def test_a_run_saved_before_a_new_setting_resumes_only_if_that_setting_cannot_ch
     settings = json.loads((tmp_path / "run" / "args.json").read_text())
     settings.pop("dry_run")  # a run started before --dry-run existed
     (tmp_path / "run" / "args.json").write_text(json.dumps(settings))
-    assert ev.saved_settings(spo_tree.Args, tmp_path / "run") == saved
+    assert runs.saved_settings(spo_tree.Args, tmp_path / "run") == saved
     settings.pop("samples_per_iteration")  # one before --samples-per-iteration: its default would change the run
     (tmp_path / "run" / "args.json").write_text(json.dumps(settings))
-    with pytest.raises(ev.UsageError, match=r"differing: samples_per_iteration\)"):
-        ev.saved_settings(spo_tree.Args, tmp_path / "run")
+    with pytest.raises(UsageError, match=r"differing: samples_per_iteration\)"):
+        runs.saved_settings(spo_tree.Args, tmp_path / "run")
 
 
 def _cli(*flags, cwd):
@@ -107,19 +109,19 @@ def test_damaged_checkpoint_falls_back_to_the_old_one_or_names_the_file(tiny_mod
         max_new_tokens=4, context=128, batch_size=4, micro_batch_size=2, epochs=1, eval_every=1000, eval_samples=1,
         eval_limit=2, save_every=1, output_dir=str(tmp_path / "runs")))
     run_dir, checkpoint = Path(summary["run_dir"]), Path(summary["checkpoint"])
-    assert grpo_baseline.latest_checkpoint(run_dir) == checkpoint and ev.checkpoint_problem(checkpoint) is None
+    assert checkpoints.latest_checkpoint(run_dir) == checkpoint and checkpoints.checkpoint_problem(checkpoint) is None
     shutil.copytree(checkpoint, run_dir / "checkpoint.old")
 
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # truncated, e.g. by a full disk or a partial copy
-    assert "model.safetensors is truncated" in ev.checkpoint_problem(checkpoint)
+    assert "model.safetensors is truncated" in checkpoints.checkpoint_problem(checkpoint)
     with pytest.warns(UserWarning, match="model.safetensors is truncated.*resuming from .*checkpoint.old"):
-        assert grpo_baseline.latest_checkpoint(run_dir) == run_dir / "checkpoint.old"
+        assert checkpoints.latest_checkpoint(run_dir) == run_dir / "checkpoint.old"
 
     state = run_dir / "checkpoint.old" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[: len(state.read_bytes()) // 2])
-    with pytest.raises(ev.UsageError, match="checkpoint.old/trainer_state.pt is damaged.*no intact checkpoint is left"):
-        grpo_baseline.latest_checkpoint(run_dir)
+    with pytest.raises(UsageError, match="checkpoint.old/trainer_state.pt is damaged.*no intact checkpoint is left"):
+        checkpoints.latest_checkpoint(run_dir)
     resumed = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--resume", str(run_dir)],
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 1 and "Traceback" not in resumed.stderr

@@ -4,6 +4,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("sampler_benchmark", ROOT / "benchmarks" / "sampler.py")
 bench = importlib.util.module_from_spec(spec)

@@ -14,6 +14,8 @@ import torch
 from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
+from plumbing import engines, models
+from plumbing import UsageError
 import spo_chain as spo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +140,7 @@ def test_loss_mask_and_whitening_follow_the_prob_mask():
 
 
 class ScriptedSampler:
-    """Stands in for ev.HFSampler: records every request and answers with scripted continuations."""
+    """Stands in for engines.HFSampler: records every request and answers with scripted continuations."""
 
     def __init__(self, script):
         self.script, self.calls = script, []
@@ -154,12 +156,12 @@ class ScriptedSampler:
     def cut(completion, budget):  # like the real samplers: a completion never runs past its budget
         if len(completion.ids) <= budget:
             return completion
-        return ev.Completion(ids=completion.ids[:budget], finish_reason="length")
+        return engines.Completion(ids=completion.ids[:budget], finish_reason="length")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    return ev.load_model(str(tiny_model_dir))[1]
+    return models.load_model(str(tiny_model_dir))[1]
 
 
 def test_identical_prefixes_are_estimated_once_and_graded_with_their_response_prefix(tokenizer):
@@ -167,7 +169,7 @@ def test_identical_prefixes_are_estimated_once_and_graded_with_their_response_pr
     eos = tokenizer.eos_token_id
     prompt_a, prompt_b = ids("Q: 40+2?"), ids("Q: 6+1?")
     # continuation i of every prefix spells "2" for i < 3, else "9": with prefix "4" that is "42" three times in four
-    sampler = ScriptedSampler(lambda prefix, i: ev.Completion(ids=ids("2" if i < 3 else "9") + [eos], finish_reason="stop"))
+    sampler = ScriptedSampler(lambda prefix, i: engines.Completion(ids=ids("2" if i < 3 else "9") + [eos], finish_reason="stop"))
     states = [
         (prompt_a, [], "42"), (prompt_a, ids("4"), "42"), (prompt_a, [], "42"), (prompt_a, ids("4"), "42"),
         (prompt_a, ids("5"), "42"), (prompt_b, [], "7"), (prompt_a, [], "42"),
@@ -192,8 +194,8 @@ def test_continuations_keep_the_rollout_budget_and_unfinished_ones_score_zero(to
     def script(prefix, i):
         # 0: "7<eos>" finished (2 tokens); 1: " 7<eos>" (3 tokens); 2: "  7<eos>" (4 tokens); 3: "7..." cut by the sampler
         if i == 3:
-            return ev.Completion(ids=ids("7777"), finish_reason="length")
-        return ev.Completion(ids=ids(" " * i + "7") + [eos], finish_reason="stop")
+            return engines.Completion(ids=ids("7777"), finish_reason="length")
+        return engines.Completion(ids=ids(" " * i + "7") + [eos], finish_reason="stop")
 
     sampler = ScriptedSampler(script)
     settings = dict(mc_samples=4, temperature=0.6, top_p=0.9, max_new_tokens=6, context=100, task="data.jsonl", stop=[])
@@ -227,7 +229,7 @@ def _samples(tokenizer, n=6, seed=0):
 
 
 def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     samples = _samples(tokenizer)
     grads = []
     for micro in (1, 2, 6):
@@ -240,7 +242,7 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
 
 
 def test_a_non_finite_batch_skips_its_update_but_steps_the_scheduler_and_three_in_a_row_stop(tiny_model_dir, monkeypatch):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     samples, args = _samples(tokenizer, n=4), spo.Args(epochs=2, batch_size=2, micro_batch_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -252,7 +254,7 @@ def test_a_non_finite_batch_skips_its_update_but_steps_the_scheduler_and_three_i
     assert [s["loss"] for s in steps] == [1.0, 2.0] and scheduler.last_epoch == 4 and streak == [1]
     # the count runs on across iterations: two more non-finite batches make three in a row
     monkeypatch.setattr(spo, "accumulate_gradients", lambda *a, **k: {"loss": float("inf")})
-    with pytest.raises(ev.UsageError, match="three non-finite losses in a row"), warnings.catch_warnings(record=True):
+    with pytest.raises(UsageError, match="three non-finite losses in a row"), warnings.catch_warnings(record=True):
         spo.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, 8, streak)
     assert streak == [3] and scheduler.last_epoch == 5  # the third raises before its scheduler step
 
@@ -261,13 +263,13 @@ def test_a_non_finite_batch_skips_its_update_but_steps_the_scheduler_and_three_i
 
 
 def test_bad_configuration_is_one_clear_error():
-    with pytest.raises(ev.UsageError, match="--interval"):
+    with pytest.raises(UsageError, match="--interval"):
         spo.validate(spo.Args(interval=0))
-    with pytest.raises(ev.UsageError, match="--mc-samples"):
+    with pytest.raises(UsageError, match="--mc-samples"):
         spo.validate(spo.Args(mc_samples=0))
-    with pytest.raises(ev.UsageError, match="--prob-threshold"):
+    with pytest.raises(UsageError, match="--prob-threshold"):
         spo.validate(spo.Args(prob_threshold=1.5))
-    with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
+    with pytest.raises(UsageError, match="multiple of --micro-batch-size"):
         spo.validate(spo.Args(batch_size=6, micro_batch_size=4))
     spo.validate(spo.Args(group_size=1))  # a single response per question is fine: the MC values are the baseline
 
@@ -276,7 +278,7 @@ def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
     out = tmp_path / "runs"
     result = spo.main(spo.Args(dry_run=True, output_dir=str(out)))
     assert result["paper_run"] == "gsm8k" and result["differences"] == []  # the defaults are the paper's GSM8K run
-    assert result["resolved"] == {"eval_task": "gsm8k", "model_id": ev.ALIASES["rho-1b-sft-gsm8k"]}
+    assert result["resolved"] == {"eval_task": "gsm8k", "model_id": models.ALIASES["rho-1b-sft-gsm8k"]}
     assert spo.main(spo.Args(dry_run=True, interval=2, mc_samples=4, output_dir=str(out)))["differences"] == ["mc_samples", "interval"]
     math_run = spo.main(spo.Args(dry_run=True, task="math", output_dir=str(out)))
     assert math_run["settings"]["eval_task"] == "math500"  # MATH trains, MATH500 evaluates (the paper's protocol)
@@ -298,14 +300,14 @@ def test_cli_bad_input_prints_one_error_line(tmp_path):
 
 
 def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
-    requests, real_sample = [], ev.HFSampler.sample
+    requests, real_sample = [], engines.HFSampler.sample
 
     def counting_sample(self, prompts, n, **kwargs):
         if kwargs.get("progress") == "mc":
             requests.append((prompts, n))
         return real_sample(self, prompts, n, **kwargs)
 
-    monkeypatch.setattr(ev.HFSampler, "sample", counting_sample)
+    monkeypatch.setattr(engines.HFSampler, "sample", counting_sample)
     summary = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path))
     metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
@@ -321,7 +323,7 @@ def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(tiny_
         # the 4 responses of a question share the prompt state (c = -1)
         assert m["charts/cutpoints_per_response"] > 0 and m["charts/loss_mask_fraction"] == 1.0
         assert m["charts/mc_states"] < m["charts/cutpoints_per_response"] * 12
-    model, tokenizer = ev.load_model(summary["checkpoint"])
+    model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(gsm8k_jsonl), limit=2, max_new_tokens=4)
     assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
     assert torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)["iteration"] == 2
@@ -354,6 +356,7 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, 
     assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers, MC values included
 
 
+@pytest.mark.slow
 def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     # Digits-only vocabulary; every answer is 7, so "7<eos>" is always right. The only learning signal is the
     # chain advantages (MC values of the cutpoint states): a sign or alignment error there would not learn.

@@ -16,6 +16,8 @@ import torch
 from conftest import make_tiny_model, make_tokenizer, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
+from plumbing import engines, models
+from plumbing import UsageError
 import spo_tree as spo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,8 +169,8 @@ def nodes_by_depth(tree: spo.Node) -> dict[int, list[spo.Node]]:
 
 
 def test_rollout_on_the_tiny_model_builds_the_tree_shape_2_2(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
-    sampler = ev.HFSampler(model, tokenizer, seed=0)
+    model, tokenizer = models.load_model(str(tiny_model_dir))
+    sampler = engines.HFSampler(model, tokenizer, seed=0)
     prompts = [tokenizer("question 1:")["input_ids"], tokenizer("another question:")["input_ids"], tokenizer("q3")["input_ids"]]
     trees, seconds = spo.grow_trees(
         sampler, prompts, [2, 2], segment_tokens=4, max_new_tokens=10, context=96, temperature=1.0, top_p=1.0, stop=[],
@@ -197,7 +199,7 @@ class ScriptedSampler:
 
     def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None, generated=0):
         self.calls.append({"prompts": prompts, "n": n, "max_new_tokens": max_new_tokens, "context": context, "generated": generated})
-        groups = [[ev.Completion(list(ids), finish) for ids, finish in self.script(p, max_new_tokens)] for p in prompts]
+        groups = [[engines.Completion(list(ids), finish) for ids, finish in self.script(p, max_new_tokens)] for p in prompts]
         assert all(len(group) == n for group in groups)
         return groups
 
@@ -372,7 +374,7 @@ def test_repeats_count_once_per_copy_in_the_whitening_and_the_reference_runs_onc
     b = {"prompt_ids": [5], "response_ids": [7], "advantage": -1.0, "old_logps": torch.log(torch.tensor([0.5]))}
     calls = []
 
-    def fake_logprobs(model, samples, micro_batch_size, temperature, pad_id):
+    def fake_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision=None):
         calls.append(len(samples))
         return [torch.full((len(s["response_ids"]),), -2.0) for s in samples]
 
@@ -403,7 +405,7 @@ def test_prob_mask_and_fallback():
 
 
 def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
-    model, tokenizer = ev.load_model(str(tiny_model_dir))
+    model, tokenizer = models.load_model(str(tiny_model_dir))
     g = torch.Generator().manual_seed(0)
     samples = []
     for i in range(6):  # edges: queries of different depths, constant advantage per edge
@@ -455,7 +457,7 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
     assert state["iteration"] == 2 and isinstance(state["buffer"], list)
     assert len(state["buffer"]) == train[-1]["buffer/size"]
     assert all(2 - edge["born"] < 2 and len(edge["old_logps"]) == len(edge["response_ids"]) for edge in state["buffer"])
-    model, tokenizer = ev.load_model(summary["checkpoint"])
+    model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(data), limit=2, max_new_tokens=4)
     assert result["examples"] == 2
 
@@ -495,7 +497,7 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
     class Killed(Exception):
         pass
 
-    sleeps, real_sleep = [], ev.HFSampler.sleep
+    sleeps, real_sleep = [], engines.HFSampler.sleep
 
     def dies_in_iteration_3(self):  # called once per iteration: after the buffer step, before the update
         sleeps.append(1)
@@ -504,7 +506,7 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
         return real_sleep(self)
 
     with monkeypatch.context() as patch, pytest.raises(Killed):  # the resume below runs unpatched
-        patch.setattr(ev.HFSampler, "sleep", dies_in_iteration_3)
+        patch.setattr(engines.HFSampler, "sleep", dies_in_iteration_3)
         spo.main(smoke_args(spo, model_dir, data, tmp_path / "killed", **settings))
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
@@ -518,6 +520,7 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
     assert train[1]["buffer/size"] > 0 and train[2]["buffer/taken_mean_age"] > 0  # iteration 3 trained on edges the checkpoint kept
 
 
+@pytest.mark.slow
 def test_reward_rises_on_a_trivially_learnable_task(sevens, tmp_path):
     # Every answer is 7 and the vocabulary is digits: "7<eos>" (or "7" then <eos> one level down) is always right.
     model_dir, data = sevens
@@ -566,13 +569,13 @@ def test_bad_tree_on_the_command_line_is_one_clear_error_line(tmp_path):
 
 
 def test_impossible_configurations_are_one_clear_error():
-    with pytest.raises(ev.UsageError, match="multiple of --micro-batch-size"):
+    with pytest.raises(UsageError, match="multiple of --micro-batch-size"):
         spo.validate(spo.Args(batch_size=6, micro_batch_size=4))
-    with pytest.raises(ev.UsageError, match="leaving no room within --max-new-tokens"):
+    with pytest.raises(UsageError, match="leaving no room within --max-new-tokens"):
         spo.validate(spo.Args(tree="2,2,2", segment_tokens=600, max_new_tokens=1024))
-    with pytest.raises(ev.UsageError, match="--advantage"):
+    with pytest.raises(UsageError, match="--advantage"):
         spo.validate(spo.Args(advantage="ppo"))
-    with pytest.raises(ev.UsageError, match=r"--samples-per-iteration \(-1\) must be at least 0"):
+    with pytest.raises(UsageError, match=r"--samples-per-iteration \(-1\) must be at least 0"):
         spo.validate(spo.Args(samples_per_iteration=-1))
     spo.validate(spo.Args(samples_per_iteration=0))  # 0: every edge the buffer offers
 

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+from plumbing.precision import cpu_description
 import grpo_baseline as grpo
+
+pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("trl_side_by_side", ROOT / "benchmarks" / "trl_side_by_side.py")
@@ -118,4 +121,4 @@ def test_side_by_side_run_on_a_tiny_model(tiny_model_dir, gsm8k_jsonl, tmp_path)
     assert result["trl_config"]["loss_type"] == "dapo" and result["trl_config"]["gradient_accumulation_steps"] == 2
     assert result["summary"]["ratio"]["memory"] > 0
     # Which CPU measured it (figures from different machines differ); the name only: conftest hides bf16 flags from this process.
-    assert result["machine"]["cpu"].startswith(ev.cpu_description().rsplit(" (", 1)[0] + " (")
+    assert result["machine"]["cpu"].startswith(cpu_description().rsplit(" (", 1)[0] + " (")

@@ -1,4 +1,4 @@
-"""Contract test for the vLLM glue in eval.py (VLLMSampler).
+"""Contract test for the vLLM glue in plumbing/engines.py (VLLMSampler).
 
 vLLM cannot run here: it needs a GPU and is not installed. This test puts a small
 fake `vllm` module in sys.modules instead. The fake exposes only the names the glue
@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, decoders, models
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from eval import Completion, VLLMSampler, cut_at_stop
+from plumbing.engines import Completion, VLLMSampler, cut_at_stop
 
 # ----------------------------------------------------------------------------- tokenizer
 # Word-level vocab whose decoder simply concatenates token strings, so decoded text
@@ -343,7 +343,7 @@ def test_stop_strings_are_cut_and_finish_reasons(engine):
     for c in row:
         text = tok.decode(c.ids, skip_special_tokens=True)
         assert not any(s_ in text for s_ in stop)
-        # the glue's output agrees with eval.py's own cut rule
+        # the glue's output agrees with cut_at_stop, the HF sampler's own cut rule
         assert cut_at_stop(tok, c.ids, stop) == (c.ids, False)
 
 

@@ -6,7 +6,7 @@ accepts and vLLM does not, passes there and breaks only on a GPU machine. This f
 the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is never imported) and checks:
   - the wheel is the pinned version; vllm exports LLM, SamplingParams and TokensPrompt (followed through
     vllm/__init__.py's lazy export map and re-exports to the file that defines each);
-  - every call VLLMSampler makes (found by parsing eval.py) fits the real signature: LLM(...) keywords are
+  - every call VLLMSampler makes (found by parsing plumbing/engines.py) fits the real signature: LLM(...) keywords are
     parameters of LLM.__init__ or, through its **kwargs, EngineArgs fields; collective_rpc("reload_weights",
     kwargs=...) names a Worker method whose GPUModelRunner counterpart takes those keywords;
   - the rest the glue relies on: parameter order of collective_rpc, reset_prefix_cache() -> bool, the
@@ -145,7 +145,7 @@ def llm_init(src: Source) -> tuple[list[str], dict[str, ast.expr | None], bool]:
 
 def glue_calls() -> list[tuple[str, ast.Call]]:
     """('LLM' | 'SamplingParams' | 'TokensPrompt' | 'LLM.<method>', call) for each such call in VLLMSampler."""
-    tree = ast.parse((ROOT / "eval.py").read_text())
+    tree = ast.parse((ROOT / "plumbing" / "engines.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VLLMSampler")
     out = []
     for node in ast.walk(cls):
@@ -213,7 +213,7 @@ def test_top_level_export(src, name):
 
 def test_glue_calls_fit_the_real_signatures(src):
     calls = glue_calls()
-    assert {"LLM", "SamplingParams", "TokensPrompt"} <= {kind for kind, _ in calls}, "VLLMSampler calls not found in eval.py"
+    assert {"LLM", "SamplingParams", "TokensPrompt"} <= {kind for kind, _ in calls}, "VLLMSampler calls not found in plumbing/engines.py"
     for kind, call in calls:
         if kind == "LLM":
             where, (positional, named, _) = f"{src.export('LLM')[0]}: LLM.__init__ (or EngineArgs)", llm_init(src)
@@ -222,9 +222,9 @@ def test_glue_calls_fit_the_real_signatures(src):
         else:
             path, cls = src.export(kind)
             where, positional, named = f"{path}: {kind}", [], fields(src, (path, cls))
-        assert len(call.args) <= len(positional), f"{where}: eval.py line {call.lineno} passes {len(call.args)} positional arguments"
+        assert len(call.args) <= len(positional), f"{where}: plumbing/engines.py line {call.lineno} passes {len(call.args)} positional arguments"
         for kw in call.keywords:
-            assert kw.arg in named, f"{where} has no parameter {kw.arg!r} (eval.py line {call.lineno})"
+            assert kw.arg in named, f"{where} has no parameter {kw.arg!r} (plumbing/engines.py line {call.lineno})"
 
 
 def test_llm_api_the_glue_relies_on(src):
@@ -264,9 +264,9 @@ def test_reload_weights_reaches_the_model_runner(src):
                 where = runner
             named = signature(method(where, rpc))[1]
             for kw in (k for k in call.keywords if k.arg == "kwargs"):
-                assert isinstance(kw.value, ast.Dict), f"eval.py line {call.lineno}: collective_rpc kwargs is not a dict literal"
+                assert isinstance(kw.value, ast.Dict), f"plumbing/engines.py line {call.lineno}: collective_rpc kwargs is not a dict literal"
                 for key in map(ast.literal_eval, kw.value.keys):
-                    assert key in named, f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (eval.py line {call.lineno})"
+                    assert key in named, f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (plumbing/engines.py line {call.lineno})"
 
 
 def test_in_process_engine_switch(src):

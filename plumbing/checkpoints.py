@@ -1,0 +1,116 @@
+"""Checkpoints: written atomically, the newest whole one found again, and the optimizer with its schedule.
+
+RUN/checkpoint/ is a plain save_pretrained directory (eval.py loads it) plus trainer_state.pt (optimizer,
+scheduler, iteration, world size and whatever the script adds, e.g. SPO-tree's replay buffer), written last.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+from transformers import get_linear_schedule_with_warmup
+
+from plumbing import UsageError, distributed
+
+
+def trained_iterations(run_dir: Path) -> int:
+    """The iteration of the run's latest complete checkpoint (0: none)."""
+    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # as latest_checkpoint()
+        if (candidate / "trainer_state.pt").exists() and checkpoint_problem(candidate) is None:
+            state = torch.load(candidate / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+            return int(state["iteration"])
+    return 0
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """Why a checkpoint directory cannot be resumed from (a missing or truncated file), or None when it is whole.
+
+    Cheap: reads only the safetensors headers and the zip directory at the end of trainer_state.pt, which a
+    truncated file no longer has.
+    """
+    state = directory / "trainer_state.pt"
+    try:
+        with zipfile.ZipFile(state):
+            pass
+    except (OSError, zipfile.BadZipFile) as error:
+        return f"{state} is damaged ({type(error).__name__})"
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        return f"{directory} has no model.safetensors"
+    for path in weights:
+        try:
+            with path.open("rb") as f:
+                header_size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_size))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            if path.stat().st_size < 8 + header_size + end:
+                return f"{path} is truncated ({path.stat().st_size} of {8 + header_size + end} bytes)"
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+            return f"{path} is damaged ({type(error).__name__})"
+    return None
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, modules: dict | None = None) -> Path:
+    """Write RUN/checkpoint atomically: a SIGKILL mid-save leaves the previous checkpoint intact. Every rank calls
+    it (with --fsdp the weights are gathered from the shards); rank 0 writes. `modules` ({"critic": critic}) are
+    saved beside the policy as one state dict each (critic.pt); trainer_state.pt, written last, gets the world size."""
+    final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    weights = distributed.full_state_dict(model)
+    module_weights = {name: distributed.full_state_dict(module) for name, module in (modules or {}).items()}
+    if distributed.rank() > 0:
+        return final
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, state_dict=weights)
+    tokenizer.save_pretrained(staging)
+    for name, state in module_weights.items():
+        torch.save(state, staging / f"{name}.pt")
+    torch.save({**trainer_state, "world_size": distributed.world_size()}, staging / "trainer_state.pt")
+    if final.exists():
+        final.rename(previous)
+    staging.rename(final)
+    shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def optimizer_checkpoint(model, optimizer, scheduler, prefix: str = "") -> dict:
+    """The trainer_state entries of one optimizer and its schedule ({prefix}optimizer, {prefix}scheduler). Every
+    rank calls it: with --fsdp the optimizer state is gathered from the shards."""
+    return {f"{prefix}optimizer": distributed.optimizer_state(model, optimizer), f"{prefix}scheduler": scheduler.state_dict()}
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest whole checkpoint: checkpoint/, else checkpoint.old/ (killed between the two renames, or damaged)."""
+    damaged = []
+    for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):
+        if (candidate / "trainer_state.pt").exists():
+            problem = checkpoint_problem(candidate)
+            if problem is None:
+                if damaged:
+                    warnings.warn(f"{damaged[0]}; resuming from {candidate} instead")
+                return candidate
+            damaged.append(problem)
+    if damaged:
+        raise UsageError(f"--resume {run_dir}: {'; '.join(damaged)}, and no intact checkpoint is left; start a new run")
+    return None
+
+
+def load_trainer_state(checkpoint: Path, device) -> dict:
+    """A checkpoint's trainer_state.pt, its tensors on `device`."""
+    return torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
+
+
+def make_optimizer(model, lr: float, weight_decay: float, warmup_ratio: float, total_steps: int,
+                   state: dict | None = None, prefix: str = ""):
+    """AdamW and its schedule: int(warmup_ratio * total_steps) steps of linear warmup, then linear decay to 0 at
+    total_steps; restored from a checkpoint's trainer_state (its {prefix}optimizer and {prefix}scheduler) when given."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
+    if state is not None:
+        distributed.load_optimizer_state(model, optimizer, state[f"{prefix}optimizer"])
+        scheduler.load_state_dict(state[f"{prefix}scheduler"])
+    return optimizer, scheduler

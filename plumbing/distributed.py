@@ -1,0 +1,239 @@
+"""Many processes: `torchrun --nproc_per_node N script.py ...` starts N copies of a script, one per GPU (or N CPU
+processes over gloo). Each rank samples and grades its own share of an iteration's questions; whatever the
+definitions take over the iteration batch (whitening, the loss's token and sequence counts, the SPO-tree buffer)
+is summed or gathered over ranks by these helpers, so N ranks make the update one process would make from the
+union of their samples. Plain `python script.py` is world size 1: no process group, and every helper below is
+the identity.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from plumbing import UsageError
+
+def init_distributed() -> str:
+    """Join torchrun's process group when it started this process (WORLD_SIZE > 1); returns the device to train on
+    ("cuda" is then this rank's own GPU, LOCAL_RANK)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _collective_device() -> torch.device:
+    """Where a collective's tensors must live: the rank's GPU for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over ranks, as a new tensor on values' device (world size 1: values itself)."""
+    if world_size() == 1:
+        return values
+    total = values.detach().to(_collective_device(), copy=True)
+    dist.all_reduce(total)
+    return total.to(values.device)
+
+
+def sum_over_ranks(stats: dict[str, float]) -> dict[str, float]:
+    """A dict of numbers, each summed over ranks (one collective)."""
+    if world_size() == 1:
+        return stats
+    keys = sorted(stats)
+    total = all_sum(torch.tensor([float(stats[key]) for key in keys], dtype=torch.float64))
+    return dict(zip(keys, total.tolist()))
+
+
+def gather(items):
+    """Every rank's list (or tensor, concatenated along dim 0), in rank order, on every rank."""
+    if world_size() == 1:
+        return items
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, items)
+    if isinstance(items, torch.Tensor):
+        return torch.cat([part.to(items.device) for part in parts])
+    return [item for part in parts for item in part]
+
+
+def shard(items: list) -> list:
+    """This rank's contiguous share of `items` (sizes differ by at most one): the shards of ranks 0..N-1,
+    concatenated, are `items` again, which is how gather() puts results back in order."""
+    n, r, w = len(items), rank(), world_size()
+    return items[r * n // w : (r + 1) * n // w]
+
+
+def broadcast(value):
+    """Rank 0's `value` (any picklable object) on every rank."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def print0(line: str, write=print) -> None:
+    """Print on rank 0 only (under torchrun every rank runs the same lines)."""
+    if rank() == 0:
+        write(line)
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
+    """Under torchrun: settings that must split evenly over the ranks (so every rank takes the same number of
+    optimizer steps), and what is not supported yet. At world size 1: --fsdp (nothing to shard over)."""
+    world = world_size()
+    if world == 1:
+        return ["--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (N >= 2), or drop --fsdp"] \
+            if getattr(args, "fsdp", False) else []
+    problems = [f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
+                for flag, value in per_rank.items() if value % world]
+    if getattr(args, "backend", "hf") == "vllm":
+        problems.append("--backend vllm under torchrun is not supported yet; use --backend hf (each rank samples with its own replica)")
+    return problems
+
+
+def check_world_size(checkpoint: Path) -> None:
+    """Refuse to resume a checkpoint at another world size: each rank's questions and random streams depend on it,
+    so the run would not continue as it started (checkpoints from before torchrun support count as world size 1)."""
+    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
+    saved = state.get("world_size", 1)
+    if saved != world_size():
+        launch = "python SCRIPT.py" if saved == 1 else f"torchrun --nproc_per_node {saved} SCRIPT.py (or that many processes over nodes)"
+        raise UsageError(f"--resume: {checkpoint} was trained by {saved} process(es), this is {world_size()}; the split of "
+                         f"questions and the random streams per rank depend on it, so resume with {launch}, or start a new run")
+
+
+def all_reduce_gradients(*models: torch.nn.Module) -> None:
+    """Sum every parameter's gradient over ranks, once per optimizer step (what DDP does; the scripts call the
+    base model and the LM head separately, which DDP's wrapper would not see). Each rank's loss is already
+    divided by the whole batch's counts, so the sum is the gradient of the whole batch. Parameters sharded by
+    fully_shard_model are left alone: FSDP has already summed their gradients in the backward pass."""
+    if world_size() == 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    replicated = [p for model in models for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    for p in replicated:
+        if p.grad is None:  # a rank without samples in this step adds zeros
+            p.grad = torch.zeros_like(p)
+    works = [dist.all_reduce(p.grad, async_op=True) for p in replicated]
+    for work in works:
+        work.wait()
+
+
+# FSDP2 (--fsdp): the parameters, their gradients and so AdamW's state are split over the ranks (each holds 1/N),
+# for models whose replica does not fit one GPU. Each transformer block is one unit, gathered for its own forward
+# and backward; the rest (embeddings, final norm, LM head, a critic's value head) is the root unit, gathered for
+# the whole forward and backward. The root must be called as a whole: plumbing.training's response_logprobs then takes
+# the last hidden state from the root's forward (is_sharded) instead of calling model.base_model. Sampling and
+# the no-grad log-prob passes call the model a different number of times on each rank, so the HF sampler gathers
+# the whole model once while it is awake (gather_parameters) and releases it when it sleeps (for the update).
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether fully_shard_model sharded `model` (its forward must then be called on the whole model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def fully_shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` (a causal LM or a critic around a transformer) over all ranks with FSDP2's fully_shard, in
+    place: one unit per transformer block (the model's _no_split_modules), the rest in the root. Gradients are
+    summed over ranks, not averaged, as all_reduce_gradients sums them. Create the optimizer after this."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(_collective_device().type, (world_size(),))
+    blocks = {name for m in model.modules() if isinstance(m, PreTrainedModel) for name in (m._no_split_modules or [])}
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a sum: each rank's loss already divides by the global counts
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no pre-multiplied sum)
+    # FSDP picks its root at the first forward; the sampler calls the base model first, so pick it now.
+    model._get_fsdp_state()._lazy_init()
+    # Its warning that an in-place op on a returned view would skip a gather: no caller here writes into an output.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    return model
+
+
+def gather_parameters(model: torch.nn.Module, gathered: bool) -> None:
+    """gathered=True: every rank holds the whole parameters of a sharded model (all-gathered once) and keeps them
+    through forwards, so sampling and no-grad passes run no collectives; False: back to the shards, each unit
+    gathered only for its own forward and backward (the root stays gathered from its forward to its backward,
+    where the LM head is applied in chunks). A model that is not sharded is left alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        if gathered:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        else:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
+    model.gathered_by_spo = gathered and bool(units)
+
+
+def _gathered_again(model: torch.nn.Module) -> None:
+    """FSDP's state_dict() puts every unit back on its shards; a model that was gathered (the awake sampler's) is
+    gathered again, so the next sample finds it as it left it."""
+    if getattr(model, "gathered_by_spo", False):
+        gather_parameters(model, True)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The whole model's state dict, on the CPU, for saving: gathered from the shards (a collective: every rank
+    calls it; rank 0 receives it, the others an empty dict) when sharded, else model.state_dict()."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    _gathered_again(model)
+    return state
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict for a checkpoint: optimizer.state_dict(), or for a sharded model the whole state
+    gathered to rank 0 (a collective; keyed by parameter name), which load_optimizer_state puts back."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    _gathered_again(model)
+    return state
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore what optimizer_state saved (every rank reads the same checkpoint and keeps its own shard)."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

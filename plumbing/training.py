@@ -1,0 +1,194 @@
+"""Training mechanics the four scripts share: log-probs of responses under a model, micro-batching and collate,
+seeding an iteration, and the guard against non-finite losses.
+
+A sample is a dict: prompt_ids and response_ids (token ids, exactly as sampled), and what the loss needs per
+response token (old_logps, ref_logps, advantages, loss_mask; PPO adds old_values and returns) as 1-D tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import Cache
+
+from plumbing import UsageError, distributed
+from plumbing.precision import FP32, Precision
+
+
+def micro_batches(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
+    """Indices of `samples` in micro-batches that compute few positions. A micro-batch costs a forward pass of each
+    distinct prompt in it (left-padded to the longest) and of each response (right-padded to the longest), see
+    response_logprobs. Two orders are cut into micro-batches and the cheaper split is kept: by length (response,
+    then prompt: least padding) and by prompt (the rows of a prompt together, prompts ordered by their longest
+    response: each prompt runs once for all its rows). Neither log-probs nor the gradient depend on the split: the
+    losses are normalised by the whole batch's counts.
+
+    >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], 2)
+    [[1, 3], [2, 0]]
+    >>> micro_batches([{"prompt_ids": [p] * 8, "response_ids": [2] * n} for p, n in ((1, 1), (2, 2), (1, 3), (2, 4))], 2)
+    [[0, 2], [1, 3]]
+    """
+    prompts = [tuple(s["prompt_ids"]) for s in samples]
+    lengths = [len(s["response_ids"]) for s in samples]
+    longest = {}  # prompt -> its longest response
+    for prompt, length in zip(prompts, lengths):
+        longest[prompt] = max(longest.get(prompt, 0), length)
+
+    def split(order: list[int]) -> list[list[int]]:
+        return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
+
+    def positions(micro: list[int]) -> int:  # distinct prompts x longest prompt + rows x longest response
+        distinct = {prompts[i] for i in micro}
+        return len(distinct) * max(map(len, distinct)) + len(micro) * max(lengths[i] for i in micro)
+
+    by_length = sorted(range(len(samples)), key=lambda i: (lengths[i], len(prompts[i])))
+    by_prompt = sorted(range(len(samples)), key=lambda i: (longest[prompts[i]], prompts[i], lengths[i]))
+    return min(split(by_length), split(by_prompt), key=lambda micros: sum(map(positions, micros)))
+
+
+def collate(samples: list[dict], pad_id: int, device) -> dict:
+    """Pad a list of samples into tensors: prompts left-padded, responses right-padded, so every
+    response starts at the same column and only the last R+1 logits are needed. Each distinct prompt
+    is also padded once (prompt_ids, prompt_mask), with the one each row continues (prompt_of_row)."""
+    prompt_len = max(len(s["prompt_ids"]) for s in samples)
+    response_len = max(1, max(len(s["response_ids"]) for s in samples))
+    prompts = list(dict.fromkeys(tuple(s["prompt_ids"]) for s in samples))  # distinct, in order of first use
+    prompt_index = {p: i for i, p in enumerate(prompts)}
+    input_ids, attention, response_mask = [], [], []
+    for s in samples:
+        p, r = s["prompt_ids"], s["response_ids"]
+        left, right = prompt_len - len(p), response_len - len(r)
+        input_ids.append([pad_id] * left + p + r + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
+        response_mask.append([True] * len(r) + [False] * right)
+    batch = {
+        "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
+        "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
+        "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
+        "prompt_ids": torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in prompts], device=device),  # [prompts, P]
+        "prompt_mask": torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in prompts], device=device),  # [prompts, P]
+        "prompt_of_row": torch.tensor([prompt_index[tuple(s["prompt_ids"])] for s in samples], device=device),  # [rows]
+    }
+    batch["positions"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [rows, P + R]; position ids skip the padding
+    batch["prompt_positions"] = (batch["prompt_mask"].cumsum(-1) - 1).clamp(min=0)  # [prompts, P]
+    for key in ("old_logps", "ref_logps", "advantages", "loss_mask", "old_values", "returns"):  # those the samples hold
+        if key in samples[0]:
+            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[:, :response_len]
+    return batch
+
+
+def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]."""
+    logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
+
+
+def last_hidden_state(model, **inputs) -> tuple[torch.Tensor, Cache | None]:
+    """One forward pass without the LM head: the final hidden states [rows, positions, hidden] and, with
+    use_cache=True, the KV cache (holding the positions of `cache=`, when given, before these)."""
+    if distributed.is_sharded(model):  # --fsdp: only the whole model's forward gathers the embeddings and the LM head
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+        return out.hidden_states[-1], out.cache  # hidden_states[-1] is after the final norm
+    out = model.base_model(**inputs)
+    return out.last_hidden_state, out.cache
+
+
+def response_logprobs(
+    model, batch: dict, temperature: float, chunk_tokens: int = 512, recompute_above: int = 2**28, precision: Precision = FP32,
+) -> torch.Tensor:
+    """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
+    so that exp(logp) is the probability the sampler used.
+
+    Rows with the same prompt (a question's responses, a tree node's children) share one forward pass of it: each distinct prompt runs once,
+    its keys and values are repeated for its rows, and the responses run on top of them. The gradient flows back
+    through the shared keys and values: it is the sum over the rows, the same as from a forward pass per row.
+    (Under activation checkpointing, whose layers take no KV cache in a pass with gradients, every row runs its
+    prompt itself.)
+
+    The LM head runs on chunks of `chunk_tokens` response positions. When the micro-batch's fp32 logits would
+    hold more than `recompute_above` entries (2**28: 1 GiB), each chunk is recomputed in the backward pass, so
+    the [rows, R, vocab] logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch) never
+    exist at once; smaller logits (16 x 128 x 49,152 x 4 bytes = 0.4 GB for SmolLM2) are kept for the backward
+    pass, which saves a second LM-head pass. Either way the result is the same as from the model's full logits.
+    """
+    response_len, prompt_len = batch["response_mask"].shape[1], batch["prompt_ids"].shape[1]
+    # fp32 weights (a 1e-6 step vanishes in bf16); bf16 compute where `precision` chose it.
+    with precision.autocast(model.device.type):
+        # layers checkpointed for this backward pass take no KV cache: prompt and response in one pass
+        if model.is_activation_checkpointing and model.training and torch.is_grad_enabled():
+            hidden, _ = last_hidden_state(
+                model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["positions"],
+                use_cache=False,
+            )
+            hidden = hidden[:, prompt_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
+        else:
+            prompt_hidden, cache = last_hidden_state(
+                model, input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], position_ids=batch["prompt_positions"],
+                use_cache=True,
+            )  # [prompts, P, hidden]
+            cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]: each row's prompt keys and values
+            response_hidden, _ = last_hidden_state(
+                model, input_ids=batch["input_ids"][:, prompt_len:], attention_mask=batch["attention_mask"],
+                position_ids=batch["positions"][:, prompt_len:], cache=cache, use_cache=True,
+            )  # [rows, R, hidden]
+            # position t-1 predicts y_t: the prompt's last position predicts y_0
+            hidden = torch.cat([prompt_hidden[batch["prompt_of_row"], -1:], response_hidden[:, :-1]], dim=1)  # [rows, R, hidden]
+        targets = batch["input_ids"][:, prompt_len:]  # [rows, R]
+        rows, lm_head = hidden.shape[0], model.get_output_embeddings()
+        recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
+        chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
+        logps = [
+            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if recompute
+            else token_logprobs(lm_head, h, t, temperature)
+            for h, t in chunks
+        ]
+    return torch.cat(logps).view(rows, response_len)  # [rows, R]
+
+
+@torch.no_grad()
+def sample_logprobs(
+    model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32,
+) -> list[torch.Tensor]:
+    """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
+    was_training = model.training
+    model.eval()
+    out: list[torch.Tensor] = [None] * len(samples)
+    for indices in micro_batches(samples, micro_batch_size):
+        batch = collate([samples[i] for i in indices], pad_id, model.device)
+        logps = response_logprobs(model, batch, temperature, precision=precision).cpu()
+        for i, row in zip(indices, logps):
+            out[i] = row[: len(samples[i]["response_ids"])]
+    model.train(was_training)
+    return out
+
+
+def reseed(seed: int, iteration: int, sampler) -> random.Random:
+    """Seed torch and the sampler from (seed, iteration, rank); returns the iteration's random.Random (it picks the
+    questions, and SPO-tree's buffer samples), the same on every rank. torch's and the sampler's generators differ
+    per rank, so ranks draw different responses. Reseeding every iteration makes a resumed run sample exactly what
+    the uninterrupted one would (at the same world size)."""
+    iteration_seed = seed * 1_000_003 + iteration
+    rank_seed = iteration_seed + (distributed.rank() << 32)  # rank 0: the seed of a single-process run
+    torch.manual_seed(rank_seed)
+    if hasattr(sampler, "generator"):
+        sampler.generator.manual_seed(rank_seed)
+    return random.Random(iteration_seed)
+
+
+def skipped_non_finite(stats: dict, iteration: int, streak: list[int], keys: tuple[str, ...] = ("loss",),
+                       fix: str = "lower --lr") -> bool:
+    """True when one of this optimizer step's losses (`keys` of stats) is inf or nan, so the step is skipped; three
+    in a row end the run with one line (`fix` says what to change). `streak` ([count]) carries the number of
+    non-finite steps in a row across steps and iterations."""
+    if all(math.isfinite(stats[key]) for key in keys):
+        streak[0] = 0
+        return False
+    streak[0] += 1
+    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+    if streak[0] >= 3:
+        raise UsageError(f"three non-finite losses in a row: {fix}, or check the model and data")
+    return True
