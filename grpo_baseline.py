@@ -362,12 +362,6 @@ def validate(args: Args) -> None:
         problems.append("--group-size must be at least 2 (GRPO compares responses within a group)")
     if args.questions < 1 or args.iterations < 1 or args.epochs < 1:
         problems.append("--questions, --iterations and --epochs must be positive")
-    if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
-        problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
-    if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
-        problems.append("--context, --max-new-tokens and --temperature must be positive")
-    if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
-        problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise UsageError("; ".join(problems))

@@ -548,16 +548,10 @@ def validate(args: Args) -> None:
     problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
     if args.questions < 1 or args.group_size < 1 or args.iterations < 1 or args.epochs < 1:
         problems.append("--questions, --group-size, --iterations and --epochs must be positive")
-    if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
-        problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
-    if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
-        problems.append("--context, --max-new-tokens and --temperature must be positive")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         problems.append(f"--gamma ({args.gamma}) and --lam ({args.lam}) must be in [0, 1]")
     if args.critic_lr < 0 or args.value_clip_eps <= 0:
         problems.append("--critic-lr must be non-negative and --value-clip-eps positive")
-    if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
-        problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise UsageError("; ".join(problems))

@@ -650,10 +650,6 @@ def validate(args: Args) -> list[int]:
         problems.append(f"--tree {error}")
     if args.questions < 1 or args.iterations < 1 or args.epochs < 1:
         problems.append("--questions, --iterations and --epochs must be positive")
-    if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
-        problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
-    if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
-        problems.append("--context, --max-new-tokens and --temperature must be positive")
     if args.segment_tokens < 1:
         problems.append("--segment-tokens must be positive")
     elif branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
@@ -667,8 +663,6 @@ def validate(args: Args) -> list[int]:
         problems.append("--buffer-max-age and --edges-per-question must be positive")
     if args.samples_per_iteration < 0:
         problems.append(f"--samples-per-iteration ({args.samples_per_iteration}) must be at least 0 (0: every edge the buffer offers)")
-    if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
-        problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     # --fsdp: every rank must run as many forward/backward passes as the others (each gathers shards), so each trains
     # an equal share of exactly --samples-per-iteration samples.
     per_rank = {"--questions": args.questions, "--batch-size": args.batch_size}

@@ -153,6 +153,13 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
         problems.append(f"--clip-eps ({args.clip_eps}) must be positive")
     if get("backend") is not None:
         problems += engines.backend_problems(args.backend)
+    if isinstance(args, TrainArgs):  # the batch, budget and cadence of every training run
+        if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
+            problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
+        if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
+            problems.append("--context, --max-new-tokens and --temperature must be positive")
+        if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
+            problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     if get("output_dir") is not None and not get("resume"):
         problems += directory_problems(args.output_dir, "--output-dir")
     for flag, name in (("--task", get("task")), ("--eval-task", get("eval_task"))):
