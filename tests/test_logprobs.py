@@ -1,4 +1,5 @@
-"""The four scripts' response_logprobs: LM head in chunks, recomputed in backward when the logits are large (kept
+"""plumbing.training.response_logprobs, which every script uses: LM head in chunks, recomputed in backward when the
+logits are large (kept
 when small), equal to the full logits either way."""
 
 import pytest
@@ -6,15 +7,7 @@ import torch
 from conftest import make_tiny_model
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import eval as ev
-from plumbing import models
-from plumbing import UsageError
-import grpo_baseline
-import ppo_baseline
-import spo_chain
-import spo_tree
-
-SCRIPTS = [grpo_baseline, spo_chain, spo_tree, ppo_baseline]
+from plumbing import UsageError, models, training
 
 
 def _full_logits_logprobs(model, samples, temperature):
@@ -28,8 +21,7 @@ def _full_logits_logprobs(model, samples, temperature):
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, recompute, tiny_model_dir):
+def test_chunked_logprobs_and_gradients_equal_the_full_logits(recompute, tiny_model_dir):
     model, _ = models.load_model(str(tiny_model_dir))
     samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23, 24, 25]}]
     weights = [torch.randn(len(s["response_ids"])) for s in samples]
@@ -40,12 +32,12 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(script, recompute,
     expected_grad = torch.cat([p.grad.flatten() for p in model.parameters()])
 
     model.zero_grad()
-    batch = script.collate(samples, 0, "cpu")
+    batch = training.collate(samples, 0, "cpu")
     head_calls = []
     model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
     # 2 rows x 5 positions x vocab logits: over 0 entries they are recomputed, under the default 2**28 kept
     limit = {"recompute_above": 0} if recompute else {}
-    logps = script.response_logprobs(model, batch, 0.7, chunk_tokens=3, **limit)  # 4 chunks, one cut mid-row
+    logps = training.response_logprobs(model, batch, 0.7, chunk_tokens=3, **limit)  # 4 chunks, one cut mid-row
     for row, (w, lp) in enumerate(zip(weights, expected)):
         assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
     sum((w * logps[row, : len(w)]).sum() for row, w in enumerate(weights)).backward()
@@ -77,8 +69,7 @@ SHARED_PROMPTS = [
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["cached", "activation-checkpointed"])
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate_passes(script, checkpointed, tiny_model_dir):
+def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate_passes(checkpointed, tiny_model_dir):
     model, _ = models.load_model(str(tiny_model_dir))
     model.train()  # activation checkpointing acts in training mode only (the tiny Llama has no dropout)
     weights = [torch.randn(len(s["response_ids"])) for s in SHARED_PROMPTS]
@@ -90,12 +81,12 @@ def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate
     if checkpointed:
         model.activation_checkpointing_enable()
     model.zero_grad()
-    batch = script.collate(SHARED_PROMPTS, 0, "cpu")
+    batch = training.collate(SHARED_PROMPTS, 0, "cpu")
     assert batch["prompt_of_row"].tolist() == [0, 1, 0, 1, 0, 2]
     assert batch["prompt_ids"].tolist() == [[10, 11, 12], [0, 0, 20], [0, 30, 31]]
     shapes = []  # [rows, positions] of every forward pass
     model.get_input_embeddings().register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
-    logps = script.response_logprobs(model, batch, 0.7)
+    logps = training.response_logprobs(model, batch, 0.7)
     # each distinct prompt runs once, then the responses on its keys and values; checkpointed layers take no
     # KV cache, so there every row runs prompt and response in one pass
     assert shapes == ([(6, 7)] if checkpointed else [(3, 3), (6, 4)])
@@ -106,7 +97,7 @@ def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate
     assert grad.abs().sum() > 0 and torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
     shapes.clear()
     with torch.no_grad():  # a pass without gradients checkpoints nothing: prompts are shared again
-        assert torch.allclose(script.response_logprobs(model, batch, 0.7), logps, atol=1e-6)
+        assert torch.allclose(training.response_logprobs(model, batch, 0.7), logps, atol=1e-6)
     assert shapes == [(3, 3), (6, 4)]
 
 
@@ -126,7 +117,6 @@ def test_shared_prompts_with_sliding_window_layers_keep_the_full_logits():
         {"prompt_ids": [10, 11, 12, 9, 8], "response_ids": [3]},
     ]
     expected = _full_logits_logprobs(model, samples, 0.7)
-    for script in SCRIPTS:
-        logps = script.response_logprobs(model, script.collate(samples, 0, "cpu"), 0.7)
-        for row, lp in enumerate(expected):
-            assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
+    logps = training.response_logprobs(model, training.collate(samples, 0, "cpu"), 0.7)
+    for row, lp in enumerate(expected):
+        assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
