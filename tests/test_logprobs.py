@@ -1,6 +1,5 @@
 """plumbing.training.response_logprobs, which every script uses: LM head in chunks, recomputed in backward when the
-logits are large (kept
-when small), equal to the full logits either way."""
+logits are large (kept when small), equal to the full logits either way."""
 
 import pytest
 import torch
