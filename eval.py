@@ -26,7 +26,7 @@ from typing import Literal
 import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, distributed
+from plumbing import UsageError, distributed, ranges
 from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
 from plumbing.models import load_model
@@ -375,21 +375,21 @@ class EvalArgs:
     """gsm8k | math | math500 | aime24 | rg:<reasoning-gym dataset>[:key=value,...] | path/to/file.jsonl"""
     split: str = "test"
     """dataset split"""
-    limit: int | None = None
+    limit: ranges.OptionalPositiveInt = None
     """evaluate only the first N examples"""
-    samples: int = 1
+    samples: ranges.PositiveInt = 1
     """samples per question (paper GSM8K protocol: 16 at temperature 0.35)"""
-    temperature: float = 0.6
+    temperature: ranges.NonNegativeFloat = 0.6
     """sampling temperature (0 = greedy)"""
-    top_p: float = 0.95
+    top_p: ranges.Probability = 0.95
     """nucleus sampling threshold"""
-    max_new_tokens: int = 1024
+    max_new_tokens: ranges.PositiveInt = 1024
     """token budget per response"""
-    context: int | None = None
+    context: ranges.bounded(int, 2, optional=True) = None
     """total context budget (prompt + response), e.g. 2048 for the paper's 2K evaluation"""
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """hf | vllm | auto (vllm when installed and a GPU is present)"""
-    seed: int = 0
+    seed: ranges.Seed = 0
     """sampling seed"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """matmul precision on the CPU: auto = bf16 autocast where the CPU has AVX-512 BF16 or AMX, else fp32 (a GPU
@@ -400,19 +400,7 @@ class EvalArgs:
 
 def validate_eval_args(args: EvalArgs) -> None:
     """Every check that needs no model, before anything is loaded."""
-    problems = task_problems(args.task, args.split) + backend_problems(args.backend)
-    if args.samples < 1:
-        problems.append(f"--samples ({args.samples}) must be at least 1")
-    if args.temperature < 0:
-        problems.append(f"--temperature ({args.temperature}) must be 0 (greedy) or positive")
-    if not 0 < args.top_p <= 1:
-        problems.append(f"--top-p ({args.top_p}) must be in (0, 1]")
-    if args.max_new_tokens < 1:
-        problems.append(f"--max-new-tokens ({args.max_new_tokens}) must be at least 1")
-    if args.context is not None and args.context < 2:
-        problems.append(f"--context ({args.context}) must leave room for a prompt and a response")
-    if args.limit is not None and args.limit < 1:
-        problems.append(f"--limit ({args.limit}) must be at least 1 (or left out for the whole split)")
+    problems = ranges.problems(args) + task_problems(args.task, args.split) + backend_problems(args.backend)
     if args.output is not None:
         if Path(args.output).is_dir():
             problems.append(f"--output {args.output} is a directory: give a file path for the results JSON")

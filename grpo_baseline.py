@@ -26,7 +26,7 @@ import torch
 import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, runs
+from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
@@ -35,11 +35,11 @@ from plumbing.training import collate, micro_batches, reseed, response_logprobs,
 class Args(runs.TrainArgs):
     exp_name: str = "grpo"
     """experiment name, part of the run name"""
-    group_size: int = 8
+    group_size: ranges.bounded(int, 2) = 8
     """responses per question (G)"""
     prob_mask: bool = False
     """GRPO+mask ablation: train only on tokens with p_t < prob_threshold"""
-    prob_threshold: float = 0.9
+    prob_threshold: ranges.Probability = 0.9
     """probability threshold of the mask"""
 
 
@@ -358,10 +358,6 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> None:
     problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
-    if args.group_size < 2:
-        problems.append("--group-size must be at least 2 (GRPO compares responses within a group)")
-    if args.questions < 1 or args.iterations < 1 or args.epochs < 1:
-        problems.append("--questions, --iterations and --epochs must be positive")
     problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise UsageError("; ".join(problems))

@@ -35,7 +35,7 @@ import tqdm
 from transformers import Cache
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, runs
+from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
@@ -46,31 +46,31 @@ class Args(runs.TrainArgs):
     """experiment name, part of the run name"""
     model: str = "rho-1b-sft-gsm8k"
     """policy to start from (the critic starts from its weights too): model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
-    group_size: int = 8
+    group_size: ranges.PositiveInt = 8
     """responses per question (PPO needs no groups; 8 keeps the paper's 64 x 8 samples per iteration)"""
-    lr: float = 1e-6
+    lr: ranges.PositiveFloat = 1e-6
     """policy AdamW learning rate (3% linear warmup, then linear decay)"""
-    warmup_ratio: float = 0.03
+    warmup_ratio: ranges.WarmupFraction = 0.03
     """fraction of optimizer steps spent warming up (policy and critic)"""
-    weight_decay: float = 0.0
+    weight_decay: ranges.NonNegativeFloat = 0.0
     """AdamW weight decay (policy and critic)"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: ranges.PositiveFloat = 1.0
     """gradient clipping norm (policy and critic, each on its own)"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the update (policy and critic)"""
-    save_samples: int = 0
+    save_samples: ranges.NonNegativeInt = 0
     """every N iterations write the first --save-questions questions' responses to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
-    gamma: float = 1.0
+    gamma: ranges.Fraction = 1.0
     """GAE discount (paper: 1; the reward is terminal, so anything below 1 favours short responses)"""
-    lam: float = 1.0
+    lam: ranges.Fraction = 1.0
     """GAE lambda (paper: 1, i.e. A_t = R - V(s_t); 0.96 is a common, lower-variance choice)"""
-    critic_lr: float = 1e-6
+    critic_lr: ranges.NonNegativeFloat = 1e-6
     """critic AdamW learning rate (same schedule as the policy; default: the policy's learning rate)"""
-    value_clip_eps: float = 0.2
+    value_clip_eps: ranges.PositiveFloat = 0.2
     """clipping of new values around the rollout's values in the value loss"""
     prob_mask: bool = False
     """train the policy only on tokens with p_t < prob_threshold (loss and whitening; the critic trains on every token)"""
-    prob_threshold: float = 0.9
+    prob_threshold: ranges.Probability = 0.9
     """probability threshold of the mask"""
 
 
@@ -546,12 +546,6 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> None:
     problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
-    if args.questions < 1 or args.group_size < 1 or args.iterations < 1 or args.epochs < 1:
-        problems.append("--questions, --group-size, --iterations and --epochs must be positive")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        problems.append(f"--gamma ({args.gamma}) and --lam ({args.lam}) must be in [0, 1]")
-    if args.critic_lr < 0 or args.value_clip_eps <= 0:
-        problems.append("--critic-lr must be non-negative and --value-clip-eps positive")
     problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise UsageError("; ".join(problems))

@@ -32,7 +32,7 @@ import torch
 import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, runs
+from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
@@ -41,25 +41,25 @@ from plumbing.training import collate, micro_batches, reseed, response_logprobs,
 class Args(runs.TrainArgs):
     exp_name: str = "spo_chain"
     """experiment name, part of the run name"""
-    iterations: int = 1000
+    iterations: ranges.PositiveInt = 1000
     """training iterations (rollout + MC values + update)"""
-    group_size: int = 8
+    group_size: ranges.PositiveInt = 8
     """responses per question (G)"""
-    temperature: float = 0.6
+    temperature: ranges.PositiveFloat = 0.6
     """sampling temperature of rollouts and MC continuations; log-probs divide logits by it too"""
-    top_p: float = 0.9
+    top_p: ranges.Probability = 0.9
     """nucleus sampling threshold of rollouts and MC continuations"""
-    max_new_tokens: int = 1024
+    max_new_tokens: ranges.PositiveInt = 1024
     """response token budget (an MC continuation from s_c may add max_new_tokens - (c+1) tokens)"""
-    save_samples: int = 0
+    save_samples: ranges.NonNegativeInt = 0
     """every N iterations write the first --save-questions questions' responses to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
-    mc_samples: int = 9
+    mc_samples: ranges.PositiveInt = 9
     """K: Monte-Carlo continuations per cutpoint state; V(s_c) is their mean reward"""
-    interval: int = 5
+    interval: ranges.PositiveInt = 5
     """keep every interval-th low-probability cutpoint (the paper's int2 / int5 / int100 ablations)"""
     prob_mask: bool = True
     """probability mask: only tokens with p_t < prob_threshold keep an advantage, count in the loss and in whitening"""
-    prob_threshold: float = 0.9
+    prob_threshold: ranges.Probability = 0.9
     """tokens with p_t < prob_threshold are low-probability: they make cutpoints and (with the mask) are trained"""
 
 
@@ -479,14 +479,6 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> None:
     problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
-    if args.group_size < 1 or args.questions < 1 or args.iterations < 1 or args.epochs < 1:
-        problems.append("--group-size, --questions, --iterations and --epochs must be positive")
-    if args.mc_samples < 1:
-        problems.append(f"--mc-samples ({args.mc_samples}) must be at least 1 (continuations per cutpoint state)")
-    if args.interval < 1:
-        problems.append(f"--interval ({args.interval}) must be at least 1 (1 keeps every low-probability cutpoint)")
-    if not 0 < args.prob_threshold <= 1:
-        problems.append(f"--prob-threshold ({args.prob_threshold}) must be in (0, 1]")
     problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
     if problems:
         raise UsageError("; ".join(problems))

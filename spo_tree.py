@@ -50,7 +50,7 @@ import torch
 import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, runs
+from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
@@ -59,7 +59,7 @@ from plumbing.training import collate, micro_batches, reseed, response_logprobs,
 class Args(runs.TrainArgs):
     exp_name: str = "spo_tree"
     """experiment name, part of the run name"""
-    seed: int = 1
+    seed: ranges.Seed = 1
     """seed of question sampling, rollouts, buffer sampling and initialisation (same seed on CPU gives identical metrics)"""
     model: str = "deepseek-r1-distill-qwen-1.5b"
     """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
@@ -67,49 +67,49 @@ class Args(runs.TrainArgs):
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     eval_task: str | None = None
     """held-out task (default: math500 for --task math, else the training task's test split)"""
-    iterations: int = 1000
+    iterations: ranges.PositiveInt = 1000
     """training iterations (tree rollout + update)"""
-    questions: int = 32
+    questions: ranges.PositiveInt = 32
     """questions per iteration, one tree each (sampled with replacement)"""
-    top_p: float = 1.0
+    top_p: ranges.Probability = 1.0
     """nucleus sampling threshold"""
-    max_new_tokens: int = 2048
+    max_new_tokens: ranges.PositiveInt = 2048
     """response token budget of a whole root-to-leaf path (the context budget usually binds first)"""
-    context: int = 2048
+    context: ranges.PositiveInt = 2048
     """total context budget (prompt + response)"""
-    lr: float = 1e-6
+    lr: ranges.PositiveFloat = 1e-6
     """AdamW learning rate (3% linear warmup, then linear decay, stepped once per iteration)"""
-    warmup_ratio: float = 0.03
+    warmup_ratio: ranges.WarmupFraction = 0.03
     """fraction of iterations spent warming up"""
-    epochs: int = 1
+    epochs: ranges.PositiveInt = 1
     """passes over each iteration's edges"""
-    batch_size: int = 128
+    batch_size: ranges.PositiveInt = 128
     """sequences (edges) per optimizer step"""
-    eval_samples: int = 1
+    eval_samples: ranges.PositiveInt = 1
     """samples per held-out question (paper long-CoT protocol: 1 at temperature 0.6, top_p 0.95)"""
-    eval_temperature: float = 0.6
+    eval_temperature: ranges.NonNegativeFloat = 0.6
     """evaluation sampling temperature"""
-    eval_top_p: float = 0.95
+    eval_top_p: ranges.Probability = 0.95
     """evaluation nucleus threshold"""
-    save_samples: int = 0
+    save_samples: ranges.NonNegativeInt = 0
     """every N iterations write the first --save-questions questions' trees to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
-    save_questions: int = 2
+    save_questions: ranges.PositiveInt = 2
     """questions whose trees --save-samples writes"""
     tree: str = "6,6,6"
     """branch factor per depth, b_0,b_1,...: depth = number of entries (paper: 6,6,6)"""
-    segment_tokens: int = 600
+    segment_tokens: ranges.PositiveInt = 600
     """M: new tokens per segment above the last level (paper: 600 long CoT, 30 GSM8K)"""
     advantage: Literal["rloo", "grpo"] = "rloo"
     """edge advantage: rloo = V(child) - V(parent); grpo = that / (std of the siblings' values + 1e-8)"""
     prob_mask: bool = True
     """train only on tokens with p_t < prob_threshold (--no-prob-mask: every response token)"""
-    prob_threshold: float = 0.9
+    prob_threshold: ranges.Probability = 0.9
     """probability threshold of the mask"""
-    buffer_max_age: int = 8
+    buffer_max_age: ranges.PositiveInt = 8
     """iterations an edge may wait in the replay buffer (1: only this iteration's edges are used)"""
-    edges_per_question: int = 32
+    edges_per_question: ranges.PositiveInt = 32
     """edges taken from the buffer per question per iteration, at random; the rest wait"""
-    samples_per_iteration: int = 512
+    samples_per_iteration: ranges.NonNegativeInt = 512
     """segment samples trained on per iteration (paper: 512 MATH, 1024 GSM8K): a random subset of the edges the buffer offers when it offers more (the rest stay in the buffer), edges repeated at random when it offers fewer; 0: every edge the buffer offers, once"""
 
 
@@ -648,21 +648,13 @@ def validate(args: Args) -> list[int]:
         branches = parse_tree(args.tree)
     except ValueError as error:
         problems.append(f"--tree {error}")
-    if args.questions < 1 or args.iterations < 1 or args.epochs < 1:
-        problems.append("--questions, --iterations and --epochs must be positive")
-    if args.segment_tokens < 1:
-        problems.append("--segment-tokens must be positive")
-    elif branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
+    if branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
         problems.append(
             f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates {(len(branches) - 1) * args.segment_tokens} tokens "
             f"before its last level, leaving no room within --max-new-tokens and --context: raise them or lower --segment-tokens"
         )
     if args.advantage not in ADVANTAGES:
         problems.append(f"--advantage must be {' or '.join(ADVANTAGES)}, not {args.advantage!r}")
-    if args.buffer_max_age < 1 or args.edges_per_question < 1:
-        problems.append("--buffer-max-age and --edges-per-question must be positive")
-    if args.samples_per_iteration < 0:
-        problems.append(f"--samples-per-iteration ({args.samples_per_iteration}) must be at least 0 (0: every edge the buffer offers)")
     # --fsdp: every rank must run as many forward/backward passes as the others (each gathers shards), so each trains
     # an equal share of exactly --samples-per-iteration samples.
     per_rank = {"--questions": args.questions, "--batch-size": args.batch_size}

@@ -32,6 +32,8 @@ from typing import Annotated, Literal, Union
 
 import tyro
 
+from plumbing import ranges
+
 
 class UsageError(Exception):
     """Bad input (missing run files, malformed lines); printed as one `error: ...` line, like eval.UsageError."""
@@ -647,9 +649,9 @@ class Html:
     """run directories (runs/<run_name>) holding samples/iter_<k>.jsonl"""
     output: Annotated[Path, tyro.conf.arg(aliases=("-o",))] = Path("view.html")
     """the HTML file to write"""
-    iterations: tuple[int, ...] | None = None
+    iterations: ranges.bounded(int, 0, many=True, optional=True) = None
     """only these iterations (None: every saved one)"""
-    questions: int | None = None
+    questions: ranges.OptionalPositiveInt = None
     """at most this many questions per run and iteration (None: all saved)"""
 
 
@@ -665,11 +667,14 @@ class Curves:
     """x axis: iteration, cumulative training seconds (time/train_seconds) or cumulative generated tokens"""
     keys: tuple[str, ...] = tuple(PANELS)
     """metrics to plot, one panel each (those no run logged are left out)"""
-    smooth: float = 0.0
+    smooth: ranges.bounded(float, 0, 1, high_open=True) = 0.0
     """exponential moving average weight, 0 <= smooth < 1 (the raw curve stays, faint)"""
 
 
 def main(command: Html | Curves) -> None:
+    problems = ranges.problems(command)
+    if problems:
+        raise UsageError("; ".join(problems))
     if not command.runs:
         raise UsageError("give at least one run directory, e.g. python viewer.py html runs/<run_name>")
     if isinstance(command, Html):
@@ -680,8 +685,6 @@ def main(command: Html | Curves) -> None:
         print(f"wrote {command.output} ({command.output.stat().st_size / 1e6:.1f} MB): {len(runs)} run(s), "
               f"iterations {', '.join(map(str, iterations))}; open it in a browser")
     else:
-        if not 0 <= command.smooth < 1:
-            raise UsageError(f"--smooth must be in [0, 1), got {command.smooth}")
         plotted = plot_curves(list(command.runs), command.output, command.x, command.keys, command.smooth)
         print(f"wrote {command.output}: {', '.join(plotted)} for {len(command.runs)} run(s)")
 

@@ -76,11 +76,10 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 import torch
-import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
-from plumbing import engines, models, runs  # noqa: E402
+from plumbing import engines, models, ranges, runs  # noqa: E402
 from plumbing import UsageError  # noqa: E402
 from plumbing.precision import choose_precision  # noqa: E402
 import grpo_baseline  # noqa: E402
@@ -97,56 +96,56 @@ class Args:
     """task: gsm8k | math | rg:<reasoning-gym dataset>[:key=value,...] | path.jsonl"""
     split: str = "train"
     """split the questions are drawn from (the one training samples)"""
-    questions: int = 8
+    questions: ranges.PositiveInt = 8
     """Q: questions, drawn at random without replacement"""
-    group_size: int = 4
+    group_size: ranges.PositiveInt = 4
     """G: responses per question (GRPO's group)"""
-    probes: int = 1
+    probes: ranges.PositiveInt = 1
     """P: low-probability tokens probed per response (all of them when a response has fewer)"""
-    reference_samples: int = 16
+    reference_samples: ranges.PositiveInt = 16
     """K*: continuations per state of the Monte-Carlo reference V*"""
-    temperature: float = 0.6
+    temperature: ranges.PositiveFloat = 0.6
     """sampling temperature of every sample (the training temperature); p_t divides logits by it too"""
-    top_p: float = 1.0
+    top_p: ranges.Probability = 1.0
     """nucleus threshold of every sample (1.0: p_t is exactly the sampling probability; the GSM8K scripts use 0.9)"""
-    max_new_tokens: int = 128
+    max_new_tokens: ranges.PositiveInt = 128
     """response token budget (a continuation of s_t may add max_new_tokens - (t+1) tokens, as in spo_chain.mc_values)"""
-    context: int = 512
+    context: ranges.PositiveInt = 512
     """total context budget (prompt + response)"""
-    prob_threshold: float = 0.9
+    prob_threshold: ranges.Probability = 0.9
     """tokens with p_t < prob_threshold are low-probability: probes, and SPO-chain's cutpoints"""
-    seed: int = 0
+    seed: ranges.Seed = 0
     """seed of the questions, the samples, the probes and the bootstrap"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """matmul precision: auto = bf16 autocast where the device has fast bf16, else fp32"""
-    micro_batch_size: int = 8
+    micro_batch_size: ranges.PositiveInt = 8
     """sequences per forward pass of the log-probs and the critic"""
     output: str = "benchmarks/results/credit_assignment.json"
     """results JSON (the PNG is written beside it)"""
 
     # Estimators
-    intervals: list[int] = field(default_factory=lambda: [1, 5])
+    intervals: ranges.PositiveInts = field(default_factory=lambda: [1, 5])
     """SPO-chain cutpoint intervals (int1, int5)"""
-    mc_samples: list[int] = field(default_factory=lambda: [4, 9])
+    mc_samples: ranges.PositiveInts = field(default_factory=lambda: [4, 9])
     """SPO-chain K: continuations per cutpoint state (the paper: 9)"""
     chain_all_cutpoints: bool = False
     """estimate every cutpoint's value, as training does, instead of only those the probes read (same advantages
     at the probes, in distribution; many times the cost)"""
-    gamma: float = 1.0
+    gamma: ranges.Fraction = 1.0
     """PPO's GAE discount (the paper: 1)"""
-    lam: float = 1.0
+    lam: ranges.Fraction = 1.0
     """PPO's GAE lambda (the paper: 1)"""
     ppo_checkpoint: str | None = None
     """a ppo_baseline.py checkpoint directory (RUN/checkpoint) whose critic.pt gives the ppo_trained row"""
     tree: str = "2,2"
     """SPO-tree branch factors per depth"""
-    segment_tokens: int = 16
+    segment_tokens: ranges.PositiveInt = 16
     """SPO-tree segment length M"""
 
     # Scores
-    sign_threshold: float = 0.25
+    sign_threshold: ranges.NonNegativeFloat = 0.25
     """sign agreement is counted on probes with |A*| >= this"""
-    bootstrap: int = 1000
+    bootstrap: ranges.PositiveInt = 1000
     """bootstrap resamples (of questions) for the 95% intervals"""
 
 
@@ -729,4 +728,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    runs.run_cli(main, tyro.cli(Args))
+    runs.run_cli(main, ranges.cli(Args))

@@ -30,11 +30,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
+from plumbing import ranges  # noqa: E402
 from plumbing.precision import cpu_description  # noqa: E402
 
 # Per-algorithm settings: sized so each makes several iterations in 12 minutes on 2 CPU cores.
@@ -51,9 +51,9 @@ ALGORITHMS = {
 
 @dataclass
 class Args:
-    minutes: float = 12.0
+    minutes: ranges.PositiveFloat = 12.0
     """training budget per algorithm and seed (--max-minutes of every script)"""
-    seeds: list[int] = field(default_factory=lambda: [1])
+    seeds: ranges.Seeds = field(default_factory=lambda: [1])
     """training seeds; each seed also fixes its held-out draw"""
     algorithms: list[str] = field(default_factory=lambda: list(ALGORITHMS))
     """which of grpo, spo_chain, spo_chain_int20 (one cutpoint per 20 low-probability tokens), spo_tree, ppo to run"""
@@ -61,13 +61,13 @@ class Args:
     """policy to start from"""
     task: str = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
     """training task (its test split is the held-out set)"""
-    lr: float = 1e-5
+    lr: ranges.PositiveFloat = 1e-5
     """learning rate of every algorithm (the paper's 1e-6 barely moves a 135M model in minutes)"""
-    max_new_tokens: int = 128
+    max_new_tokens: ranges.PositiveInt = 128
     """response budget, training and evaluation"""
-    batch_size: int = 32
+    batch_size: ranges.PositiveInt = 32
     """sequences per optimizer step"""
-    micro_batch_size: int = 16
+    micro_batch_size: ranges.PositiveInt = 16
     """sequences per forward/backward"""
     output_dir: str = "runs/learning"
     """where the runs go: <output_dir>/seed<k>/<algorithm>/<run_name>/"""
@@ -227,4 +227,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ranges.cli(Args))

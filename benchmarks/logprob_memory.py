@@ -26,12 +26,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
-from plumbing import models  # noqa: E402
+from plumbing import models, ranges  # noqa: E402
 import grpo_baseline  # noqa: E402
 
 
@@ -39,11 +38,11 @@ import grpo_baseline  # noqa: E402
 class Args:
     model: str = "smollm2-135m"
     """model to measure"""
-    rows: int = 16
+    rows: ranges.PositiveInt = 16
     """sequences in the micro-batch"""
-    prompt_tokens: int = 64
+    prompt_tokens: ranges.PositiveInt = 64
     """prompt length of every row"""
-    response_tokens: int = 64
+    response_tokens: ranges.PositiveInt = 64
     """response length of every row"""
     out: str = "benchmarks/results/logprob_memory.json"
     """where the JSON goes"""
@@ -124,4 +123,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(ranges.cli(Args))

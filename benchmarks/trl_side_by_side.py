@@ -87,10 +87,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-import tyro
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # eval.py lives at the repository root; imported lazily (it imports torch)
+from plumbing import ranges  # noqa: E402  (imports no torch)
 
 TIME_TARGET = 0.8  # ours / TRL seconds per step, at most
 MEMORY_TARGET = 0.5  # ours / TRL peak resident memory, at most
@@ -106,36 +106,36 @@ TRL_SETTINGS_RECORDED = (  # GRPOConfig fields written to the results (the full 
 
 @dataclass
 class Args:
-    steps: int = 3
+    steps: ranges.PositiveInt = 3
     """optimizer steps per side and round (one grpo_baseline.py iteration = one TRL step)"""
-    rounds: int = 2
+    rounds: ranges.PositiveInt = 2
     """repetitions of the pair (grpo_baseline.py, then TRL)"""
     model: str = "smollm2-135m"
     """model directory or alias (eval.resolve_model), the same for both sides"""
     task: str = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
     """training task (eval.load_task), the same for both sides"""
-    questions: int = 8
+    questions: ranges.PositiveInt = 8
     """prompts per step"""
-    group_size: int = 8
+    group_size: ranges.bounded(int, 2) = 8
     """completions per prompt (G; TRL num_generations)"""
-    max_new_tokens: int = 64
+    max_new_tokens: ranges.PositiveInt = 64
     """completion token budget (TRL max_completion_length)"""
-    temperature: float = 0.7
+    temperature: ranges.PositiveFloat = 0.7
     """sampling temperature; both sides divide the logits of the loss by it too"""
-    lr: float = 5e-6
+    lr: ranges.PositiveFloat = 5e-6
     """AdamW learning rate, decayed linearly to 0 over --steps on both sides"""
-    micro_batch_size: int = 16
+    micro_batch_size: ranges.PositiveInt = 16
     """sequences per forward/backward (grpo_baseline.py --micro-batch-size, TRL per_device_train_batch_size)"""
     gradient_checkpointing: bool = False
     """gradient checkpointing on both sides"""
     precision: Literal["fp32", "bf16"] = "fp32"
     """compute precision of both sides over fp32 weights: fp32, or bf16 autocast (grpo_baseline.py --precision bf16,
     TRL bf16=True); bf16 pays off only where the CPU has AVX-512 BF16 or AMX"""
-    seed: int = 1
+    seed: ranges.Seed = 1
     """seed of both sides (also picks the questions of every step)"""
-    threads: int | None = None
+    threads: ranges.OptionalPositiveInt = None
     """OMP_NUM_THREADS for both sides (default: inherited from this shell)"""
-    poll_seconds: float = 0.1
+    poll_seconds: ranges.PositiveFloat = 0.1
     """how often the training process's CPU time and memory are read"""
     out: str = "benchmarks/results/trl_side_by_side.json"
     """where the results are written (relative to the current directory)"""
@@ -584,4 +584,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":  # the guard matters: eval.grade starts forkserver workers that import this file
-    main(tyro.cli(Args))
+    main(ranges.cli(Args))

@@ -23,7 +23,7 @@ from typing import Callable, Literal, Sequence
 
 import tyro
 
-from plumbing import UsageError, checkpoints, distributed, engines, models
+from plumbing import UsageError, checkpoints, distributed, engines, models, ranges
 
 
 def run_cli(main, args) -> None:
@@ -133,33 +133,13 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
     Reads the fields it finds on `args` (a script's Args); each problem names its flag and the fix.
     `task_problems(name, flag=...)` checks a task name (eval.task_problems).
     """
-    problems = []
+    problems = ranges.problems(args)  # every numeric setting against the range declared on its field
     get = lambda name: getattr(args, name, None)  # noqa: E731
-    if get("lr") is not None and not args.lr > 0:
-        problems.append(f"--lr ({args.lr}) must be positive")
-    for name in ("top_p", "eval_top_p"):
-        if get(name) is not None and not 0 < get(name) <= 1:
-            problems.append(f"--{name.replace('_', '-')} ({get(name)}) must be in (0, 1]")
-    if get("eval_temperature") is not None and args.eval_temperature < 0:
-        problems.append(f"--eval-temperature ({args.eval_temperature}) must be 0 (greedy) or positive")
-    for name in ("eval_samples", "eval_every", "save_every"):
-        if get(name) is not None and get(name) < 1:
-            problems.append(f"--{name.replace('_', '-')} ({get(name)}) must be at least 1")
-    if get("eval_limit") is not None and args.eval_limit < 1:
-        problems.append(f"--eval-limit ({args.eval_limit}) must be at least 1 (or left out for the whole test split)")
-    if get("beta") is not None and args.beta < 0:
-        problems.append(f"--beta ({args.beta}) must be 0 (no KL term) or positive")
-    if get("clip_eps") is not None and not args.clip_eps > 0:
-        problems.append(f"--clip-eps ({args.clip_eps}) must be positive")
     if get("backend") is not None:
         problems += engines.backend_problems(args.backend)
     if isinstance(args, TrainArgs):  # the batch, budget and cadence of every training run
-        if args.micro_batch_size < 1 or args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
+        if args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
             problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
-        if args.context <= 0 or args.max_new_tokens <= 0 or args.temperature <= 0:
-            problems.append("--context, --max-new-tokens and --temperature must be positive")
-        if (args.max_minutes is not None and args.max_minutes <= 0) or args.save_samples < 0 or args.save_questions < 1:
-            problems.append("--max-minutes must be positive, --save-samples at least 0 and --save-questions at least 1")
     if get("output_dir") is not None and not get("resume"):
         problems += directory_problems(args.output_dir, "--output-dir")
     for flag, name in (("--task", get("task")), ("--eval-task", get("eval_task"))):
@@ -259,7 +239,7 @@ def dry_run(args, paper_settings: dict[str, dict], resolved: dict) -> dict:
 class TrainArgs:
     exp_name: str = "run"
     """experiment name, part of the run name"""
-    seed: int = 1
+    seed: ranges.Seed = 1
     """seed of question sampling, rollouts and initialisation (same seed on CPU gives identical metrics)"""
     model: str = "rho-1b-sft-gsm8k"
     """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
@@ -280,63 +260,63 @@ class TrainArgs:
     """also log to Weights & Biases"""
     dry_run: bool = False
     """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
-    iterations: int = 1000
+    iterations: ranges.PositiveInt = 1000
     """training iterations (rollout + update)"""
-    questions: int = 64
+    questions: ranges.PositiveInt = 64
     """questions per iteration (sampled with replacement)"""
-    temperature: float = 0.6
+    temperature: ranges.PositiveFloat = 0.6
     """sampling temperature; log-probs divide logits by it too"""
-    top_p: float = 0.9
+    top_p: ranges.Probability = 0.9
     """nucleus sampling threshold"""
-    max_new_tokens: int = 1024
+    max_new_tokens: ranges.PositiveInt = 1024
     """response token budget"""
-    context: int = 2047
+    context: ranges.PositiveInt = 2047
     """total context budget (prompt + response)"""
-    lr: float = 1e-6
+    lr: ranges.PositiveFloat = 1e-6
     """AdamW learning rate (3% linear warmup, then linear decay)"""
-    warmup_ratio: float = 0.03
+    warmup_ratio: ranges.WarmupFraction = 0.03
     """fraction of optimizer steps spent warming up"""
-    weight_decay: float = 0.0
+    weight_decay: ranges.NonNegativeFloat = 0.0
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: ranges.PositiveFloat = 1.0
     """gradient clipping norm"""
-    epochs: int = 2
+    epochs: ranges.PositiveInt = 2
     """passes over each iteration's samples"""
-    batch_size: int = 64
+    batch_size: ranges.PositiveInt = 64
     """sequences per optimizer step"""
-    micro_batch_size: int = 8
+    micro_batch_size: ranges.PositiveInt = 8
     """sequences per forward/backward (memory only: the gradient is the same for any split)"""
-    clip_eps: float = 0.2
+    clip_eps: ranges.PositiveFloat = 0.2
     """PPO ratio clipping"""
-    beta: float = 1e-4
+    beta: ranges.NonNegativeFloat = 1e-4
     """k3 KL penalty to the reference model (0 disables the reference model)"""
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
     replica does not fit one GPU; the sampler gathers the whole model while it samples"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the update"""
-    eval_every: int = 10
+    eval_every: ranges.PositiveInt = 10
     """evaluate every N iterations (and before the first and after the last)"""
     eval_before: bool = True
     """evaluate the starting model before the first iteration (the closing line's "before"); --no-eval-before
     skips it when that accuracy is already known"""
-    eval_limit: int | None = None
+    eval_limit: ranges.OptionalPositiveInt = None
     """held-out questions to evaluate on (default: all)"""
-    eval_samples: int = 16
+    eval_samples: ranges.PositiveInt = 16
     """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35, top_p 0.9)"""
-    eval_temperature: float = 0.35
+    eval_temperature: ranges.NonNegativeFloat = 0.35
     """evaluation sampling temperature"""
-    eval_top_p: float = 0.9
+    eval_top_p: ranges.Probability = 0.9
     """evaluation nucleus threshold (paper GSM8K protocol: 0.9, the authors' eval config)"""
-    save_every: int = 10
+    save_every: ranges.PositiveInt = 10
     """checkpoint every N iterations (and after the last)"""
-    max_minutes: float | None = None
+    max_minutes: ranges.OptionalPositiveFloat = None
     """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
-    save_samples: int = 0
+    save_samples: ranges.NonNegativeInt = 0
     """every N iterations write the first --save-questions groups to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
-    save_questions: int = 2
+    save_questions: ranges.PositiveInt = 2
     """questions whose responses --save-samples writes"""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: ranges.Probability = 0.3
     """GPU memory fraction for the vLLM engine"""
 
 

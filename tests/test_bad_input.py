@@ -37,18 +37,36 @@ COMMON = [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--iterations", "0"], "--iterations"),
     (["--batch-size", "6", "--micro-batch-size", "4"], "--batch-size (6) must be a positive multiple"),
+    # numbers that used to run and change the algorithm silently: each is outside the range its field declares
+    (["--max-grad-norm", "-1"], "--max-grad-norm (-1.0) must be positive"),  # torch would scale by -1/|g|: ascent
+    (["--warmup-ratio", "-0.5"], "--warmup-ratio (-0.5) must be in [0, 1)"),
+    (["--warmup-ratio", "3"], "--warmup-ratio (3.0) must be in [0, 1)"),
+    (["--lr", "inf"], "--lr (inf) must be a finite number, positive"),  # ran, and saved a checkpoint of NaNs
+    (["--temperature", "nan"], "--temperature (nan) must be a finite number, positive"),
+    (["--weight-decay", "-1"], "--weight-decay (-1.0) must be 0 or positive"),  # failed only after the model loaded
+    (["--seed", "-3"], "--seed (-3) must be in [0, 4294967295]"),
+    (["--vllm-gpu-memory-utilization", "1.5"], "--vllm-gpu-memory-utilization (1.5) must be in (0, 1]"),
+    (["--max-minutes", "0"], "--max-minutes (0.0) must be positive"),
+    (["--beta", "nan"], "--beta (nan) must be a finite number"),
 ]
 SPECIFIC = {
     "spo_chain.py": [(["--mc-samples", "0"], "--mc-samples"), (["--interval", "0"], "--interval"),
                      (["--prob-threshold", "1.5"], "--prob-threshold")],
     "spo_tree.py": [(["--tree", "0,3"], "--tree"), (["--segment-tokens", "0"], "--segment-tokens"),
                     (["--edges-per-question", "0"], "--edges-per-question")],
-    "grpo_baseline.py": [(["--group-size", "1"], "--group-size must be at least 2")],
-    "ppo_baseline.py": [(["--lam", "2"], "--lam"), (["--critic-lr", "-1"], "--critic-lr")],
+    "grpo_baseline.py": [(["--group-size", "1"], "--group-size (1) must be at least 2"),
+                         # with the mask on, a threshold outside (0, 1] used to turn the mask off silently
+                         (["--prob-mask", "--prob-threshold", "0"], "--prob-threshold (0.0) must be in (0, 1]"),
+                         (["--prob-mask", "--prob-threshold", "1.5"], "--prob-threshold (1.5) must be in (0, 1]")],
+    "ppo_baseline.py": [(["--lam", "2"], "--lam"), (["--critic-lr", "-1"], "--critic-lr"),
+                        (["--prob-mask", "--prob-threshold", "-0.2"], "--prob-threshold (-0.2) must be in (0, 1]"),
+                        (["--gamma", "nan"], "--gamma (nan) must be a finite number, in [0, 1]")],
 }
 EVAL = [
     (["--samples", "0"], "--samples (0) must be at least 1"),
-    (["--temperature", "-0.5"], "--temperature (-0.5) must be 0 (greedy) or positive"),
+    (["--temperature", "-0.5"], "--temperature (-0.5) must be 0 or positive"),
+    (["--temperature", "nan"], "--temperature (nan) must be a finite number"),  # exited 0 with responses "NNNN"
+    (["--seed", "-1"], "--seed (-1) must be in [0, 4294967295]"),
     (["--top-p", "0"], "--top-p (0.0) must be in (0, 1]"),
     (["--max-new-tokens", "0"], "--max-new-tokens (0) must be at least 1"),
     (["--limit", "0"], "--limit"),
@@ -128,3 +146,87 @@ def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8
         assert ev.check_prompt_room(examples, 12, "T", drop=False) == examples
     with pytest.raises(UsageError, match="--context 10 leaves no room .*prompts are 10-17 tokens"):
         ev.check_prompt_room(examples, 10, "T", drop=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every numeric flag declares its valid range on its field (plumbing/ranges.py)
+
+
+def _command_lines():
+    """Every dataclass a command line of the project is parsed into: the four scripts, eval.py, viewer.py, the benchmarks."""
+    import importlib
+    import dataclasses
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+    modules = {"spo_chain": ["Args"], "spo_tree": ["Args"], "grpo_baseline": ["Args"], "ppo_baseline": ["Args"],
+               "eval": ["EvalArgs"], "viewer": ["Html", "Curves"], "credit_assignment": ["Args"], "learning": ["Args"],
+               "logprob_memory": ["Args"], "trl_side_by_side": ["Args"]}
+    found = [getattr(importlib.import_module(name), cls) for name, classes in modules.items() for cls in classes]
+    # a benchmark added later with a tyro dataclass of its own must be listed above
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        if "tyro.cli(Args)" in path.read_text() or "ranges.cli(Args)" in path.read_text():
+            assert path.stem in modules, f"{path.name} parses an Args: add it to _command_lines"
+    return [c for c in found if dataclasses.is_dataclass(c)]
+
+
+def test_every_numeric_flag_declares_a_range_that_its_default_satisfies():
+    import dataclasses
+
+    from plumbing import ranges
+
+    checked = 0
+    for args_class in _command_lines():
+        for field in dataclasses.fields(args_class):
+            if not ranges.is_numeric(args_class, field.name):
+                continue
+            assert ranges.field_range(args_class, field.name) is not None, \
+                f"{args_class.__module__}.{args_class.__name__}.{field.name} has no range: declare one (plumbing/ranges.py)"
+            checked += 1
+        if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+               for f in dataclasses.fields(args_class)):
+            assert ranges.problems(args_class()) == [], args_class  # the defaults are valid
+    assert checked >= 100  # 4 scripts x ~27 + eval + viewer + benchmarks
+
+
+def test_a_range_shows_in_help_and_rejects_non_finite_values():
+    from dataclasses import dataclass
+
+    import tyro
+
+    from plumbing import ranges
+
+    @dataclass
+    class Demo:
+        rate: ranges.PositiveFloat = 1.0
+        share: ranges.Probability = 0.5
+        limit: ranges.OptionalPositiveInt = None
+        seeds: ranges.Seeds = (1,)
+
+    assert ranges.problems(Demo()) == []
+    assert ranges.problems(Demo(rate=float("inf"), share=0.0, limit=0, seeds=[])) == [
+        "--rate (inf) must be a finite number, positive", "--share (0.0) must be in (0, 1]", "--limit (0) must be at least 1",
+        "--seeds needs at least one value"]
+    assert ranges.problems(Demo(rate=-0.0, share=1.0, limit=None, seeds=[2, -1, 2**32])) == [
+        "--rate (-0.0) must be positive", "--seeds (-1 4294967296): each value must be in [0, 4294967295]"]
+    assert ranges.field_range(Demo, "rate") == (ranges.Range(0, None, low_open=True), float)
+
+
+@pytest.mark.parametrize("command,text", [
+    (["viewer.py", "html", "RUN", "--questions", "0"], "--questions (0) must be at least 1"),
+    (["viewer.py", "html", "RUN", "--iterations"], "--iterations needs at least one value"),
+    (["viewer.py", "curves", "RUN", "--smooth", "1"], "--smooth (1.0) must be in [0, 1)"),
+    (["benchmarks/learning.py", "--seeds"], "--seeds needs at least one value"),  # exited 0 and wrote an empty table
+    (["benchmarks/learning.py", "--minutes", "nan"], "--minutes (nan) must be a finite number"),
+    (["benchmarks/trl_side_by_side.py", "--group-size", "1"], "--group-size (1) must be at least 2"),
+    (["benchmarks/credit_assignment.py", "--intervals", "0", "5"], "--intervals (0): each value must be at least 1"),
+    (["benchmarks/logprob_memory.py", "--rows", "0"], "--rows (0) must be at least 1"),
+])
+def test_viewer_and_benchmark_flags_out_of_range_are_one_line(command, text, tmp_path):
+    (tmp_path / "RUN").mkdir()
+    results = tmp_path / "results.json"
+    result = subprocess.run([sys.executable, str(ROOT / command[0]), *command[1:]], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode not in (0, None) and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], result.stderr
+    assert not results.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["RUN"]  # nothing written

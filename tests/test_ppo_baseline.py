@@ -292,7 +292,7 @@ def test_cli_bad_input_prints_one_error_line(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith("error: --gamma (2.0) and --lam (1.0) must be in [0, 1]")
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --gamma (2.0) must be in [0, 1]")
     assert "Traceback" not in result.stderr
 
 
