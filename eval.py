@@ -16,7 +16,9 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import re
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -26,7 +28,7 @@ from typing import Literal
 import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, distributed, ranges
+from plumbing import UsageError, distributed, files, ranges
 from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
 from plumbing.models import load_model
@@ -143,10 +145,8 @@ def _rg_rows(name: str, split: str, size: int, seed: int) -> list[dict]:
 
 
 def _jsonl_rows(path: str) -> list[dict]:
-    if not Path(path).is_file():
-        raise UsageError(f"task file {path} does not exist")
     rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(files.read_text(path, "task file").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -180,8 +180,12 @@ def task_problems(name: str, split: str | None = None, flag: str = "--task") -> 
             problems.append(f"{flag} {name}: reasoning-gym has no dataset {dataset!r}"
                             + (f" (similar: {', '.join(close)})" if close else " (e.g. rg:chain_sum, rg:gsm_symbolic)"))
     elif name.endswith(".jsonl"):
-        if not Path(name).is_file():
+        if Path(name).is_dir():
+            problems.append(f"{flag} {name}: a directory, not a task file")
+        elif not Path(name).is_file():
             problems.append(f"{flag} {name}: the file does not exist")
+        elif not os.access(name, os.R_OK):
+            problems.append(f"{flag} {name}: the file cannot be read (permission denied)")
     elif name not in HUB_TASKS:
         problems.append(f"{flag}: unknown task {name!r}: use gsm8k, math, math500, aime24, rg:<reasoning-gym dataset> "
                         "or a .jsonl file")
@@ -270,6 +274,9 @@ def load_examples(task: str, eval_task: str, context: int, eval_limit: int | Non
     `context` dropped) and the held-out questions of `eval_task` (kept, scoring 0 as unfinished)."""
     train_examples = load_task(task, "train", seed=seed, tokenizer=tokenizer)
     held_out = load_task(eval_task, "test", limit=eval_limit, seed=seed, tokenizer=tokenizer)
+    if eval_task == task and task.endswith(".jsonl"):  # a file has no test split: say that "held-out" is not
+        warnings.warn(f"--eval-task is the training file {task} itself: the accuracy reported is on training questions, "
+                      "not held-out ones; give --eval-task a separate file for a held-out figure", stacklevel=2)
     return (check_prompt_room(train_examples, context, f"--task {task}", drop=True),
             check_prompt_room(held_out, context, f"--eval-task {eval_task}", drop=False))
 
@@ -428,8 +435,11 @@ def main(args: EvalArgs) -> dict:
     output = distributed.broadcast(Path(args.output or f"runs/eval/{safe(args.model)}__{safe(args.task)}__{int(time.time())}.json"))
     if distributed.rank() > 0:  # rank 0 writes the gathered result
         return result
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"args": asdict(args), **result}, indent=1))
+    try:
+        files.write_atomic(output, json.dumps({"args": asdict(args), **result}, indent=1), "the results")
+    except UsageError as error:  # the evaluation is not lost: its numbers go to the terminal with the error
+        print(json.dumps({"args": asdict(args), **result}), file=sys.stdout)
+        raise UsageError(f"{error}; the results are printed above") from None
     print(
         f"{args.task}: accuracy {result['accuracy']:.3f}  pass@{args.samples} {result[f'pass@{args.samples}']:.3f}  "
         f"majority {result['majority_accuracy']:.3f}  truncated {result['truncation_rate']:.2f}  "

@@ -446,7 +446,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
-    run_dir, checkpoint_dir = runs.open_run(args, precision.line)
+    run_dir, checkpoint_dir = runs.open_run(args, precision.line, device)
 
     model, tokenizer, reference = models.load_policy(args.model, checkpoint_dir, device, args.beta)
     critic = load_critic(args, model, checkpoint_dir, device, precision)

@@ -546,7 +546,7 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
-    run_dir, checkpoint = runs.open_run(args, precision.line)
+    run_dir, checkpoint = runs.open_run(args, precision.line, device)
 
     model, tokenizer, reference = models.load_policy(args.model, checkpoint, device, args.beta, args.gradient_checkpointing, args.fsdp)
     train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)

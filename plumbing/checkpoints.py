@@ -46,6 +46,8 @@ def checkpoint_problem(directory: Path) -> str | None:
         try:
             with path.open("rb") as f:
                 header_size = int.from_bytes(f.read(8), "little")
+                if header_size > path.stat().st_size - 8:  # a damaged size field: never allocate from it
+                    return f"{path} is damaged (its header claims {header_size} bytes)"
                 header = json.loads(f.read(header_size))
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
             if path.stat().st_size < 8 + header_size + end:
@@ -65,11 +67,19 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, module
     if distributed.rank() > 0:
         return final
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, state_dict=weights)
-    tokenizer.save_pretrained(staging)
-    for name, state in module_weights.items():
-        torch.save(state, staging / f"{name}.pt")
-    torch.save({**trainer_state, "world_size": distributed.world_size()}, staging / "trainer_state.pt")
+    try:
+        model.save_pretrained(staging, state_dict=weights)
+        tokenizer.save_pretrained(staging)
+        for name, state in module_weights.items():
+            torch.save(state, staging / f"{name}.pt")
+        torch.save({**trainer_state, "world_size": distributed.world_size()}, staging / "trainer_state.pt")
+    except Exception as error:  # disk full, read-only, quota: safetensors and torch raise their own error types
+        shutil.rmtree(staging, ignore_errors=True)
+        kept = trained_iterations(run_dir)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"cannot write the checkpoint of iteration {trainer_state.get('iteration')} to {staging} ({reason}); "
+                         + (f"{final} still holds iteration {kept}" if kept else "no earlier checkpoint exists")
+                         + ": free space (or fix the folder's permissions) and --resume") from None
     if final.exists():
         final.rename(previous)
     staging.rename(final)

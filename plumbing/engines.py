@@ -508,19 +508,25 @@ def backend_problems(backend: str) -> list[str]:
     return []
 
 
-def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_path: str, seed: int = 0,
-                 precision: Precision = FP32, **vllm_kwargs):
-    """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present).
-    `precision` is the HF sampler's (vLLM computes in its own dtype)."""
+def resolve_backend(backend: str) -> str:
+    """The engine --backend names: "auto" is vllm when it imports and a GPU is present (in one process), else hf."""
     if backend == "auto" and distributed.world_size() > 1:
-        backend = "hf"  # under torchrun each rank samples with its own replica (vLLM per rank: not yet)
+        return "hf"  # under torchrun each rank samples with its own replica (vLLM per rank: not yet)
     if backend == "auto":
         try:
             import vllm  # noqa: F401
 
-            backend = "vllm" if torch.cuda.is_available() else "hf"
+            return "vllm" if torch.cuda.is_available() else "hf"
         except ImportError:
-            backend = "hf"
+            return "hf"
+    return backend
+
+
+def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_path: str, seed: int = 0,
+                 precision: Precision = FP32, **vllm_kwargs):
+    """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present).
+    `precision` is the HF sampler's (vLLM computes in its own dtype)."""
+    backend = resolve_backend(backend)
     if problems := backend_problems(backend):
         raise UsageError(problems[0])
     if backend == "hf":

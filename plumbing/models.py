@@ -127,11 +127,15 @@ def load_model(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = resolve_model(name_or_path)
+    if problem := model_directory_problem(Path(path)):
+        raise UsageError(f"cannot load model {name_or_path!r}: {problem}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # OSError, ValueError, safetensors' SafetensorError for a damaged file, ...
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if Path(path).is_dir():
+            reason = f"{type(error).__name__}: {reason}; a file in {path} may be damaged"
         raise UsageError(
             f"cannot load model {name_or_path!r} ({reason}). Give a local model directory, a reachable "
             f"Hugging Face id, or an alias: {', '.join(ALIASES)}. Offline, use --model smollm2-135m."
@@ -139,6 +143,29 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # only used for padding; masks never look at pad ids
     return model, tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: fast, sentencepiece, BPE
+
+
+def model_directory_problem(path: Path) -> str | None:
+    """What a local path given as a model lacks, in words (None: it looks like a save_pretrained directory, or it
+    is not a local path, i.e. a hub id). Checked before transformers, whose messages name none of this."""
+    if not path.exists():
+        return None if not str(path).startswith(("/", ".", "~")) else f"{path} does not exist"
+    if not path.is_dir():
+        return f"{path} is a file, not a model directory"
+    if not (path / "config.json").exists():
+        if (path / "checkpoint").is_dir():
+            return f"{path} is a run directory, not a model: did you mean {path / 'checkpoint'}?"
+        present = sorted(p.name for p in path.iterdir())[:5]
+        return (f"{path} has no config.json, so it is not a model directory (it holds "
+                f"{', '.join(present) if present else 'nothing'}); give a save_pretrained directory")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        return f"{path} has config.json but no weights (model.safetensors or pytorch_model.bin)"
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        return f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy them from the model it was trained from"
+    return None
 
 
 def check_logits_from_hidden(model: PreTrainedModel) -> None:

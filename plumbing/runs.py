@@ -14,32 +14,49 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+import types
+import typing
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import tyro
 
-from plumbing import UsageError, checkpoints, distributed, engines, models, ranges
+from plumbing import UsageError, checkpoints, distributed, engines, files, models, ranges
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm, docker stop, timeout): handled as Ctrl-C is."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def run_cli(main, args) -> None:
-    """Run a script's main(args): a UsageError becomes one clear error line instead of a traceback, and Ctrl-C one
-    line that says what was kept and how to resume. A new run that failed before it trained leaves nothing behind."""
+    """Run a script's main(args): a UsageError becomes one clear error line instead of a traceback, and Ctrl-C or
+    SIGTERM one line that says what was kept and how to resume (no extra checkpoint is written). A new run that
+    failed before it trained leaves nothing behind; the run directory's lock is released however main ends."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         main(args)
     except UsageError as error:
         _discard_untrained_run()
         sys.exit(f"error: {error}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         print(f"\n{_interrupted_message()}", file=sys.stderr)
-        sys.exit(130)  # the shell's code for "ended by SIGINT"
+        sys.exit(143 if isinstance(interrupt, Terminated) else 130)  # the shell's codes for SIGTERM and SIGINT
+    finally:
+        release_run()
 
 
-_active_run: dict = {}  # the run directory main() is working in (record_start), for run_cli's messages
+_active_run: dict = {}  # the run directory main() is working in (record_start) and its lock, for run_cli's messages
 
 
 def _interrupted_message() -> str:
@@ -58,9 +75,13 @@ def _discard_untrained_run() -> None:
     if not _active_run.get("new"):
         return
     run_dir = _active_run["run_dir"]
-    metrics = run_dir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    if not checkpoints.trained_iterations(run_dir) and not any(json.loads(line).get("iteration", 0) >= 1 for line in lines if line.strip()):
+    try:
+        trained = checkpoints.trained_iterations(run_dir) or any(
+            record.get("iteration", 0) >= 1 for record in files.read_log(run_dir / "metrics.jsonl", "metrics log"))
+    except (UsageError, OSError):
+        trained = True  # cannot tell: keep it
+    if not trained:
+        release_run()
         shutil.rmtree(run_dir, ignore_errors=True)
         _active_run.clear()
 
@@ -87,11 +108,12 @@ def _resume_flag(argv: Sequence[str]) -> str | None:
 def saved_settings(args_class, run_dir: str | Path):
     """The settings a run was started with (RUN/args.json), as an instance of the script's Args."""
     path = Path(run_dir) / "args.json"
+    if not Path(run_dir).is_dir():
+        raise UsageError(f"--resume {run_dir}: not a directory; give a run directory (runs/<run_name>)")
     try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--resume {run_dir}: cannot read the run's settings {path} ({error}); give a run directory "
-                         "this script made") from None
+        saved = files.read_json(path, "the run's settings")
+    except UsageError as error:
+        raise UsageError(f"--resume {run_dir}: {error}; give a run directory this script made") from None
     fields = {f.name for f in dataclasses.fields(args_class)}
     # A setting added to the script after the run started is taken at its default when it cannot change the
     # algorithm (e.g. --dry-run); any other difference means another script or version made the run.
@@ -100,7 +122,30 @@ def saved_settings(args_class, run_dir: str | Path):
         foreign = sorted(set(saved) ^ fields)
         raise UsageError(f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
                          f"{', '.join(foreign[:6])}); resume a run with the script that started it")
-    return args_class(**saved)  # every setting is a JSON scalar (str, int, float, bool, None)
+    hints = typing.get_type_hints(args_class)
+    wrong = [f"{name} = {json.dumps(value)}" for name, value in saved.items() if not _fits(value, hints[name])]
+    if wrong:
+        raise UsageError(f"--resume {run_dir}: {path} holds values of the wrong type ({'; '.join(wrong[:4])}); "
+                         "it was edited or damaged: restore it or start a new run")
+    return args_class(**saved)  # every setting is a JSON scalar or a list of them
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value can be the value of a setting typed `hint` (int for float is fine; bool is not a number)."""
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, part) for part in parts)
+    if origin is Literal:
+        return value in parts
+    if origin in (list, tuple):
+        return isinstance(value, list) and all(_fits(v, parts[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
 
 
 def check_resume_settings(args, run_dir: str | Path) -> None:
@@ -113,18 +158,18 @@ def check_resume_settings(args, run_dir: str | Path) -> None:
                          f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run")
 
 
-def record_start(run_dir: Path, resumed: bool, precision_line: str | None = None) -> None:
-    """Append this start or resume (time, command line, commit, the precision chosen) to RUN/starts.jsonl."""
+def record_start(run_dir: Path, resumed: bool, precision_line: str | None = None, **how) -> None:
+    """Append this start or resume (time, command line, commit, the precision chosen, and `how` it runs: world size,
+    backend, device) to RUN/starts.jsonl."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                                 text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": commit,
-             "precision": precision_line}
+             "precision": precision_line, **how}
     _active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)  # first: a Ctrl-C from here on names the run
-    with (run_dir / "starts.jsonl").open("a") as f:
-        f.write(json.dumps(entry) + "\n")
+    files.append_line(run_dir / "starts.jsonl", entry, "the run's start log")
 
 
 def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]:
@@ -324,9 +369,10 @@ class TrainArgs:
 # A training run's directory, metrics, samples and closing line (every script's main)
 
 
-def open_run(args, precision_line: str | None = None) -> tuple[Path, Path | None]:
+def open_run(args, precision_line: str | None = None, device=None) -> tuple[Path, Path | None]:
     """The run directory (new, or the one --resume names) and its newest intact checkpoint (None: start from
-    --model). Writes the run's settings to args.json and records this start in starts.jsonl."""
+    --model). Rank 0 creates a new directory exclusively (a name already taken gets a suffix) and locks the run for
+    this process (lock_run); writes the run's settings to args.json and records this start in starts.jsonl."""
     if args.resume:
         run_dir = Path(args.resume)
         checkpoint = checkpoints.latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
@@ -338,12 +384,96 @@ def open_run(args, precision_line: str | None = None) -> tuple[Path, Path | None
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
         run_dir, checkpoint = distributed.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
+    problem = None
     if distributed.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=1))
-        record_start(run_dir, resumed=bool(args.resume), precision_line=precision_line)
-    distributed.barrier()
+        try:
+            if not args.resume:
+                run_dir = make_new_directory(run_dir)
+            lock_run(run_dir)
+            files.write_atomic(run_dir / "args.json", json.dumps(asdict(args), indent=1), "the run's settings")
+            record_start(run_dir, resumed=bool(args.resume), precision_line=precision_line, world_size=distributed.world_size(),
+                         backend=engines.resolve_backend(args.backend), device=str(device) if device is not None else None)
+        except UsageError as error:
+            problem = str(error)
+    run_dir, problem = distributed.broadcast((run_dir, problem))  # a suffixed name, or rank 0's error, on every rank
+    if problem:
+        raise UsageError(problem)
     return run_dir, checkpoint
+
+
+def make_new_directory(run_dir: Path) -> Path:
+    """Create a new run directory that no other process has: `run_dir`, else run_dir-2, run_dir-3, ..."""
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--output-dir {run_dir.parent} cannot be created: {error.strerror or error}") from None
+    for attempt in range(1, 1000):
+        candidate = run_dir if attempt == 1 else run_dir.with_name(f"{run_dir.name}-{attempt}")
+        try:
+            candidate.mkdir()  # atomic: of two processes asking for one name, exactly one gets it
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise UsageError(f"cannot create the run directory {candidate}: {error.strerror or error}") from None
+    raise UsageError(f"{run_dir} and 998 suffixed names are taken: give another --exp-name or --output-dir")
+
+
+def lock_run(run_dir: Path) -> None:
+    """Hold RUN/lock (host, PID, time) for this process's life. A lock held by a live process refuses this one with
+    one line naming both; one left by a dead process on this host (kill -9, a crash) is taken over with a warning."""
+    lock, me = run_dir / "lock", {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for _ in range(3):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text())
+            except (OSError, ValueError):
+                holder = {}  # being written this instant, or damaged
+            if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+                break  # this process already holds it (a second main() in one process)
+            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+                warnings.warn(f"{run_dir} was locked by process {holder['pid']}, which is no longer running: taking it over")
+                lock.unlink(missing_ok=True)
+                continue
+            if not holder:
+                time.sleep(0.5)
+                continue
+            raise UsageError(f"{run_dir} is in use by process {holder.get('pid')} on {holder.get('host')} (since "
+                             f"{holder.get('since')}); this process ({me['pid']} on {me['host']}) would mix its files with "
+                             f"that run's: wait for it to end, or remove {lock} if that process is gone")
+        except OSError as error:
+            raise UsageError(f"cannot lock the run directory {run_dir}: {error.strerror or error}") from None
+        else:
+            with os.fdopen(descriptor, "w") as f:
+                f.write(json.dumps(me))
+            break
+    else:
+        raise UsageError(f"cannot lock the run directory {run_dir}: {lock} is unreadable; remove it if no run is using it")
+    _active_run["lock"] = lock
+
+
+def release_run() -> None:
+    """Remove this process's lock on its run directory (a no-op where it holds none)."""
+    lock = _active_run.pop("lock", None)
+    if lock is None:
+        return
+    try:
+        if json.loads(lock.read_text()).get("pid") == os.getpid():
+            lock.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 class RunLog:
@@ -356,10 +486,9 @@ class RunLog:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        kept = [line for line in lines if json.loads(line)["iteration"] < start_iteration]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.train_seconds = max([json.loads(line).get("time/train_seconds", 0.0) for line in kept], default=0.0)
+        kept = [r for r in files.read_log(self.path, "metrics log") if r.get("iteration", 0) < start_iteration]
+        files.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept), "metrics log")
+        self.train_seconds = max([r.get("time/train_seconds", 0.0) for r in kept], default=0.0)
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
         if args.track:
             import wandb
@@ -370,8 +499,7 @@ class RunLog:
     def write(self, iteration: int, metrics: dict) -> None:
         if self.writer is None:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        files.append_line(self.path, {"iteration": iteration, **metrics}, "metrics log")
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, iteration)
         if self.wandb is not None:
@@ -393,8 +521,7 @@ def write_samples(path: Path, records: list[dict]) -> None:
             return {key: rounded(v) for key, v in value.items()}
         return value
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(rounded(r)) + "\n" for r in records))
+    files.write_atomic(path, "".join(json.dumps(rounded(r)) + "\n" for r in records), "samples file")
 
 
 def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
@@ -403,7 +530,8 @@ def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accura
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
     if distributed.rank() > 0:
         return summary
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    release_run()
+    files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1), "the run's summary")
     before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
     after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
     print(f"accuracy {before} -> {after} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")

@@ -48,8 +48,11 @@ def test_resume_of_another_scripts_run_is_one_clear_error(tmp_path):
     _saved_run(grpo_baseline, tmp_path / "run")
     with pytest.raises(UsageError, match="resume a run with the script that started it"):
         runs.saved_settings(spo_tree.Args, tmp_path / "run")
-    with pytest.raises(UsageError, match="cannot read the run's settings"):
+    with pytest.raises(UsageError, match="nothing-here: not a directory; give a run directory"):
         runs.saved_settings(spo_tree.Args, tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match=r"the run's settings .*empty/args.json does not exist"):
+        runs.saved_settings(spo_tree.Args, tmp_path / "empty")
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)

@@ -1,0 +1,116 @@
+"""Reading and writing the project's files so that damage is one line and a failed write loses nothing.
+
+Reads: a file that is missing, unreadable, not UTF-8 or not the JSON it should be raises UsageError naming the
+file and what is wrong. Writes: `write_atomic` writes beside the target and renames, so a full disk, a read-only
+folder or a kill mid-write leaves the previous file whole and no partial one. Append-only logs (metrics.jsonl):
+`read_log` drops a torn or blank last line, which is what a kill or a full disk during an append leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+from plumbing import UsageError
+
+
+def read_text(path: str | Path, what: str = "file") -> str:
+    """The text of a UTF-8 file; any reason it cannot be read is one UsageError naming it."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise UsageError(f"{what} {path} is a directory, not a file") from None
+    except PermissionError:
+        raise UsageError(f"{what} {path} cannot be read: permission denied") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {error.start}): give a text file") from None
+    except OSError as error:
+        raise UsageError(f"{what} {path} cannot be read ({error.strerror or error})") from None
+
+
+def read_json(path: str | Path, what: str = "file", shape: type = dict):
+    """A JSON file whose top level must be `shape` (dict or list)."""
+    text = read_text(path, what)
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise UsageError(f"{what} {path} is not valid JSON ({error})") from None
+    if not isinstance(value, shape):
+        raise UsageError(f"{what} {path} holds a JSON {type(value).__name__}, not a JSON "
+                         f"{'object' if shape is dict else 'array'}")
+    return value
+
+
+def read_log(path: Path, what: str = "log") -> list[dict]:
+    """The records of an append-only JSON-lines log (none when it does not exist). A torn or blank tail (the last
+    line cut short by a kill or a full disk) is dropped with a warning and cut from the file, so the next append
+    starts on a clean line; damage before the last line is a UsageError naming the line."""
+    if not path.exists():
+        return []
+    lines = read_text(path, what).split("\n")
+    records, good_bytes = [], 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            if any(rest.strip() for rest in lines[number:]):
+                raise UsageError(f"{what} {path} line {number} is blank in the middle of the file: delete that line")
+            break
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as error:
+            if any(rest.strip() for rest in lines[number:]):
+                raise UsageError(f"{what} {path} line {number} is damaged ({error}): delete that line") from None
+            warnings.warn(f"{path}: its last line is cut short (a write was interrupted); dropped it", stacklevel=2)
+            break
+        records.append(record)
+        good_bytes += len(line.encode("utf-8")) + 1
+    size = path.stat().st_size
+    if good_bytes == size + 1:  # a whole last record whose newline was not written
+        with path.open("ab") as f:
+            f.write(b"\n")
+    elif good_bytes < size:
+        with path.open("r+b") as f:  # cut the torn or blank tail
+            f.truncate(good_bytes)
+    return records
+
+
+def write_atomic(path: str | Path, text: str, what: str = "file") -> None:
+    """Write `text` to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it. A failure
+    (disk full, read-only, the parent is a file) removes the temporary file and is one UsageError."""
+    path = Path(path)
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+        raise UsageError(f"cannot write {what} {path}: {error.strerror or error}") from None
+
+
+def append_line(path: Path, record: dict, what: str = "log") -> None:
+    """Append one JSON record to a JSON-lines log; a failed write (disk full) is one UsageError, and whatever part
+    of the line reached the disk is cut again, so the log stays whole."""
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as error:
+        try:
+            with path.open("r+b") as f:
+                f.truncate(size)
+        except OSError:
+            pass
+        raise UsageError(f"cannot write {what} {path}: {error.strerror or error}") from None
