@@ -22,6 +22,7 @@ The viewer only reads files: it imports neither torch nor eval.py, so it starts 
 from __future__ import annotations
 
 import html
+import io
 import json
 import math
 import re
@@ -32,11 +33,7 @@ from typing import Annotated, Literal, Union
 
 import tyro
 
-from plumbing import ranges
-
-
-class UsageError(Exception):
-    """Bad input (missing run files, malformed lines); printed as one `error: ...` line, like eval.UsageError."""
+from plumbing import UsageError, files, ranges  # torch-free: the viewer starts instantly
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,6 +587,9 @@ def run_label(run_dir: Path) -> str:
         return run_dir.name
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg")  # what --output of `curves` may end in (matplotlib writes each)
+
+
 def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: tuple[str, ...] = tuple(PANELS),
                 smooth: float = 0.0) -> list[str]:
     """Write a grid of panels, one line per run; returns the keys plotted."""
@@ -631,9 +631,10 @@ def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: 
     # One legend entry per run, from proxies: matplotlib hides labels that start with "_" (a run on a local ./_data.jsonl task).
     handles = [Line2D([], [], color=f"C{index % 10}", marker="o", markersize=3, linewidth=1.5) for index in range(len(runs))]
     fig.legend(handles, labels, loc="outside upper center", ncol=min(4, len(labels)), fontsize=9, frameon=False)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=output.suffix[1:])
     plt.close(fig)
+    files.write_atomic(output, image.getvalue(), "the plot")
     return present
 
 
@@ -673,14 +674,16 @@ class Curves:
 
 def main(command: Html | Curves) -> None:
     problems = ranges.problems(command)
+    allowed = (".html", ".htm") if isinstance(command, Html) else PLOT_FORMATS
+    if command.output.suffix.lower() not in allowed:
+        problems.append(f"-o {command.output}: give a file name ending in {', '.join(allowed)}")
     if problems:
         raise UsageError("; ".join(problems))
     if not command.runs:
         raise UsageError("give at least one run directory, e.g. python viewer.py html runs/<run_name>")
     if isinstance(command, Html):
         runs = [load_samples(run_dir, command.iterations, command.questions) for run_dir in command.runs]
-        command.output.parent.mkdir(parents=True, exist_ok=True)
-        command.output.write_text(build_page(runs), encoding="utf-8")
+        files.write_atomic(command.output, build_page(runs), "the page")
         iterations = sorted({k for run in runs for k in run["iterations"]})
         print(f"wrote {command.output} ({command.output.stat().st_size / 1e6:.1f} MB): {len(runs)} run(s), "
               f"iterations {', '.join(map(str, iterations))}; open it in a browser")

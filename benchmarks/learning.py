@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
-from plumbing import ranges  # noqa: E402
+from plumbing import files, ranges, runs as run_files  # noqa: E402
 from plumbing.precision import cpu_description  # noqa: E402
 
 # Per-algorithm settings: sized so each makes several iterations in 12 minutes on 2 CPU cores.
@@ -101,7 +101,10 @@ def earlier_runs(args: Args) -> list[dict]:
     results = Path(args.results)
     if not results.exists():
         return []
-    earlier = json.loads(results.read_text())
+    try:
+        earlier = files.read_json(results, "--results file")
+    except run_files.UsageError as error:
+        raise SystemExit(f"error: --keep-other-seeds: {error}") from None
     differ = [f"--{key.replace('_', '-')} {earlier['args'][key]} there, {getattr(args, key)} here"
               for key in SHARED_SETTINGS if earlier["args"][key] != getattr(args, key)]
     if differ:
@@ -110,17 +113,34 @@ def earlier_runs(args: Args) -> list[dict]:
     return [run for run in earlier["runs"] if run["seed"] not in args.seeds]
 
 
-def finished_run(directory: Path) -> Path | None:
+def finished_run(directory: Path, cmd: list[str] | None = None) -> Path | None:
+    """The newest finished run in `directory`; with `cmd`, only one started with that command line (a run made with
+    other settings is not this benchmark's run and is never reused under this command)."""
+    def same_command(run_dir: Path) -> bool:
+        try:
+            argv = files.read_log(run_dir / "starts.jsonl")[0]["argv"]
+        except (run_files.UsageError, IndexError, KeyError):
+            return False
+        wanted = [a for a in cmd[1:] if a != "--no-eval-before"]
+        return [a for a in argv if a != "--no-eval-before"] == wanted
+
     runs = sorted(p.parent for p in directory.glob("*/summary.json"))
+    runs = [r for r in runs if cmd is None or same_command(r)]
     return runs[-1] if runs else None
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line of a run's log: its error line when it failed."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(empty log)"
 
 
 def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None = None) -> dict:
     """Run (or reuse) one algorithm's run; with base_accuracy (the starting model's, measured by an earlier run of
     this seed) the run skips its own evaluation before training."""
     directory = ROOT / args.output_dir / f"seed{seed}" / algorithm
-    run_dir = None if args.fresh else finished_run(directory)
     cmd = command(args, algorithm, seed, eval_before=base_accuracy is None)
+    run_dir = None if args.fresh else finished_run(directory, cmd)
     if run_dir is None:
         directory.mkdir(parents=True, exist_ok=True)
         print(f"== {algorithm} seed {seed}: {' '.join(cmd[1:])}", flush=True)
@@ -128,7 +148,8 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
         with open(directory / "log.txt", "w") as log:
             result = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if result.returncode != 0:
-            raise SystemExit(f"error: {algorithm} seed {seed} failed (exit {result.returncode}); see {directory / 'log.txt'}")
+            raise SystemExit(f"error: {algorithm} seed {seed} failed (exit {result.returncode}): {last_line(directory / 'log.txt')} "
+                             f"(whole log: {directory / 'log.txt'})")
         run_dir = finished_run(directory)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         (run_dir / "benchmark.json").write_text(json.dumps({"wall_seconds": time.time() - started, "load_before": load,
@@ -207,6 +228,14 @@ def main(args: Args) -> None:
     if unknown:
         raise SystemExit(f"error: unknown algorithm(s) {unknown}: choose from {list(ALGORITHMS)}")
     results = Path(args.results)
+    # checked before an hour of runs, not after them
+    problems = ([f"--results {results} is a directory: give a .json file path"] if results.is_dir() else
+                [f"--results {results}: give a .json file path"] if results.suffix != ".json" else
+                run_files.directory_problems(str(results.parent), "--results' folder"))
+    if not args.algorithms:
+        problems.append("--algorithms needs at least one value")
+    if problems:
+        raise SystemExit(f"error: {'; '.join(problems)}")
     runs = earlier_runs(args) if args.keep_other_seeds else []
     for seed in args.seeds:
         base_accuracy = None  # the first algorithm of each seed evaluates the starting model; the others reuse it
@@ -215,8 +244,7 @@ def main(args: Args) -> None:
             base_accuracy = runs[-1]["accuracy_before"]
     runs.sort(key=lambda run: run["seed"])  # stable: each seed's algorithms keep their order
     table = summarize(runs)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"args": asdict(args), "cpu_count": os.cpu_count(), "summary": table, "runs": runs}, indent=1))
+    files.write_atomic(results, json.dumps({"args": asdict(args), "cpu_count": os.cpu_count(), "summary": table, "runs": runs}, indent=1), "the results")
     plot(runs, results.with_suffix(".png"))
     print(f"\n{'algorithm':<10} {'accuracy before -> after (per seed)':<40} {'iters':>6} {'s/iter':>7} {'tokens/iter':>12}")
     for name, row in table.items():

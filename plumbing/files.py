@@ -81,15 +81,16 @@ def read_log(path: Path, what: str = "log") -> list[dict]:
     return records
 
 
-def write_atomic(path: str | Path, text: str, what: str = "file") -> None:
-    """Write `text` to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it. A failure
+def write_atomic(path: str | Path, text: str | bytes, what: str = "file") -> None:
+    """Write `text` (or bytes) to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it. A failure
     (disk full, read-only, the parent is a file) removes the temporary file and is one UsageError."""
     path = Path(path)
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
+        with os.fdopen(descriptor, "wb") as f:
+            text = text.encode("utf-8") if isinstance(text, str) else text
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -97,7 +98,9 @@ def write_atomic(path: str | Path, text: str, what: str = "file") -> None:
     except OSError as error:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
-        raise UsageError(f"cannot write {what} {path}: {error.strerror or error}") from None
+        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        reason = f"{blocking} is a file, not a folder" if blocking else error.strerror or str(error)
+        raise UsageError(f"cannot write {what} {path}: {reason}") from None
 
 
 def append_line(path: Path, record: dict, what: str = "log") -> None:

@@ -154,7 +154,7 @@ def test_a_write_that_fails_leaves_the_previous_file_and_no_partial_one(tmp_path
     target = tmp_path / "summary.json"
     target.write_text("previous")
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(UsageError, match="cannot write the results .*afile/out.json"):
+    with pytest.raises(UsageError, match="cannot write the results .*afile/out.json: .*afile is a file, not a folder"):
         files.write_atomic(tmp_path / "afile" / "out.json", "{}", "the results")
     # a full disk: the process may write at most 100 bytes per file (RLIMIT_FSIZE), SIGXFSZ ignored -> EFBIG
     script = textwrap.dedent(f"""

@@ -375,3 +375,18 @@ def test_curve_labels_come_from_the_runs_args(tmp_path):
     assert viewer.run_label(run) == "spo_tree seed 2"
     (tmp_path / "bare").mkdir()
     assert viewer.run_label(tmp_path / "bare") == "bare"  # no args.json: the directory name
+
+
+@pytest.mark.parametrize("command,text", [
+    (["html", "RUN", "-o", "page.txt"], "-o page.txt: give a file name ending in .html, .htm"),
+    (["curves", "RUN", "-o", "out"], "-o out: give a file name ending in .png, .pdf, .svg"),  # wrote out.png, said "wrote out"
+    (["html", "RUN", "-o", "AFILE/page.html"], "cannot write the page AFILE/page.html: AFILE is a file, not a folder"),
+    (["curves", "RUN", "-o", "AFILE/curves.png"], "cannot write the plot AFILE/curves.png: AFILE is a file, not a folder"),
+])
+def test_outputs_that_cannot_be_written_are_one_line_and_leave_nothing(command, text, tmp_path):
+    make_run(tmp_path / "RUN", "grpo")
+    (tmp_path / "AFILE").write_text("a file, not a folder")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = subprocess.run([sys.executable, str(ROOT / "viewer.py"), *command], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 1 and result.stderr.strip() == f"error: {text}", result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
