@@ -323,6 +323,9 @@ def evaluate(
 
     Pass `examples` (with prompt_ids) to evaluate a fixed held-out set, `sampler` to reuse a rollout engine.
     """
+    # Without a context budget, the model's own position limit is one: a longer prompt is never prefilled (it would
+    # take minutes to fail); it scores 0, counted in check_prompt_room's one warning.
+    context = context or getattr(model.config, "max_position_embeddings", None)
     if examples is None:
         examples = load_task(task, split, limit=limit, seed=seed, tokenizer=tokenizer)
         if context is not None:

@@ -96,7 +96,9 @@ class Args(runs.TrainArgs):
     save_questions: ranges.PositiveInt = 2
     """questions whose trees --save-samples writes"""
     tree: str = "6,6,6"
-    """branch factor per depth, b_0,b_1,...: depth = number of entries (paper: 6,6,6)"""
+    """branch factor per depth, b_0,b_1,...: depth = number of entries (paper: 6,6,6). Size per iteration,
+    --questions x product of the branches leaves: above 50,000 a warning gives the estimate (the paper's: 6,912);
+    above 1,000,000 the run is refused"""
     segment_tokens: ranges.PositiveInt = 600
     """M: new tokens per segment above the last level (paper: 600 long CoT, 30 GSM8K)"""
     advantage: Literal["rloo", "grpo"] = "rloo"
@@ -648,7 +650,9 @@ def validate(args: Args) -> list[int]:
         branches = parse_tree(args.tree)
     except ValueError as error:
         problems.append(f"--tree {error}")
-    if branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
+    if branches and (size := tree_size_problem(branches, args)):
+        problems.append(size)
+    elif branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
         problems.append(
             f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates {(len(branches) - 1) * args.segment_tokens} tokens "
             f"before its last level, leaving no room within --max-new-tokens and --context: raise them or lower --segment-tokens"
@@ -666,6 +670,23 @@ def validate(args: Args) -> list[int]:
     if problems:
         raise UsageError("; ".join(problems))
     return branches
+
+
+WARN_LEAVES, MAX_LEAVES = 50_000, 1_000_000  # leaves per iteration (stated in --tree's help)
+
+
+def tree_size_problem(branches: list[int], args: Args) -> str | None:
+    """Refuse a tree too large to grow (a problem line), warn with an estimate about a large one (None)."""
+    nodes_per_level = [args.questions * math.prod(branches[: d + 1]) for d in range(len(branches))]
+    leaves = nodes_per_level[-1]
+    budget = min(args.max_new_tokens, args.context)
+    tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(0, budget - (len(branches) - 1) * args.segment_tokens)
+    estimate = f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration (--questions {args.questions})"
+    if leaves > MAX_LEAVES:
+        return f"{estimate}: over the {MAX_LEAVES:,}-leaf limit; use fewer or smaller branches or fewer --questions"
+    if leaves > WARN_LEAVES:
+        warnings.warn(f"{estimate}: far beyond the paper's 6,912 leaves; expect long iterations", stacklevel=2)
+    return None
 
 
 def node_probs(model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int,

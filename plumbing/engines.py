@@ -244,15 +244,29 @@ class HFSampler:
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         limits = [max(0, min(b, context - len(p)) if context else b) for p, b in zip(prompts, budgets)]
         histories = stop_histories(prompts, generated, stop)
-        results: list[list[Completion]] = [[] for _ in prompts]
+        # A prompt that fills the context is never prefilled: its n completions are empty and unfinished.
+        results: list[list[Completion]] = [[] if context is None or len(p) < context else
+                                           [Completion(ids=[], finish_reason="length") for _ in range(n)] for p in prompts]
+        live = [i for i, p in enumerate(prompts) if context is None or len(p) < context]
+        # A prompt whose n rows alone exceed the batch caps is sampled in several batches of at most `rows` rows.
+        rows = {i: self.rows_per_batch(len(prompts[i]) + limits[i]) for i in live}
+        split = [i for i in live if n > rows[i]]
+        together = [i for i in live if n <= rows[i]]
+        batches = [(batch, n) for batch in self.chunks([prompts[i] for i in together], [limits[i] for i in together], n)]
+        batches = [([together[j] for j in batch], k) for batch, k in batches]
+        batches += [([i], min(rows[i], n - start)) for i in split for start in range(0, n, rows[i])]
         device = self.model.device.type
         with self.precision.autocast(device):  # training keeps fp32 weights
-            for batch in tqdm.tqdm(self.chunks(prompts, limits, n), desc=progress, leave=False, disable=progress is None or distributed.rank() > 0):
+            for batch, k in tqdm.tqdm(batches, desc=progress, leave=False, disable=progress is None or distributed.rank() > 0):
                 groups = self._sample_chunk([prompts[i] for i in batch], [limits[i] for i in batch],
-                                            [histories[i] for i in batch], n, temperature, top_p, stop, ignore_eos)
+                                            [histories[i] for i in batch], k, temperature, top_p, stop, ignore_eos)
                 for i, group in zip(batch, groups):
-                    results[i] = group
+                    results[i] = results[i] + group
         return results
+
+    def rows_per_batch(self, width: int) -> int:
+        """How many rows of `width` cached positions one batch may hold (at least 1)."""
+        return max(1, min(self.batch_size, self.max_batch_tokens // max(1, width)))
 
     @torch.no_grad()
     def _prefill(self, prompts: list[list[int]], width: int, pad: int):

@@ -53,7 +53,10 @@ SPECIFIC = {
     "spo_chain.py": [(["--mc-samples", "0"], "--mc-samples"), (["--interval", "0"], "--interval"),
                      (["--prob-threshold", "1.5"], "--prob-threshold")],
     "spo_tree.py": [(["--tree", "0,3"], "--tree"), (["--segment-tokens", "0"], "--segment-tokens"),
-                    (["--edges-per-question", "0"], "--edges-per-question")],
+                    (["--edges-per-question", "0"], "--edges-per-question"),
+                    # started a 4-hour level with no word: refused with its size
+                    (["--tree", "100,100,100"], "--tree 100,100,100 grows up to 32,000,000 leaves and 27,329,920,000 generated "
+                                                "tokens per iteration (--questions 32): over the 1,000,000-leaf limit")],
     "grpo_baseline.py": [(["--group-size", "1"], "--group-size (1) must be at least 2"),
                          # with the mask on, a threshold outside (0, 1] used to turn the mask off silently
                          (["--prob-mask", "--prob-threshold", "0"], "--prob-threshold (0.0) must be in (0, 1]"),

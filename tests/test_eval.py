@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,33 @@ def test_greedy_sampling_matches_step_by_step_forward(tiny):
     groups = engines.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=8)
     for prompt, group in zip(prompts, groups):
         assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 8, tokenizer.eos_token_id)
+
+
+def test_samples_of_one_prompt_beyond_the_row_cap_are_split_into_batches_under_it(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer("x")["input_ids"]
+    sampler = engines.HFSampler(model, tokenizer, batch_size=4)
+    rows = []
+    original = sampler._sample_chunk
+    sampler._sample_chunk = lambda prompts, limits, histories, n, *rest: rows.append(len(prompts) * n) or original(prompts, limits, histories, n, *rest)
+    [group] = sampler.sample([prompt], 10, temperature=1.0, top_p=1.0, max_new_tokens=3)
+    assert len(group) == 10 and rows == [4, 4, 2]  # one batch of 10 rows used to bypass the cap of 4
+    sampler.max_batch_tokens = 2 * (len(prompt) + 3)  # the position cap binds too
+    rows.clear()
+    [group] = sampler.sample([prompt], 5, temperature=0, top_p=1.0, max_new_tokens=3)
+    assert rows == [2, 2, 1] and len({tuple(c.ids) for c in group}) == 1  # greedy: the batches agree
+
+
+def test_a_prompt_that_fills_the_context_is_never_prefilled(tiny):
+    model, tokenizer = tiny
+    long, short = list(range(3, 43)), tokenizer("x")["input_ids"]
+    sampler = engines.HFSampler(model, tokenizer)
+    seen = []
+    original = sampler._sample_chunk
+    sampler._sample_chunk = lambda prompts, *rest: seen.extend(map(len, prompts)) or original(prompts, *rest)
+    long_group, short_group = sampler.sample([long, short], 2, temperature=0, top_p=1.0, max_new_tokens=4, context=40)
+    assert seen == [len(short)]  # the 40-token prompt never reached the model
+    assert [(c.ids, c.finish_reason) for c in long_group] == [([], "length")] * 2 and len(short_group) == 2
 
 
 def greedy_by_full_forwards(model, prompt: list[int], steps: int, eos: int) -> list[int]:
@@ -389,6 +417,38 @@ def test_cli_writes_results_json(tiny_model_dir, gsm8k_jsonl, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["examples"] == 2 and "accuracy" in saved and len(saved["records"]) == 2
     assert "accuracy" in result.stdout
+
+
+def test_cli_scores_a_question_longer_than_the_model_0_with_one_warning(tiny_model_dir, tmp_path):
+    # The tiny model has 1,024 positions; with no --context a 5,000-token question used to be prefilled anyway.
+    task = tmp_path / "long.jsonl"
+    task.write_text(json.dumps({"question": "1+" * 2500 + "1?", "answer": "#### 2501"}) + "\n"
+                    + json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    out = tmp_path / "result.json"
+    result = run_eval_cli("--model", str(tiny_model_dir), "--task", str(task), "--max-new-tokens", "4", "--backend", "hf",
+                          "--output", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("1 of 2 prompts of --task") == 1 and "score 0" in result.stderr
+    records = json.loads(out.read_text())["records"]
+    assert len(records) == 2 and records[0]["scores"] == [0.0]
+
+
+def test_a_results_file_that_cannot_be_written_loses_no_result(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    script = f"""
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (10, 10))  # a full disk for the results file
+sys.path.insert(0, {str(ROOT)!r})
+sys.argv = ["eval.py", "--model", {str(tiny_model_dir)!r}, "--task", {str(gsm8k_jsonl)!r}, "--limit", "2",
+            "--max-new-tokens", "4", "--backend", "hf", "--output", {str(tmp_path / "r.json")!r}]
+runpy.run_path({str(ROOT / "eval.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot write the results {tmp_path / 'r.json'}: File too large")
+    assert json.loads(result.stdout.strip().splitlines()[-1])["examples"] == 2  # printed instead of lost
+    assert not (tmp_path / "r.json").exists() and not list(tmp_path.glob(".r.json*"))
 
 
 def test_per_prompt_token_budgets(tiny):

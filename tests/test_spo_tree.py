@@ -578,6 +578,8 @@ def test_impossible_configurations_are_one_clear_error():
     with pytest.raises(UsageError, match=r"--samples-per-iteration \(-1\) must be at least 0"):
         spo.validate(spo.Args(samples_per_iteration=-1))
     spo.validate(spo.Args(samples_per_iteration=0))  # 0: every edge the buffer offers
+    with pytest.warns(UserWarning, match="--tree 20,20,20 grows up to 256,000 leaves and 225,152,000 generated tokens"):
+        spo.validate(spo.Args(tree="20,20,20"))  # 32 x 8,000 leaves: allowed, with its estimate
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_the_trees(tiny_model_dir, gsm8k_jsonl, tmp_path):
