@@ -6,6 +6,8 @@
   runs.py         command line, one-line errors, resume, Ctrl-C, run directory, metrics log, sample files,
                   the paper's settings and --dry-run
   checkpoints.py  atomic checkpoints, finding the newest whole one, the optimizer and its schedule
+  files.py        reading files so that damage is one line; atomic writes; append-only logs with torn tails
+  ranges.py       each numeric setting's valid range, declared on its field, shown in --help, checked once
   precision.py    the bf16 / fp32 choice, as a value passed to what computes
   distributed.py  torchrun: collectives over ranks, FSDP2
   grading.py      the final-answer rule and math-verify in sandboxed worker processes (imports no torch)

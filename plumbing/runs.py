@@ -183,7 +183,7 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
     if get("backend") is not None:
         problems += engines.backend_problems(args.backend)
     if isinstance(args, TrainArgs):  # the batch, budget and cadence of every training run
-        if args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size:
+        if args.micro_batch_size >= 1 and (args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size):
             problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
     if get("output_dir") is not None and not get("resume"):
         problems += directory_problems(args.output_dir, "--output-dir")

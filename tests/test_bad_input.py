@@ -37,6 +37,7 @@ COMMON = [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--iterations", "0"], "--iterations"),
     (["--batch-size", "6", "--micro-batch-size", "4"], "--batch-size (6) must be a positive multiple"),
+    (["--micro-batch-size", "0"], "--micro-batch-size (0) must be at least 1"),  # was a ZeroDivisionError (bad_input_probe)
     # numbers that used to run and change the algorithm silently: each is outside the range its field declares
     (["--max-grad-norm", "-1"], "--max-grad-norm (-1.0) must be positive"),  # torch would scale by -1/|g|: ascent
     (["--warmup-ratio", "-0.5"], "--warmup-ratio (-0.5) must be in [0, 1)"),
@@ -163,7 +164,8 @@ def _command_lines():
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     modules = {"spo_chain": ["Args"], "spo_tree": ["Args"], "grpo_baseline": ["Args"], "ppo_baseline": ["Args"],
                "eval": ["EvalArgs"], "viewer": ["Html", "Curves"], "credit_assignment": ["Args"], "learning": ["Args"],
-               "logprob_memory": ["Args"], "trl_side_by_side": ["Args"]}
+               "logprob_memory": ["Args"], "trl_side_by_side": ["Args"], "credit_exact": ["Args"],
+               "bad_input_probe": ["Args"]}
     found = [getattr(importlib.import_module(name), cls) for name, classes in modules.items() for cls in classes]
     # a benchmark added later with a tyro dataclass of its own must be listed above
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
@@ -233,3 +235,16 @@ def test_viewer_and_benchmark_flags_out_of_range_are_one_line(command, text, tmp
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], result.stderr
     assert not results.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["RUN"]  # nothing written
+
+
+@pytest.mark.slow
+def test_the_bad_input_probe_builds_its_damaged_files_and_judges_its_cases(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bad_input_probe
+
+    rows = bad_input_probe.main(bad_input_probe.Args(only="--resume ARGS"))  # three cases; writes no results file
+    assert [r["verdict"] for r in rows] == ["ok", "ok", "ok"] and all(r["exit_code"] == 1 for r in rows)
+    fixtures = bad_input_probe.make_fixtures(tmp_path)
+    # the verdicts it can give: a message that names another problem, and a command that exits 0
+    assert bad_input_probe.run_case("eval.py --samples 0", "--top-p", fixtures, tmp_path)["verdict"] == "unclear"
+    assert bad_input_probe.run_case("viewer.py --help", "--smooth", fixtures, tmp_path)["verdict"] == "silent"

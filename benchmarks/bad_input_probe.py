@@ -1,0 +1,182 @@
+"""Bad-input probe: what a user can type, or a machine can leave behind, against every command line of the project.
+
+Each case is a real command (a subprocess, as a user runs it) that must fail with one clear line: exit code not 0,
+no traceback, and an `error:` line naming the problem (tyro's own parse errors: exit 2, naming the flag). A case's
+verdict is `ok`, `traceback`, `silent` (exit 0: the bad input ran), or `unclear` (the message does not name the
+problem). The cases are not the tests' cases (tests/test_bad_input.py, test_damaged_files.py): they were written
+after those, to find what the tests miss. Damaged files and models are made here, in a temporary folder, on a
+tiny random model (no network).
+
+  python benchmarks/bad_input_probe.py          # writes benchmarks/results/bad_input_probe.json
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from plumbing import files, ranges  # noqa: E402  (torch-free)
+
+
+@dataclass
+class Args:
+    out: str = "benchmarks/results/bad_input_probe.json"
+    """where the JSON rows go (relative to the repository)"""
+    workers: ranges.PositiveInt = 2
+    """cases run at once (each is a Python process that imports torch)"""
+    only: str = ""
+    """run only the cases whose command contains this text"""
+
+
+def make_fixtures(folder: Path) -> dict[str, str]:
+    """The damaged files and models the cases name, as {NAME: path}."""
+    from conftest import make_tiny_model
+
+    import grpo_baseline
+    import spo_tree
+
+    tiny = make_tiny_model(folder / "tiny")
+    paths = {name: folder / name.lower() for name in ("EMPTY", "ONLYCONFIG", "RUNDIR", "NOTOKENIZER", "TRUNCATED",
+                                                      "ARGSLIST", "ARGSNULL", "ARGSBADTYPE", "TREERUN", "NOMETRICS")}
+    for path in paths.values():
+        path.mkdir()
+    paths["TINY"] = tiny
+    (paths["ONLYCONFIG"] / "config.json").write_text((tiny / "config.json").read_text())
+    (paths["RUNDIR"] / "checkpoint").mkdir()
+    for path in tiny.iterdir():
+        (paths["TRUNCATED"] / path.name).write_bytes(path.read_bytes())
+        if path.name in ("config.json", "model.safetensors"):
+            (paths["NOTOKENIZER"] / path.name).write_bytes(path.read_bytes())
+    weights = paths["TRUNCATED"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    paths["DIRJSONL"] = folder / "questions.jsonl"
+    paths["DIRJSONL"].mkdir()
+    paths["BINARY"] = folder / "binary.jsonl"
+    paths["BINARY"].write_bytes(bytes(range(256)) * 4)
+    paths["NOANSWER"] = folder / "no_answer.jsonl"
+    paths["NOANSWER"].write_text(json.dumps({"question": "1+1?"}) + "\n")
+    paths["NOTJSON"] = folder / "not_json.jsonl"
+    paths["NOTJSON"].write_text('{"question": "1+1?", "answer": "#### 2"}\nquestion: 2+2\n')
+    paths["AFILE"] = folder / "a_file"
+    paths["AFILE"].write_text("not a folder")
+    (paths["ARGSLIST"] / "args.json").write_text("[]")
+    (paths["ARGSNULL"] / "args.json").write_text("null")
+    (paths["ARGSBADTYPE"] / "args.json").write_text(json.dumps({**vars(grpo_baseline.Args()), "lr": "fast"}))
+    (paths["TREERUN"] / "args.json").write_text(json.dumps(vars(spo_tree.Args())))
+    return {name: str(path) for name, path in paths.items()}
+
+
+# (command, text the error must contain). NAMES in capitals are replaced by make_fixtures' paths.
+CASES = [
+    # numbers outside their ranges, non-finite, of the wrong type
+    ("spo_chain.py --top-p nan", "--top-p (nan) must be a finite number"),
+    ("grpo_baseline.py --eval-top-p inf", "--eval-top-p (inf)"),
+    ("ppo_baseline.py --lam -0.1", "--lam (-0.1) must be in [0, 1]"),
+    ("ppo_baseline.py --value-clip-eps 0", "--value-clip-eps (0.0) must be positive"),
+    ("spo_tree.py --buffer-max-age 0", "--buffer-max-age (0) must be at least 1"),
+    ("spo_tree.py --segment-tokens -5", "--segment-tokens (-5)"),
+    ("spo_chain.py --mc-samples 0", "--mc-samples (0) must be at least 1"),
+    ("grpo_baseline.py --micro-batch-size 0", "--micro-batch-size (0)"),
+    ("grpo_baseline.py --eval-samples -3", "--eval-samples (-3)"),
+    ("spo_chain.py --save-questions 0", "--save-questions (0)"),
+    ("spo_tree.py --samples-per-iteration -2", "--samples-per-iteration (-2)"),
+    ("spo_chain.py --prob-threshold nan", "--prob-threshold (nan)"),
+    ("grpo_baseline.py --max-minutes -1", "--max-minutes (-1.0)"),
+    ("grpo_baseline.py --eval-limit 0", "--eval-limit (0)"),
+    ("grpo_baseline.py --iterations 1e3", "--iterations"),
+    ("grpo_baseline.py --lr abc", "--lr"),
+    ("spo_tree.py --tree 6,,6", "--tree"),
+    ("spo_tree.py --tree 6,-1", "--tree"),
+    ("spo_tree.py --tree 40,40,40", "over the 1,000,000-leaf limit"),
+    ("spo_tree.py --advantage foo", "--advantage"),
+    ("eval.py --limit -1", "--limit (-1)"),
+    ("eval.py --context 1", "--context (1) must be at least 2"),
+    ("eval.py --top-p 2", "--top-p (2.0)"),
+    ("eval.py --seed 99999999999", "--seed (99999999999)"),
+    ("eval.py --samples 1.5", "--samples"),
+    # runs that cannot be resumed
+    ("grpo_baseline.py --resume /no/such/run", "/no/such/run: not a directory"),
+    ("grpo_baseline.py --resume ARGSLIST", "holds a JSON list, not a JSON object"),
+    ("grpo_baseline.py --resume ARGSNULL", "holds a JSON NoneType"),
+    ("grpo_baseline.py --resume ARGSBADTYPE", "wrong type (lr = \"fast\")"),
+    ("grpo_baseline.py --resume TREERUN", "resume a run with the script that started it"),
+    ("grpo_baseline.py --resume EMPTY", "args.json does not exist"),
+    # task files and models that are not what they claim
+    ("grpo_baseline.py --model TINY --task DIRJSONL", "a directory, not a task file"),
+    ("grpo_baseline.py --model TINY --task BINARY --output-dir RUNS", "is not UTF-8 text"),
+    ("grpo_baseline.py --model TINY --task NOANSWER --output-dir RUNS", "needs a string \"question\" and an \"answer\""),
+    ("grpo_baseline.py --model TINY --task NOTJSON --output-dir RUNS", "line 2 is not valid JSON"),
+    ("grpo_baseline.py --model EMPTY --task NOANSWER --output-dir RUNS", "has no config.json"),
+    ("spo_chain.py --model ONLYCONFIG --task NOANSWER --output-dir RUNS", "has config.json but no weights"),
+    ("spo_tree.py --model RUNDIR --task NOANSWER --output-dir RUNS", "did you mean"),
+    ("ppo_baseline.py --model NOTOKENIZER --task NOANSWER --output-dir RUNS", "has no tokenizer files"),
+    ("grpo_baseline.py --model TRUNCATED --task NOANSWER --output-dir RUNS", "may be damaged"),
+    ("grpo_baseline.py --output-dir AFILE", "is a file, not a directory"),
+    ("eval.py --model TINY --task BINARY", "is not UTF-8 text"),
+    ("eval.py --model RUNDIR --task NOANSWER", "did you mean"),
+    ("eval.py --output EMPTY", "is a directory"),
+    # the viewer and the benchmarks
+    ("viewer.py html /no/such/run", "/no/such/run"),
+    ("viewer.py curves NOMETRICS -o OUT.png", "metrics.jsonl"),
+    ("viewer.py html NOMETRICS -o page.pdf", "give a file name ending in .html"),
+    ("viewer.py curves NOMETRICS --x hours", "--x"),
+    ("benchmarks/learning.py --algorithms foo", "unknown algorithm"),
+    ("benchmarks/learning.py --results EMPTY", "is a directory"),
+    ("benchmarks/learning.py --lr 0", "--lr (0.0) must be positive"),
+    ("benchmarks/credit_assignment.py --probes 0", "--probes (0)"),
+    ("benchmarks/trl_side_by_side.py --steps 0", "--steps (0)"),
+    ("benchmarks/logprob_memory.py --prompt-tokens -1", "--prompt-tokens (-1)"),
+]
+
+
+def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path) -> dict:
+    words = [fixtures.get(word, word) for word in command.split()]
+    words = [str(cwd / "out" / word) if word.startswith("OUT.") else str(cwd / "runs") if word == "RUNS" else word for word in words]
+    started = time.time()
+    result = subprocess.run([sys.executable, str(ROOT / words[0]), *words[1:]], capture_output=True, text=True, cwd=cwd,
+                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    error_line = next((line for line in lines if line.startswith("error:")), lines[-1] if lines else "")
+    if "Traceback" in result.stderr:
+        verdict = "traceback"
+    elif result.returncode == 0:
+        verdict = "silent"
+    elif text not in (error_line if result.returncode != 2 else result.stderr):  # tyro's parse errors are a box
+        verdict = "unclear"
+    else:
+        verdict = "ok"
+    return {"command": command, "expected": text, "exit_code": result.returncode, "stderr_line": error_line[:300],
+            "verdict": verdict, "seconds": round(time.time() - started, 1)}
+
+
+def main(args: Args) -> list[dict]:
+    cases = [(command, text) for command, text in CASES if args.only in command]
+    with tempfile.TemporaryDirectory() as folder:
+        fixtures = make_fixtures(Path(folder))
+        with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+            rows = list(pool.map(lambda case: run_case(*case, fixtures, Path(folder)), cases))
+    for row in rows:
+        print(f"{row['verdict']:<9} exit {row['exit_code']:<3} {row['command']}\n          {row['stderr_line']}")
+    counts = {verdict: sum(r["verdict"] == verdict for r in rows) for verdict in ("ok", "traceback", "silent", "unclear")}
+    print(f"{len(rows)} cases: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()))
+    if not args.only:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        files.write_atomic(ROOT / args.out, json.dumps({"measured": time.strftime("%Y-%m-%d"), "commit": commit,
+                                                       "machine": platform.processor() or platform.machine(),
+                                                       "counts": counts, "cases": rows}, indent=1), "the probe's results")
+        print(f"-> {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main(ranges.cli(Args))
