@@ -223,18 +223,18 @@ def test_a_range_shows_in_help_and_rejects_non_finite_values():
     (["benchmarks/learning.py", "--seeds"], "--seeds needs at least one value"),  # exited 0 and wrote an empty table
     (["benchmarks/learning.py", "--minutes", "nan"], "--minutes (nan) must be a finite number"),
     (["benchmarks/trl_side_by_side.py", "--group-size", "1"], "--group-size (1) must be at least 2"),
-    (["benchmarks/credit_assignment.py", "--intervals", "0", "5"], "--intervals (0): each value must be at least 1"),
+    (["benchmarks/credit_exact.py", "--intervals", "0", "5"], "--intervals (0): each value must be at least 1"),
     (["benchmarks/logprob_memory.py", "--rows", "0"], "--rows (0) must be at least 1"),
 ])
-def test_viewer_and_benchmark_flags_out_of_range_are_one_line(command, text, tmp_path):
+def test_viewer_and_benchmark_flags_out_of_range_are_one_line(command, text, tmp_path, monkeypatch, capsys):
     (tmp_path / "RUN").mkdir()
-    results = tmp_path / "results.json"
-    result = subprocess.run([sys.executable, str(ROOT / command[0]), *command[1:]], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=120)
-    assert result.returncode not in (0, None) and "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], result.stderr
-    assert not results.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["RUN"]  # nothing written
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    code, err = run_in_process(command[0], command[1:], monkeypatch, capsys)
+    assert code not in (0, None) and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["RUN"]  # nothing written
 
 
 @pytest.mark.slow
