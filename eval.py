@@ -404,6 +404,8 @@ class EvalArgs:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """matmul precision on the CPU: auto = bf16 autocast where the CPU has AVX-512 BF16 or AMX, else fp32 (a GPU
     evaluates bf16 weights)"""
+    vllm_enforce_eager: bool = False
+    """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding"""
     output: str | None = None
     """results JSON path (default: runs/eval/<model>__<task>__<time>.json)"""
 
@@ -429,7 +431,7 @@ def main(args: EvalArgs) -> dict:
     distributed.print0(precision.line)
     model, tokenizer = load_model(args.model, device=device)
     sampler = make_sampler(args.backend, model, tokenizer, args.model, seed=args.seed, precision=precision,
-                           max_model_len=args.context or 4096)
+                           max_model_len=args.context or 4096, enforce_eager=args.vllm_enforce_eager)
     result = evaluate(
         model, tokenizer, args.task, split=args.split, limit=args.limit, samples=args.samples, temperature=args.temperature,
         top_p=args.top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,

@@ -382,6 +382,7 @@ def main(args: Args) -> dict:
     sampler = engines.make_sampler(
         args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed, precision=precision,
         max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager,
     )
     state = checkpoints.load_trainer_state(checkpoint, device) if checkpoint else None
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)

@@ -28,13 +28,20 @@ def pins(path: Path) -> dict[str, str]:
     return dict(line.split("==", 1) for line in lines if "==" in line)
 
 
-def main() -> None:
-    readme = (ROOT / "README.md").read_text()
+def gpu_install(readme: str) -> list[list[str]] | None:
+    """The commands (as words) of the ```bash block after `<!-- gpu-install` in the README's text; None: no block.
+    tests/test_vllm_source.py reads the torch index from them."""
     block = re.search(r"```bash\n(.*?)```", readme.split("<!-- gpu-install", 1)[-1], re.S)
     if "<!-- gpu-install" not in readme or block is None:
+        return None
+    return [line.split("#", 1)[0].split() for line in block.group(1).splitlines() if line.strip()]
+
+
+def main() -> None:
+    commands = gpu_install((ROOT / "README.md").read_text())
+    if commands is None:
         sys.exit("gpu_resolve: README.md has no ```bash block after a <!-- gpu-install comment")
     wanted = {name: version for f in FILES for name, version in pins(ROOT / f).items()}
-    commands = [line.split("#", 1)[0].split() for line in block.group(1).splitlines() if line.strip()]
     expected = [["pip", "install", f"torch=={wanted['torch']}"], ["pip", "install", "-r", FILES[0]],
                 ["pip", "install", "-r", FILES[1]]]  # each command starts with these words (flags may follow)
     if len(commands) != len(expected) or any(c[: len(e)] != e for c, e in zip(commands, expected)):

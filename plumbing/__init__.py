@@ -10,6 +10,7 @@
   ranges.py       each numeric setting's valid range, declared on its field, shown in --help, checked once
   precision.py    the bf16 / fp32 choice, as a value passed to what computes
   distributed.py  torchrun: collectives over ranks, FSDP2
+  gpu.py          pre-flight of the vLLM engine: torch's CUDA against vllm's, the toolchain, FlashInfer's sampler off
   grading.py      the final-answer rule and math-verify in sandboxed worker processes (imports no torch)
 
 This file imports nothing, so that grading.py's worker processes load only what grading needs.

@@ -12,6 +12,7 @@ where the stop string begins. max new tokens = min(budget, context - prefix leng
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,8 +21,8 @@ import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from plumbing import UsageError, distributed, models
-from plumbing.precision import FP32, Precision
+from plumbing import UsageError, distributed, gpu, models
+from plumbing.precision import FP32, Precision, engine_dtype
 
 
 @dataclass
@@ -384,20 +385,30 @@ class HFSampler:
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
-# vLLM engine (optional, GPU). Every call below was checked against the vllm==0.33.0 source:
+# vLLM engine (optional, GPU). Every call below was checked against the vllm==0.30.0 source (the pin):
 #   LLM(...), generate, get_tokenizer, collective_rpc, reset_prefix_cache, sleep/wake_up: vllm/entrypoints/llm.py
 #   TokensPrompt: vllm/inputs/llm.py; SamplingParams: vllm/sampling_params.py; outputs: vllm/outputs.py
+#   SamplingParams(n, seed): v1/engine/parallel_sampling.py gives child i seed + i; a seeded request draws its own
+#   noise (v1/worker/gpu/sample/gumbel.py: from (seed, position)), whatever else is in the batch
 #   "reload_weights" RPC: vllm/v1/worker/gpu_worker.py -> model_loader/reload/inplace.py (in-place, HF names)
 #   stop strings: vllm/v1/engine/detokenizer.py cuts .text only; token_ids keep the stop tokens, so we cut them.
 # tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures.
 
 
 class VLLMSampler:
-    """In-process vLLM engine for rollouts; token ids in, token ids out."""
+    """In-process vLLM engine for rollouts; token ids in, token ids out.
+
+    Sampling is reproducible as HFSampler's is: every request carries a seed drawn from `generator`, which
+    training.reseed sets per iteration, so a resumed run sends the same seeds as the uninterrupted one.
+    """
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 2048,
-                 gpu_memory_utilization: float = 0.5, dtype: str = "bfloat16",
-                 enable_sleep_mode: bool = True):
+                 gpu_memory_utilization: float = 0.5, dtype: str | None = None,
+                 enable_sleep_mode: bool = True, enforce_eager: bool = False):
+        """dtype: the engine's ("bfloat16", "float16", ...); None: bfloat16 where the GPU has bf16, else float16.
+        enforce_eager: no CUDA graphs and no torch.compile (a faster start, slower decoding)."""
+        gpu.prepare_vllm(enforce_eager)  # a CUDA mismatch stops here, in a second, with its fix
+        dtype = dtype or engine_dtype()
         # load_weights hands live torch tensors to the worker. That only works
         # when the engine core runs in this process. With the default ("1"),
         # vLLM starts a separate engine-core process and msgpack-encodes every
@@ -407,6 +418,7 @@ class VLLMSampler:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
+        started = time.perf_counter()
         self.llm = LLM(
             model_path,
             seed=seed,
@@ -417,13 +429,16 @@ class VLLMSampler:
             # prefix, reuse the prefix's KV blocks.
             enable_prefix_caching=True,
             enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=enforce_eager,
         )
+        distributed.print0(f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype})")
         # Use the same tokenizer as vLLM's stop-string detokenizer.
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
         self.weight_dtype = getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None
         self.sleep_enabled = enable_sleep_mode
         self.asleep = False
+        self.generator = torch.Generator().manual_seed(seed)  # the requests' seeds come from it (reseed sets it)
 
     def sample(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int | list[int], stop: Sequence[str] = (), context: int | None = None,
@@ -449,12 +464,14 @@ class VLLMSampler:
         if not live:
             return result
         # Each prompt gets its own SamplingParams because the budget can differ per
-        # prompt; LLM.generate pairs a list with the prompts one by one. There is no
-        # per-request seed: with one, the child request for sample i is seeded with
-        # seed + i, so every call would draw the same samples. The engine-level seed
-        # is enough for reproducibility.
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
-                                 max_tokens=budgets[i], stop=stop) for i in live]
+        # prompt; LLM.generate pairs a list with the prompts one by one. Each also gets
+        # its own seed, drawn from self.generator: vLLM seeds its sample j with seed + j,
+        # and fresh draws keep calls and prompts apart. Unseeded requests would take
+        # their noise from the engine's RNG state (the v2 model runner seeds them from
+        # numpy's global RNG), which no reseed reaches: a resumed run would not repeat.
+        seeds = torch.randint(0, 2**62, (len(live),), generator=self.generator).tolist()
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i],
+                                 stop=stop, seed=seed) for i, seed in zip(live, seeds)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in live],
                                  sampling_params=params, use_tqdm=progress is not None and distributed.rank() == 0)
         assert len(outs) == len(live)

@@ -52,12 +52,23 @@ def cpu_description() -> str | None:
     return None if name is None else f"{name} ({', '.join(flags) or 'no bf16 flags'})"
 
 
+def gpu_has_bf16() -> bool:
+    """Whether the GPU computes bf16 in hardware (compute capability 8.0 or newer, or ROCm). torch's default check
+    also counts emulation: a V100 or T4 answers True, runs bf16 slowly, and vLLM refuses bfloat16 there."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def engine_dtype() -> str:
+    """The dtype for a vLLM engine on this GPU: "bfloat16" where the GPU has bf16, else "float16"."""
+    return "bfloat16" if gpu_has_bf16() else "float16"
+
+
 def fast_bf16(device_type: str) -> tuple[bool, str]:
     """Whether bf16 matmuls are faster than fp32 on this device type, and why."""
     if device_type == "cuda":
-        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        if gpu_has_bf16():
             return True, "the GPU has bf16"
-        return False, "the GPU has no bf16"
+        return False, "the GPU has no bf16 (or only emulates it)"
     if device_type == "cpu":
         found = sorted(BF16_CPU_FLAGS & cpu_flags())
         if found:

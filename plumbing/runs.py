@@ -92,7 +92,8 @@ def _discard_untrained_run() -> None:
 # Anything else would change the algorithm mid-run.
 RESUMABLE_SETTINGS = (
     "resume", "dry_run", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
-    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "precision", "eval_before",
+    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
+    "precision", "eval_before",
 )
 
 
@@ -363,6 +364,8 @@ class TrainArgs:
     """questions whose responses --save-samples writes"""
     vllm_gpu_memory_utilization: ranges.Probability = 0.3
     """GPU memory fraction for the vLLM engine"""
+    vllm_enforce_eager: bool = False
+    """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding (first runs, debugging)"""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from conftest import read_metrics, smoke_args
 
 import eval as ev
 from plumbing import models
+from plumbing import precision as precision_module
 import grpo_baseline
 import ppo_baseline
 import spo_chain
@@ -50,3 +51,26 @@ def test_fp32_run_computes_in_fp32(tiny_model_dir, gsm8k_jsonl, tmp_path, lm_hea
     assert lm_head_dtypes and set(lm_head_dtypes) == {torch.float32}
     start = json.loads((Path(summary["run_dir"]) / "starts.jsonl").read_text().splitlines()[-1])
     assert "cpu fp32 (--precision fp32)" in start["precision"]
+
+
+@pytest.mark.parametrize("gpu, hardware_bf16", [("A100", True), ("V100", False)])
+def test_bf16_only_where_the_gpu_has_it(monkeypatch, gpu, hardware_bf16):
+    # torch.cuda.is_bf16_supported() counts emulation by default: a V100 answers True, computes bf16 slowly, and
+    # vLLM refuses bfloat16 there. Only hardware bf16 (compute capability 8.0+) counts.
+    asked = []
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        asked.append(including_emulation)
+        return hardware_bf16 or including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    assert precision_module.fast_bf16("cuda")[0] is hardware_bf16
+    assert precision_module.engine_dtype() == ("bfloat16" if hardware_bf16 else "float16")
+    assert ("cuda bf16 autocast" in precision_module.choose_precision("auto", "cuda").line) is hardware_bf16
+    assert asked and not any(asked)
+
+
+def test_no_gpu_no_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert precision_module.fast_bf16("cuda")[0] is False and precision_module.engine_dtype() == "float16"

@@ -9,6 +9,8 @@ checks the fake against that version's real source):
       get_tokenizer                 vllm/entrypoints/llm.py
   max_model_len, enable_prefix_caching, enable_sleep_mode
                                     EngineArgs fields, vllm/engine/arg_utils.py
+  SamplingParams(n, seed)           child i of a request is seeded with seed + i (v1/engine/parallel_sampling.py);
+                                    with no script, the fake samples from that seed, or unseeded from fresh entropy
   SamplingParams fields             vllm/sampling_params.py
   TokensPrompt                      vllm/inputs/llm.py
   CompletionOutput, RequestOutput   vllm/outputs.py
@@ -19,6 +21,7 @@ token_ids keep the token(s) that complete the stop string, finish_reason is "sto
 and stop_reason is the matched string.
 """
 import os
+import random
 import sys
 import types
 import weakref
@@ -31,7 +34,9 @@ from tokenizers import Tokenizer, decoders, models
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from plumbing import gpu, precision
 from plumbing.engines import Completion, VLLMSampler, cut_at_stop
+from plumbing.training import reseed
 
 # ----------------------------------------------------------------------------- tokenizer
 # Word-level vocab whose decoder simply concatenates token strings, so decoded text
@@ -61,7 +66,7 @@ class FakeSamplingParams:
     # Names and defaults match vllm 0.30.0 SamplingParams for the fields the glue sets.
     # The checks are a subset of SamplingParams._verify_args.
     def __init__(self, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int | None = 16, stop: str | list[str] | None = None):
+                 max_tokens: int | None = 16, stop: str | list[str] | None = None, seed: int | None = None):
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
         if not 0.0 < top_p <= 1.0:
@@ -74,6 +79,7 @@ class FakeSamplingParams:
         if temperature == 0.0 and n > 1:
             raise ValueError("n must be 1 when using greedy sampling")
         self.n, self.temperature, self.top_p, self.max_tokens, self.stop = n, temperature, top_p, max_tokens, stop
+        self.seed = None if seed == -1 else seed
 
 
 @dataclass
@@ -132,7 +138,8 @@ class FakeWorker:
 @dataclass
 class FakeEngine:
     """State shared by the fake module; `script(prompt_ids, index)` yields the tokens the
-    'model' would sample for sample `index` of that prompt."""
+    'model' would sample for sample `index` of that prompt (None: random tokens, from the
+    sample's seed when the request has one)."""
     script: Any = None
     reset_ok: bool = True  # what reset_prefix_cache returns (False: blocks still in use)
     weights: Any = None  # {name: shape} the engine's model loads, checked by FakeWorker
@@ -146,14 +153,16 @@ def make_fake_vllm(engine: FakeEngine):
     class FakeLLM:
         def __init__(self, model: str, *, seed: int = 0, dtype: str = "auto",
                      gpu_memory_utilization: float = 0.92, max_model_len: int | None = None,
-                     enable_prefix_caching: bool | None = None, enable_sleep_mode: bool = False):
+                     enable_prefix_caching: bool | None = None, enable_sleep_mode: bool = False,
+                     enforce_eager: bool = False):
             # In-process engine core is required for passing tensors through collective_rpc.
             assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
             engine.log.append(("LLM", model, dict(seed=seed, dtype=dtype,
                                                   gpu_memory_utilization=gpu_memory_utilization,
                                                   max_model_len=max_model_len,
                                                   enable_prefix_caching=enable_prefix_caching,
-                                                  enable_sleep_mode=enable_sleep_mode)))
+                                                  enable_sleep_mode=enable_sleep_mode,
+                                                  enforce_eager=enforce_eager)))
             self.max_model_len = max_model_len
             self.enable_sleep_mode = enable_sleep_mode
             self.sleeping = False
@@ -184,7 +193,8 @@ def make_fake_vllm(engine: FakeEngine):
             # Step-by-step emulation of V1 stopping: EOS, stop string (checked on the
             # decoded text; token ids are NOT trimmed), max_tokens / max_model_len.
             out, finish, reason = [], None, None
-            for t in engine.script(p, index):
+            seed = None if sp.seed is None else sp.seed + index  # v1/engine/parallel_sampling.py
+            for t in engine.script(p, index) if engine.script else self._random_tokens(seed):
                 out.append(t)
                 text = tok.decode(out, skip_special_tokens=True)
                 if t == EOS:
@@ -197,6 +207,12 @@ def make_fake_vllm(engine: FakeEngine):
                 if finish:
                     return FakeCompletionOutput(index, text, list(out), None, None, finish, reason)
             raise AssertionError("script ran out of tokens")
+
+        @staticmethod
+        def _random_tokens(seed):
+            rng = random.Random(seed)  # None: fresh entropy, as an unseeded request draws from state no one resets
+            while True:
+                yield EOS if rng.random() < 0.1 else rng.randrange(2, len(VOCAB))
 
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             assert isinstance(method, str)
@@ -225,8 +241,10 @@ def make_fake_vllm(engine: FakeEngine):
 def engine(monkeypatch):
     eng = FakeEngine()
     monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm(eng))
-    # the glue sets this; monkeypatch restores the original environment afterwards
+    # the glue sets these; monkeypatch restores the original environment afterwards
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    monkeypatch.setattr(gpu, "vllm_build", lambda: None)  # the fake is no installed distribution (test_gpu_preflight.py)
     return eng
 
 
@@ -240,14 +258,28 @@ def cycle(*tokens):
 
 
 # ----------------------------------------------------------------------------- tests
-def test_constructor(engine):
+def test_constructor(engine, monkeypatch):
+    monkeypatch.setattr(precision, "gpu_has_bf16", lambda: True)
     s = VLLMSampler("/ckpt/model", seed=7, max_model_len=64, gpu_memory_utilization=0.3)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     [(_, model, kw)] = calls(engine, "LLM")
     assert model == "/ckpt/model"
     assert kw == dict(seed=7, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=64,
-                      enable_prefix_caching=True, enable_sleep_mode=True)
+                      enable_prefix_caching=True, enable_sleep_mode=True, enforce_eager=False)
     assert s.tokenizer is engine.llm.get_tokenizer()
+
+    VLLMSampler("m", max_model_len=64, enforce_eager=True)
+    assert calls(engine, "LLM")[-1][2]["enforce_eager"] is True
+
+
+def test_engine_dtype_follows_the_gpu(engine, monkeypatch):
+    # A V100 or T4 only emulates bf16 (vLLM refuses bfloat16 there): the engine runs float16, and the weights go over
+    # in float16. An explicit dtype wins.
+    monkeypatch.setattr(precision, "gpu_has_bf16", lambda: False)
+    s = VLLMSampler("m", max_model_len=64)
+    assert calls(engine, "LLM")[-1][2]["dtype"] == "float16" and s.weight_dtype == torch.float16
+    VLLMSampler("m", max_model_len=64, dtype="bfloat16")
+    assert calls(engine, "LLM")[-1][2]["dtype"] == "bfloat16"
 
 
 def test_token_id_prompts_n_and_context_clamp(engine):
@@ -378,7 +410,7 @@ class TinyLM(torch.nn.Module):
 def test_load_weights_pushes_every_parameter_then_resets_prefix_cache(engine):
     lm = TinyLM()  # fp32 master weights, as training keeps them
     engine.weights = {name: tuple(p.shape) for name, p in lm.named_parameters()}
-    s = VLLMSampler("m", max_model_len=64)  # the engine runs bf16
+    s = VLLMSampler("m", max_model_len=64, dtype="bfloat16")
     s.load_weights(lm)
     names = [c[0] for c in engine.log if c[0] in ("reload_weights", "reset_prefix_cache")]
     assert names == ["reload_weights", "reset_prefix_cache"]
@@ -471,3 +503,25 @@ def test_stop_string_beginning_in_the_response_so_far_cuts_to_nothing(engine):
     assert (c.ids, c.finish_reason) == ([], "stop")
     [[plain]] = s.sample([prompt], 1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop=["\n\nQ:"])
     assert (plain.ids, plain.finish_reason) == (ids("Q", ":", "x", "x"), "length")  # without the history: not seen
+
+
+def test_reseeded_sampler_repeats_its_samples(engine):
+    # training.reseed sets the sampler's generator each iteration, as for HFSampler: the same iteration draws the same
+    # samples again (a resumed run repeats the uninterrupted one); the samples of one call still differ.
+    s = VLLMSampler("m", seed=3, max_model_len=64)
+    prompts = [ids("Q", ":"), ids("Q", ":"), ids("The")]  # two identical prompts: still two different draws
+
+    def draw():
+        return [[tuple(c.ids) for c in row] for row in s.sample(prompts, 4, temperature=1.0, top_p=1.0, max_new_tokens=8)]
+
+    reseed(3, 5, s)
+    first, second = draw(), draw()
+    reseed(3, 5, s)
+    assert draw() == first and draw() == second
+    reseed(3, 6, s)
+    assert draw() != first
+    assert first != second and first[0] != first[1]
+    assert all(len(set(row)) > 1 for row in first)  # the n samples of a prompt are not copies of one
+    seeds = [sp.seed for _, _, params, _ in calls(engine, "generate") for sp in params]
+    assert all(isinstance(seed, int) and 0 <= seed < 2**62 for seed in seeds)
+    assert len(set(seeds[:6])) == 6  # the first two calls' requests: each its own seed

@@ -1,4 +1,4 @@
-"""Hold eval.VLLMSampler and the fake `vllm` of test_vllm_glue.py to the real vLLM source.
+"""Hold plumbing/engines.py's VLLMSampler and the fake `vllm` of test_vllm_glue.py to the real vLLM source.
 
 test_vllm_glue.py runs the glue against a hand-written fake, because vLLM needs a GPU and cannot be
 installed here. Nothing there ties the fake to the real package: a keyword vLLM renamed, or one the fake
@@ -12,13 +12,17 @@ the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is n
   - the rest the glue relies on: parameter order of collective_rpc, reset_prefix_cache() -> bool, the
     fields it sets and reads, and the VLLM_ENABLE_V1_MULTIPROCESSING switch in vllm/envs.py;
   - every parameter or field of the fake exists in the real counterpart, at the same position when
-    positional, and with the same default where both defaults are literals; the fake's __version__ is the pin.
+    positional, and with the same default where both defaults are literals; the fake's __version__ is the pin;
+  - the CUDA of the README's torch index (cuXYZ) is the CUDA the wheel's compiled ops link (libcudart.so.N, read
+    from their ELF headers) and its metadata's extras name (e.g. nvidia-cutlass-dsl[cu13]), and plumbing/gpu.py's
+    pre-flight suggests the README's index: a bump of torch's index or of vllm that breaks the pair fails here.
 
 The wheel is ~315 MB, so this runs only with SPO_VLLM_SOURCE_CHECK=1 (CI sets it). With
 SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl a local wheel is read instead of downloading one.
 """
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import os
 import re
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from plumbing import gpu
 from test_vllm_glue import (FakeCompletionOutput, FakeEngine, FakeRequestOutput, FakeSamplingParams,
                             FakeTokensPrompt, FakeWorker, make_fake_vllm)
 
@@ -240,7 +245,7 @@ def test_llm_api_the_glue_relies_on(src):
 
 
 def test_fields_the_glue_sets_and_reads(src):
-    for name, wanted in {"SamplingParams": ["n", "temperature", "top_p", "max_tokens", "stop"],
+    for name, wanted in {"SamplingParams": ["n", "temperature", "top_p", "max_tokens", "stop", "seed"],
                          "TokensPrompt": ["prompt_token_ids"], "CompletionOutput": ["token_ids", "finish_reason"],
                          "RequestOutput": ["outputs"]}.items():
         path, cls = src.export(name)
@@ -269,10 +274,49 @@ def test_reload_weights_reaches_the_model_runner(src):
                     assert key in named, f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (plumbing/engines.py line {call.lineno})"
 
 
-def test_in_process_engine_switch(src):
+def test_environment_switches(src):
     keys = {k.value for d in ast.walk(src.tree("vllm/envs.py")) if isinstance(d, ast.Dict)
             for k in d.keys if isinstance(k, ast.Constant)}
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in keys, "vllm/envs.py no longer reads VLLM_ENABLE_V1_MULTIPROCESSING"
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):  # in-process engine; no nvcc JIT
+        assert name in keys, f"vllm/envs.py no longer reads {name}"
+
+
+def test_child_requests_get_distinct_seeds(src):
+    # VLLMSampler sends one seed per prompt with n samples; the samples differ only because each child gets seed + i.
+    body = ast.unparse(method(src.find_class("vllm.v1.engine.parallel_sampling", "ParentRequest"), "_get_child_sampling_params"))
+    assert "seed + index" in body, "vllm/v1/engine/parallel_sampling.py no longer seeds child i with seed + i"
+
+
+def readme_torch_index() -> str:
+    """The --index-url of the README's GPU install of torch (the block .ci/gpu_resolve.py reads)."""
+    spec = importlib.util.spec_from_file_location("gpu_resolve", ROOT / ".ci" / "gpu_resolve.py")
+    gpu_resolve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_resolve)
+    commands = gpu_resolve.gpu_install((ROOT / "README.md").read_text())
+    assert commands, "README.md has no ```bash block after a <!-- gpu-install comment"
+    torch_install = commands[0]
+    assert "--index-url" in torch_install[:-1], f"README's torch install names no --index-url: {' '.join(torch_install)}"
+    return torch_install[torch_install.index("--index-url") + 1]
+
+
+def test_readme_torch_index_is_the_cuda_of_the_wheel(src):
+    index = readme_torch_index()
+    tag = re.search(r"/(cu\d+)/?$", index)
+    assert tag, f"README's torch index {index} names no CUDA build (cuXYZ)"
+    readme_major = gpu.cuda_major(tag.group(1))
+    linked = {}
+    for name in (n for n in src.names() if re.fullmatch(r"vllm/[^/]+\.so", n)):  # the compiled ops vllm loads
+        with src.zip.open(name) as so:
+            linked[name] = gpu.linked_cuda_majors(gpu.elf_needed(so))
+    assert any(linked.values()), f"no top-level .so of the vllm {PIN} wheel links libcudart"
+    wrong = {name: sorted(majors) for name, majors in linked.items() if majors and majors != {readme_major}}
+    assert not wrong, f"README installs torch for CUDA {readme_major} ({index}); vllm {PIN}'s ops link libcudart.so.N: {wrong}"
+    metadata = src.zip.read(next(n for n in src.names() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    extras = gpu.extra_cuda_majors([r for r in requires if "extra ==" not in r])
+    assert extras == {readme_major}, f"vllm {PIN}'s requirements name CUDA {sorted(extras)} extras; README's torch is CUDA {readme_major}"
+    assert gpu.TORCH_INDEX.get(readme_major) == index, (
+        f"plumbing/gpu.py's pre-flight suggests {gpu.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; README uses {index}")
 
 
 FAKE_LLM = make_fake_vllm(FakeEngine()).LLM
