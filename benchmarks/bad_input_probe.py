@@ -2,8 +2,8 @@
 
 Each case is a real command (a subprocess, as a user runs it) that must fail with one clear line: exit code not 0,
 no traceback, and an `error:` line naming the problem (tyro's own parse errors: exit 2, naming the flag). A case's
-verdict is `ok`, `traceback`, `silent` (exit 0: the bad input ran), or `unclear` (the message does not name the
-problem). The cases are not the tests' cases (tests/test_bad_input.py, test_damaged_files.py): they were written
+verdict is `ok`, `traceback`, `silent` (exit 0: the bad input ran), `unclear` (the message does not name the
+problem) or `hung` (still running at --timeout: it started work it should have refused). The cases are not the tests' cases (tests/test_bad_input.py, test_damaged_files.py): they were written
 after those, to find what the tests miss. Damaged files and models are made here, in a temporary folder, on a
 tiny random model (no network).
 
@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,8 @@ class Args:
     """cases run at once (each is a Python process that imports torch)"""
     only: str = ""
     """run only the cases whose command contains this text"""
+    timeout: ranges.PositiveFloat = 300.0
+    """seconds a case may run; one still running then is stopped and judged `hung` (it started work it should have refused)"""
 
 
 def make_fixtures(folder: Path) -> dict[str, str]:
@@ -139,12 +142,21 @@ CASES = [
 ]
 
 
-def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path) -> dict:
+def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeout: float = 300.0) -> dict:
     words = [fixtures.get(word, word) for word in command.split()]
     words = [str(cwd / "out" / word) if word.startswith("OUT.") else str(cwd / "runs") if word == "RUNS" else word for word in words]
     started = time.time()
-    result = subprocess.run([sys.executable, str(ROOT / words[0]), *words[1:]], capture_output=True, text=True, cwd=cwd,
-                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    process = subprocess.Popen([sys.executable, str(ROOT / words[0]), *words[1:]], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                               start_new_session=True)  # its own process group: a hung case is stopped with its children
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+        result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return {"command": command, "expected": text, "exit_code": None, "stderr_line": f"still running after {timeout:.0f} s",
+                "verdict": "hung", "seconds": round(time.time() - started, 1)}
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     error_line = next((line for line in lines if line.startswith("error:")), lines[-1] if lines else "")
     if "Traceback" in result.stderr:
@@ -164,10 +176,10 @@ def main(args: Args) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         fixtures = make_fixtures(Path(folder))
         with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-            rows = list(pool.map(lambda case: run_case(*case, fixtures, Path(folder)), cases))
+            rows = list(pool.map(lambda case: run_case(*case, fixtures, Path(folder), args.timeout), cases))
     for row in rows:
-        print(f"{row['verdict']:<9} exit {row['exit_code']:<3} {row['command']}\n          {row['stderr_line']}")
-    counts = {verdict: sum(r["verdict"] == verdict for r in rows) for verdict in ("ok", "traceback", "silent", "unclear")}
+        print(f"{row['verdict']:<9} exit {str(row['exit_code']):<4} {row['command']}\n          {row['stderr_line']}")
+    counts = {verdict: sum(r["verdict"] == verdict for r in rows) for verdict in ("ok", "traceback", "silent", "unclear", "hung")}
     print(f"{len(rows)} cases: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()))
     if not args.only:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
