@@ -136,7 +136,7 @@ CASES = [
     ("benchmarks/learning.py --algorithms foo", "unknown algorithm"),
     ("benchmarks/learning.py --results EMPTY", "is a directory"),
     ("benchmarks/learning.py --lr 0", "--lr (0.0) must be positive"),
-    ("benchmarks/credit_assignment.py --probes 0", "--probes (0)"),
+    ("benchmarks/credit_assignment.py --questions 0", "--questions (0)"),
     ("benchmarks/trl_side_by_side.py --steps 0", "--steps (0)"),
     ("benchmarks/logprob_memory.py --prompt-tokens -1", "--prompt-tokens (-1)"),
 ]

@@ -1,5 +1,5 @@
-"""benchmarks/credit_assignment.py: the Monte-Carlo reference against a reward whose advantages are known exactly,
-the score helpers on hand-made inputs, SPO-chain's partial cutpoint values, and a small end-to-end run."""
+"""benchmarks/credit_assignment.py: the Monte-Carlo reference on tree edges against a reward whose advantages are known
+exactly, the estimates on a hand-made tree, the score helpers on hand-made inputs, and a small end-to-end run."""
 import json
 import math
 import random
@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import credit_assignment as ca  # noqa: E402
-import eval as ev  # noqa: E402
-from plumbing import checkpoints, engines, models  # noqa: E402
-import ppo_baseline  # noqa: E402
+import grpo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
-
-pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
+import spo_tree  # noqa: E402
+from conftest import make_tiny_model, write_jsonl  # noqa: E402
+from plumbing import engines, models  # noqa: E402
+from spo_tree import Node  # noqa: E402
 
 TEMPERATURE = 0.1  # the tiny random model is nearly uniform at 0.6; at 0.1 its most likely token has p ~ 0.2
 
@@ -36,7 +36,7 @@ def tiny(tiny_model_dir):
 
 
 def first_token_reward(x: int) -> ca.Reward:
-    """1 when the response's first token is x: V*(prompt) = p(x), V*(s_t) = 1[y_0 = x] for every t >= 0."""
+    """1 when the response's first token is x: V*(prompt) = p(x), V*(s) = 1[y_0 = x] for every state past the prompt."""
     return lambda responses, finished, answers: [float(r[:1] == [x]) for r in responses]
 
 
@@ -44,6 +44,16 @@ def reference(model, tokenizer, states, samples, reward, max_new_tokens=1, seed=
     sampler = engines.HFSampler(model, tokenizer, seed=seed)
     return ca.mc_rewards(sampler, states, samples=samples, reward=reward, temperature=TEMPERATURE, top_p=1.0,
                          max_new_tokens=max_new_tokens, context=256, stop=[])
+
+
+def hand_made_tree(prompt: list[int], x: int, other: int) -> Node:
+    """Segments A = (x, 40) and B = (other, 40) with two leaves each, and a leaf C = (x,) at depth 1; rewards as
+    first_token_reward(x) gives them."""
+    return Node(prompt, [
+        Node([x, 40], [Node([41, 42], reward=1.0, depth=2), Node([43], reward=1.0, depth=2)], depth=1),
+        Node([other, 40], [Node([41], reward=0.0, depth=2), Node([44, 45], reward=0.0, depth=2)], depth=1),
+        Node([x], reward=1.0, depth=1),
+    ])
 
 
 def test_reference_value_of_the_prompt_converges_to_p_of_x(tiny):
@@ -57,29 +67,49 @@ def test_reference_value_of_the_prompt_converges_to_p_of_x(tiny):
     assert logp[0].exp().item() == pytest.approx(p_x, rel=1e-4)
 
 
-def test_reference_advantage_is_the_first_token_indicator_minus_p_x_then_exactly_zero(tiny):
+def test_edge_states_and_estimates_on_a_hand_made_tree():
+    root = hand_made_tree([7, 8], 5, 6)
+    edges = ca.edge_states([root], ["0"])
+    assert [(e["depth"], e["segment_tokens"]) for e in edges] == [(1, 2), (2, 2), (2, 1), (1, 2), (2, 1), (2, 2), (1, 1)]
+    a, a1, _, b, b1, _, c = edges
+    assert a["parent"] == ((7, 8), (), "0", None) and a["child"] == ((7, 8), (5, 40), "0", None)  # inner: open
+    assert a1["parent"] == a["child"] and a1["child"] == ((7, 8), (5, 40, 41, 42), "0", 1.0)  # leaf: closed at its reward
+    assert b1["child"][3] == 0.0 and c["child"] == ((7, 8), (5,), "0", 1.0)
+    # SPO-tree: V(A) = V(C) = 1, V(B) = 0, V(root) = 2/3; siblings that agree give 0 (kept here, dropped in training).
+    assert [e["estimates"]["spo_tree"] for e in edges] == pytest.approx([1 / 3, 0, 0, -2 / 3, 0, 0, 1 / 3])
+    nonzero = [(list(e["parent"][0] + e["parent"][1]), list(e["child"][1][len(e["parent"][1]):]), e["estimates"]["spo_tree"])
+               for e in edges if e["estimates"]["spo_tree"] != 0]
+    assert nonzero == [(q, s, pytest.approx(v)) for q, s, v in spo_tree.tree_segments(root)]  # training's samples
+    # GRPO: the five leaves are the group (rewards 1, 1, 0, 0, 1); a leaf gets its own advantage, an inner node the
+    # mean of its leaves', so the leaves under A keep +0.82 where V(child) - V(parent) = 0.
+    leaf_advantages = grpo_baseline.group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0]), 5).tolist()
+    win, lose = leaf_advantages[0], leaf_advantages[2]
+    assert win == pytest.approx(math.sqrt(2 / 3)) and lose == pytest.approx(-math.sqrt(1.5))
+    assert [e["estimates"]["grpo"] for e in edges] == pytest.approx([win, win, win, lose, lose, lose, win])
+    assert ca.grpo_credit(Node([1], [Node([2], reward=0.0), Node([3], reward=0.0)])) == [0.0, 0.0]  # no signal
+
+
+def test_reference_on_edges_is_the_known_advantage_and_exactly_zero_where_the_reward_is_settled(tiny):
+    """first_token_reward: A*(A) = A*(C) = 1 - p(x), A*(B) = -p(x), and every depth-2 edge 0 with no noise at all."""
     model, tokenizer, prompt, x, p_x = tiny
     other = (x + 1) % len(tokenizer)
-    reward = first_token_reward(x)
-    responses = [[x, 40, 41, 42, 43], [other, 40, 41]]  # hand-made: A* is defined for any token prefix
-    rewards = reward(responses, [True, True], ["0", "0"])
-    pairs = [ca.probe_states(prompt, response, "0", r, t) for response, r in zip(responses, rewards) for t in range(len(response))]
-    assert pairs[4][1][3] == 1.0 and pairs[-1][1][3] == 0.0  # s_{T-1}, the whole response, is closed at its reward
-    state_rewards, _ = reference(model, tokenizer, [s for pair in pairs for s in pair], 400, reward, max_new_tokens=4)
-    advantages = [ca.reference_advantage(state_rewards[2 * k], state_rewards[2 * k + 1]) for k in range(len(pairs))]
+    edges = ca.edge_states([hand_made_tree(prompt, x, other)], ["0"])
+    states = [s for e in edges for s in (e["parent"], e["child"])]
+    state_rewards, tokens = reference(model, tokenizer, states, 400, first_token_reward(x), max_new_tokens=4)
+    references = [ca.reference_advantage(state_rewards[2 * k], state_rewards[2 * k + 1]) for k in range(len(edges))]
     value_of_prompt = sum(state_rewards[0]) / 400
     assert abs(value_of_prompt - p_x) < 4 * math.sqrt(p_x * (1 - p_x) / 400)
-    by_response = [advantages[:5], advantages[5:]]
-    for response, mine in zip(responses, by_response):
-        assert mine[0]["advantage"] == pytest.approx(float(response[0] == x) - value_of_prompt, abs=1e-12)
-        assert mine[0]["error"] > 0
-        for later in mine[1:]:  # V*(s_t) = V*(s_{t-1}) = 1[y_0 = x] for every continuation: no noise at all
-            assert later["advantage"] == 0.0 and later["error"] == 0.0 and later["halves"] == (0.0, 0.0)
+    assert 0 < tokens <= 400 * (4 + 2 + 2)  # the prompt (budget 4), A and B (budget 2) sampled once each: C shares the prompt
+    a, a1, a2, b, b1, b2, c = references
+    assert a["advantage"] == c["advantage"] == pytest.approx(1 - value_of_prompt, abs=1e-12)  # the same prompt samples
+    assert b["advantage"] == pytest.approx(-value_of_prompt, abs=1e-12) and a["error"] > 0
+    for settled in (a1, a2, b1, b2):  # V*(parent) = V*(child) = 1[y_0 = x] for every continuation
+        assert settled["advantage"] == 0.0 and settled["error"] == 0.0 and settled["halves"] == (0.0, 0.0)
 
 
 def test_reference_standard_error_shrinks_as_one_over_sqrt_k(tiny):
     model, tokenizer, prompt, x, p_x = tiny
-    closed = (tuple(prompt), (x,), "0", 1.0)  # s_0 of a response starting with x: known exactly
+    closed = (tuple(prompt), (x,), "0", 1.0)  # a leaf starting with x: known exactly
     errors = {}
     for k in (100, 1600):
         (before, after), _ = reference(model, tokenizer, [(tuple(prompt), (), "0", None), closed], k, first_token_reward(x), seed=k)
@@ -108,8 +138,8 @@ def test_correlations_sign_agreement_and_bootstrap_on_hand_made_inputs():
     assert ca.spearman([a**3 for a in reference], reference) == pytest.approx(1.0)  # monotone is enough for ranks
     assert ca.spearman([-a for a in reference], reference) == pytest.approx(-1.0)
     assert ca.pearson([1, 1, 1, 1, 1, 1], reference) is None  # a constant estimator has no correlation
-    # Sign agreement counts only |A*| >= 0.25: probes 0 and 1 agree, probe 3's estimate 0.0 agrees with neither sign;
-    # the flipped sign on probe 2 (A* = 0.1) does not count.
+    # Sign agreement counts only |A*| >= 0.25: items 0 and 1 agree, item 3's estimate 0.0 agrees with neither sign;
+    # the flipped sign on item 2 (A* = 0.1) does not count.
     estimates = [0.9, -0.1, -0.4, 0.0, 0.3, 1.0]
     assert ca.sign_agreement(estimates, reference, 0.25) == (pytest.approx(2 / 3), 3)
     assert ca.sign_agreement([-a for a in reference], reference, 0.25) == (0.0, 3)
@@ -148,43 +178,31 @@ def test_reference_noise_reliability_and_ceiling():
     assert ca.ceiling(0.5) == pytest.approx(math.sqrt(2 / 3)) and ca.ceiling(None) is None
 
 
-def test_probe_cutpoint_values_give_the_full_chain_advantages_at_the_probes():
-    """Only the cutpoints chain_value_indices names are estimated; the others are NaN, and no probe reads one."""
-    rng = random.Random(3)
-    for _ in range(300):
-        probs = [rng.choice([0.2, 0.5, 0.95, 0.99]) for _ in range(rng.randint(2, 30))]
-        for interval in (1, 2, 5):
-            cutpoints = spo_chain.find_cutpoints(probs, 0.9, interval)
-            values = [rng.random() for _ in cutpoints]
-            probes = ca.pick_probes(probs, 3, 0.9, rng)
-            needed = ca.chain_value_indices(cutpoints, probes)
-            partial = [v if j in needed else math.nan for j, v in enumerate(values)]
-            full = spo_chain.chain_advantages(probs, cutpoints, values, 1.0, prob_mask=False)
-            some = spo_chain.chain_advantages(probs, cutpoints, partial, 1.0, prob_mask=False)
-            masked = spo_chain.chain_advantages(probs, cutpoints, values, 1.0, prob_mask=True)
-            assert all(some[t] == full[t] == masked[t] for t in probes)  # the mask never touches a p_t < 0.9 probe
-
-
-def test_end_to_end_writes_a_row_per_estimator_and_a_plot(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    # A ppo_baseline.py checkpoint, written by its own save_checkpoint, whose critic predicts 0.25 for every state.
-    model, tokenizer = models.load_model(str(tiny_model_dir), dtype=torch.float32, device="cpu")
-    critic = ppo_baseline.make_critic(model)
-    torch.nn.init.constant_(critic.value_head.bias, 0.25)
-    checkpoint = checkpoints.save_checkpoint(tmp_path / "ppo", model, tokenizer, {"iteration": 1}, modules={"critic": critic})
-    args = ca.Args(model=str(tiny_model_dir), task=str(gsm8k_jsonl), questions=2, group_size=2, probes=2, reference_samples=2,
-                   max_new_tokens=6, context=128, mc_samples=[2], intervals=[1, 5], tree="2,2", segment_tokens=2, bootstrap=20,
-                   ppo_checkpoint=str(checkpoint), output=str(tmp_path / "out" / "credit.json"))
-    results = ca.main(args)
+def test_end_to_end_scores_both_estimators_on_every_edge_and_at_each_depth(tmp_path):
+    """A model over the alphabet "7 " and questions whose answer is 7: even the random model earns some reward and
+    stops often, so the trees have leaves at both depths and advantages to compare."""
+    model_dir = make_tiny_model(tmp_path / "model", alphabet="7 ")
+    task = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
+    args = ca.Args(model=str(model_dir), task=str(task), questions=4, tree="2,2", segment_tokens=2, reference_samples=8,
+                   max_new_tokens=6, context=128, bootstrap=50, output=str(tmp_path / "out" / "credit.json"))
+    threads = torch.get_num_threads()
+    try:
+        results = ca.main(args)  # sets one torch thread (--threads 1)
+    finally:
+        torch.set_num_threads(threads)
     saved = json.loads((tmp_path / "out" / "credit.json").read_text())
-    assert (tmp_path / "out" / "credit.png").stat().st_size > 10_000
-    names = [row["estimator"] for row in saved["estimators"]]
-    assert names == ["grpo", "spo_chain_int1_k2", "spo_chain_int5_k2", "ppo_untrained", "ppo_trained", "spo_tree"]
-    assert saved["settings"]["reference_samples"] == 2 and saved["responses"] == 4 and not saved["prob_mask_changes_probes"]
-    records = saved["probe_records"]
-    assert 0 < len(records) <= 4 * 2 and all(r["p_t"] < 0.9 for r in records)
-    assert all(row["n"] == len(records) for row in saved["estimators"][:-1])
-    assert saved["estimators"][-1]["n"] == len(saved["edge_records"]) == saved["tree"]["edges"] > 0
-    # The untrained critic's value head is zero: V = 0, so with gamma = lambda = 1 every advantage is the reward.
-    assert all(r["estimates"]["ppo_untrained"] == r["reward"] for r in records)
-    assert all(r["estimates"]["ppo_trained"] == pytest.approx(r["reward"] - 0.25, abs=1e-5) for r in records)  # A_t = R - V(s_t)
-    assert results["reference"]["probes"]["count"] == len(records)
+    assert saved == json.loads(json.dumps(results)) and (tmp_path / "out" / "credit.png").stat().st_size > 10_000
+    rows = {(row["estimator"], row["edges"]): row for row in saved["estimators"]}
+    assert list(rows) == [(name, subset) for subset in ("all", "depth 1", "depth 2") for name in ("spo_tree", "grpo")]
+    edges = saved["edge_records"]
+    assert rows["spo_tree", "all"]["n"] == len(edges) == saved["tree"]["edges"]
+    assert rows["grpo", "depth 1"]["n"] + rows["grpo", "depth 2"]["n"] == len(edges)
+    assert 0 < saved["tree"]["reward_mean"] < 1 and saved["reference"]["all"]["count"] == len(edges)
+    for question in range(4):  # V(child) - V(parent) over the root's children sums to 0
+        assert sum(e["estimates"]["spo_tree"] for e in edges if e["question"] == question and e["depth"] == 1) == pytest.approx(0, abs=1e-4)
+    assert all(-1 <= e["reference"] <= 1 and e["reference"] == pytest.approx(np.mean(e["reference_halves"]), abs=1e-4) for e in edges)
+    assert rows["spo_tree", "all"]["pearson"] > 0.3  # the tree's own values track the Monte-Carlo segment values
+    difference = saved["pearson_spo_tree_minus_grpo"]["all"]  # paired: the same edges, the same resamples
+    assert difference["pearson"] == pytest.approx(rows["spo_tree", "all"]["pearson"] - rows["grpo", "all"]["pearson"], abs=1e-4)
+    assert difference["ci"][0] <= difference["pearson"] <= difference["ci"][1]
+    assert saved["machine"]["threads"] == 1 and saved["reference"]["generated_tokens"] > 0
