@@ -539,27 +539,30 @@ def backend_problems(backend: str) -> list[str]:
     return []
 
 
-def resolve_backend(backend: str) -> str:
-    """The engine --backend names: "auto" is vllm when it imports and a GPU is present (in one process), else hf."""
-    if backend == "auto" and distributed.world_size() > 1:
-        return "hf"  # under torchrun each rank samples with its own replica (vLLM per rank: not yet)
-    if backend == "auto":
-        try:
-            import vllm  # noqa: F401
-
-            return "vllm" if torch.cuda.is_available() else "hf"
-        except ImportError:
-            return "hf"
-    return backend
+def resolve_backend(backend: str) -> tuple[str, str]:
+    """The engine --backend names, and why: "auto" is vllm when it imports and a GPU is present (in one process),
+    else hf."""
+    if backend != "auto":
+        return backend, f"--backend {backend}"
+    if distributed.world_size() > 1:
+        return "hf", "--backend auto under torchrun: each rank samples with its own replica (vLLM per rank: not yet)"
+    if not torch.cuda.is_available():
+        return "hf", "--backend auto: no CUDA GPU"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "hf", "--backend auto: vllm is not installed (pip install -r requirements-vllm.txt), so the slower HF decode loop"
+    return "vllm", "--backend auto: vllm installed and a CUDA GPU present"
 
 
 def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_path: str, seed: int = 0,
                  precision: Precision = FP32, **vllm_kwargs):
     """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present).
     `precision` is the HF sampler's (vLLM computes in its own dtype)."""
-    backend = resolve_backend(backend)
+    backend, why = resolve_backend(backend)
     if problems := backend_problems(backend):
         raise UsageError(problems[0])
+    distributed.print0(f"rollout engine: {backend} ({why})")
     if backend == "hf":
         return HFSampler(model, tokenizer, seed=seed, precision=precision)
     return VLLMSampler(models.resolve_model(model_path), seed=seed, **vllm_kwargs)

@@ -395,7 +395,7 @@ def open_run(args, precision_line: str | None = None, device=None) -> tuple[Path
             lock_run(run_dir)
             files.write_atomic(run_dir / "args.json", json.dumps(asdict(args), indent=1), "the run's settings")
             record_start(run_dir, resumed=bool(args.resume), precision_line=precision_line, world_size=distributed.world_size(),
-                         backend=engines.resolve_backend(args.backend), device=str(device) if device is not None else None)
+                         backend=engines.resolve_backend(args.backend)[0], device=str(device) if device is not None else None)
         except UsageError as error:
             problem = str(error)
     run_dir, problem = distributed.broadcast((run_dir, problem))  # a suffixed name, or rank 0's error, on every rank

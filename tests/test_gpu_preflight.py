@@ -158,3 +158,19 @@ def test_vllm_sampler_checks_before_building_the_engine(monkeypatch, installed, 
     out = capsys.readouterr().out
     assert "vLLM pre-flight: " in out and "vllm 0.30.0 (CUDA 13)" in out and "FlashInfer sampler off" in out
     assert "vLLM engine ready in " in out and os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+def test_the_rollout_engine_is_named_with_the_reason_it_was_chosen(monkeypatch):
+    import builtins
+
+    from plumbing import engines
+
+    assert engines.resolve_backend("hf") == ("hf", "--backend hf")
+    monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: False)
+    assert engines.resolve_backend("auto") == ("hf", "--backend auto: no CUDA GPU")
+    monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: True)
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "vllm" else real_import(name, *a, **k))
+    backend, why = engines.resolve_backend("auto")
+    assert backend == "hf" and "vllm is not installed" in why  # said, where it used to fall back silently
