@@ -165,7 +165,7 @@ def _command_lines():
     modules = {"spo_chain": ["Args"], "spo_tree": ["Args"], "grpo_baseline": ["Args"], "ppo_baseline": ["Args"],
                "eval": ["EvalArgs"], "viewer": ["Html", "Curves"], "credit_assignment": ["Args"], "learning": ["Args"],
                "logprob_memory": ["Args"], "trl_side_by_side": ["Args"], "credit_exact": ["Args"],
-               "bad_input_probe": ["Args"]}
+               "bad_input_probe": ["Args"], "gpu_check": ["Args"]}
     found = [getattr(importlib.import_module(name), cls) for name, classes in modules.items() for cls in classes]
     # a benchmark added later with a tyro dataclass of its own must be listed above
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
