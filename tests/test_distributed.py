@@ -212,3 +212,44 @@ def test_eval_under_torchrun_gives_one_process_records_in_order(tiny_model_dir, 
     assert [r["responses"] for r in two["records"]] == [r["responses"] for r in one["records"]]  # greedy: the same, in order
     for key in ("accuracy", "pass@2", "majority_accuracy", "truncation_rate", "response_tokens"):
         assert two[key] == one[key], key
+
+
+def two_nodes(command: list[str], tmp_path: Path, timeout: float = 600) -> None:
+    """Run `command` as two torchrun "nodes" of one process each on this machine: --nnodes 2, c10d rendezvous on
+    localhost, gloo. Both must succeed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"spo-{port}"]
+    nodes = [subprocess.Popen(launch + ["--node-rank", str(rank)] + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=tmp_path) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=timeout) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+
+
+def test_two_nodes_make_the_update_of_one_process(one_process_steps, tiny_model_dir, tmp_path):
+    two_nodes([str(DRIVER), "grpo_baseline", str(tiny_model_dir), str(tmp_path)], tmp_path)
+    one, two = torch.load(one_process_steps("grpo_baseline")), torch.load(tmp_path / "world2.pt")
+    for key in one["stats"]:
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
+    for single, ranks in zip(one["parameters"], two["parameters"]):
+        for name in single:
+            assert torch.allclose(ranks[name], single[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_two_nodes_write_one_run_directory_whose_checkpoint_reloads_and_resumes(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    # one shared filesystem (as a multi-node job needs for its run directory): global rank 0 alone writes
+    command = torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path / "runs", max_minutes=1e-6)[len(TORCHRUN):]
+    two_nodes(command, tmp_path)
+    run_dir = only_run(tmp_path / "runs")
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["world_size"] == 2
+    models.load_model(str(run_dir / "checkpoint"))
+    starts = [json.loads(line) for line in (run_dir / "starts.jsonl").read_text().splitlines()]
+    assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["device"] == "cpu"
+    two_nodes([str(ROOT / "grpo_baseline.py"), "--resume", str(run_dir), "--max-minutes", "None"], tmp_path)
+    assert [m["iteration"] for m in read_metrics(run_dir) if "charts/reward" in m] == [1, 2]
+    assert not (run_dir / "lock").exists()  # released when the run ended
