@@ -632,7 +632,7 @@ def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: 
     handles = [Line2D([], [], color=f"C{index % 10}", marker="o", markersize=3, linewidth=1.5) for index in range(len(runs))]
     fig.legend(handles, labels, loc="outside upper center", ncol=min(4, len(labels)), fontsize=9, frameon=False)
     image = io.BytesIO()
-    fig.savefig(image, dpi=110, format=output.suffix[1:])
+    fig.savefig(image, dpi=110, format=output.suffix[1:].lower())
     plt.close(fig)
     files.write_atomic(output, image.getvalue(), "the plot")
     return present

@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -182,9 +181,11 @@ def main(args: Args) -> list[dict]:
     counts = {verdict: sum(r["verdict"] == verdict for r in rows) for verdict in ("ok", "traceback", "silent", "unclear", "hung")}
     print(f"{len(rows)} cases: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()))
     if not args.only:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        files.write_atomic(ROOT / args.out, json.dumps({"measured": time.strftime("%Y-%m-%d"), "commit": commit,
-                                                       "machine": platform.processor() or platform.machine(),
+        from plumbing.precision import cpu_description
+        from plumbing.runs import code_commit
+
+        files.write_atomic(ROOT / args.out, json.dumps({"measured": time.strftime("%Y-%m-%d"), "commit": code_commit(short=True),
+                                                       "machine": cpu_description(),
                                                        "counts": counts, "cases": rows}, indent=1), "the probe's results")
         print(f"-> {args.out}")
     return rows

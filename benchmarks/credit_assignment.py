@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -438,7 +437,7 @@ def main(args: Args) -> dict:
     results = rounded({
         "command": " ".join(["python"] + sys.argv), "settings": asdict(args), "seconds": seconds, "machine": {
             "cpu": cpu_description(), "device": device, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()},
+            "commit": runs.code_commit(short=True)},
         "tree": {"edges": len(edges), "zero_advantage_edges": sum(e["estimates"]["spo_tree"] == 0 for e in edges),
                  "leaves": len(leaves), "reward_mean": float(np.mean([leaf.reward for leaf in leaves])),
                  "unfinished_leaves": sum(leaf.finish_reason != "stop" for leaf in leaves),

@@ -891,7 +891,7 @@ def machine() -> dict:
     imported = ["grpo_baseline.py", "ppo_baseline.py", "spo_chain.py", "spo_tree.py", "plumbing", "benchmarks/credit_assignment.py"]
     return {"cpu": cpu_description(), "processor": platform.processor(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "commit": git("rev-parse", "--short", "HEAD"), "imported_code_modified": bool(git("status", "--porcelain", "--", *imported)),
+            "commit": runs.code_commit(short=True), "imported_code_modified": bool(git("status", "--porcelain", "--", *imported)),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 

@@ -151,9 +151,9 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
             raise SystemExit(f"error: {algorithm} seed {seed} failed (exit {result.returncode}): {last_line(directory / 'log.txt')} "
                              f"(whole log: {directory / 'log.txt'})")
         run_dir = finished_run(directory)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         (run_dir / "benchmark.json").write_text(json.dumps({"wall_seconds": time.time() - started, "load_before": load,
-                                                            "load_after": os.getloadavg()[0], "commit": commit, "cpu": cpu_description()}))
+                                                            "load_after": os.getloadavg()[0], "commit": run_files.code_commit(short=True),
+                                                            "cpu": cpu_description()}))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     evals = [m for m in lines if "eval/accuracy" in m]

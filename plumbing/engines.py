@@ -245,17 +245,17 @@ class HFSampler:
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         limits = [max(0, min(b, context - len(p)) if context else b) for p, b in zip(prompts, budgets)]
         histories = stop_histories(prompts, generated, stop)
-        # A prompt that fills the context is never prefilled: its n completions are empty and unfinished.
-        results: list[list[Completion]] = [[] if context is None or len(p) < context else
-                                           [Completion(ids=[], finish_reason="length") for _ in range(n)] for p in prompts]
+        # A prompt that fills the context is never prefilled: its n completions stay empty and unfinished.
+        results = [[Completion(ids=[], finish_reason="length") for _ in range(n)] for _ in prompts]
         live = [i for i, p in enumerate(prompts) if context is None or len(p) < context]
-        # A prompt whose n rows alone exceed the batch caps is sampled in several batches of at most `rows` rows.
+        for i in live:
+            results[i] = []
+        # (prompt indices, rows per prompt) per batch; a prompt whose n rows alone exceed the batch caps is sampled
+        # alone, in batches of at most `rows` rows.
         rows = {i: self.rows_per_batch(len(prompts[i]) + limits[i]) for i in live}
-        split = [i for i in live if n > rows[i]]
         together = [i for i in live if n <= rows[i]]
-        batches = [(batch, n) for batch in self.chunks([prompts[i] for i in together], [limits[i] for i in together], n)]
-        batches = [([together[j] for j in batch], k) for batch, k in batches]
-        batches += [([i], min(rows[i], n - start)) for i in split for start in range(0, n, rows[i])]
+        batches = [([together[j] for j in batch], n) for batch in self.chunks([prompts[i] for i in together], [limits[i] for i in together], n)]
+        batches += [([i], min(rows[i], n - start)) for i in live if n > rows[i] for start in range(0, n, rows[i])]
         device = self.model.device.type
         with self.precision.autocast(device):  # training keeps fp32 weights
             for batch, k in tqdm.tqdm(batches, desc=progress, leave=False, disable=progress is None or distributed.rank() > 0):

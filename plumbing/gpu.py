@@ -133,7 +133,7 @@ def python_headers() -> Path:
 def toolchain_problems(enforce_eager: bool) -> list[str]:
     """Lines for a missing C compiler or Python.h. Triton compiles each kernel's launcher with both, and vLLM runs
     Triton kernels (its sampler) and, unless eager, torch.compile, whose kernels are Triton's too."""
-    eager = "" if enforce_eager else "; eager mode (enforce_eager=True) avoids torch.compile, not vLLM's own Triton kernels"
+    eager = "" if enforce_eager else "; eager mode (--vllm-enforce-eager) avoids torch.compile, not vLLM's own Triton kernels"
     problems = []
     if c_compiler() is None:
         problems.append(f"no C compiler (gcc, clang or $CC), which Triton needs: apt-get install gcc{eager}")

@@ -159,15 +159,19 @@ def check_resume_settings(args, run_dir: str | Path) -> None:
                          f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run")
 
 
+def code_commit(short: bool = False) -> str | None:
+    """The git commit of the code that runs (None outside a checkout): recorded by runs and benchmark results."""
+    try:
+        return subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def record_start(run_dir: Path, resumed: bool, precision_line: str | None = None, **how) -> None:
     """Append this start or resume (time, command line, commit, the precision chosen, and `how` it runs: world size,
     backend, device) to RUN/starts.jsonl."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": commit,
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": code_commit(),
              "precision": precision_line, **how}
     _active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)  # first: a Ctrl-C from here on names the run
     files.append_line(run_dir / "starts.jsonl", entry, "the run's start log")
@@ -386,7 +390,7 @@ def open_run(args, precision_line: str | None = None, device=None) -> tuple[Path
             distributed.check_world_size(checkpoint)  # each rank's questions and seeds depend on it
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        run_dir, checkpoint = distributed.broadcast(Path(args.output_dir) / run_name), None  # rank 0's clock names the run
+        run_dir, checkpoint = Path(args.output_dir) / run_name, None  # rank 0's name (its clock) is broadcast below
     problem = None
     if distributed.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
         try:

@@ -122,10 +122,10 @@ def test_missing_compiler_and_headers_are_named(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
     monkeypatch.setattr(gpu.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     compiler, headers = gpu.toolchain_problems(enforce_eager=False)
-    assert "no C compiler" in compiler and "apt-get install gcc" in compiler and "enforce_eager=True" in compiler
+    assert "no C compiler" in compiler and "apt-get install gcc" in compiler and "--vllm-enforce-eager" in compiler
     dev = f"python{sys.version_info.major}.{sys.version_info.minor}-dev"
-    assert str(tmp_path / "Python.h") in headers and dev in headers and "enforce_eager=True" in headers
-    assert all("enforce_eager" not in line for line in gpu.toolchain_problems(enforce_eager=True))
+    assert str(tmp_path / "Python.h") in headers and dev in headers and "--vllm-enforce-eager" in headers
+    assert all("enforce-eager" not in line for line in gpu.toolchain_problems(enforce_eager=True))
 
     (tmp_path / "Python.h").write_text("")
     monkeypatch.setenv("CC", "/opt/cc")
