@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import tqdm
@@ -56,8 +56,9 @@ class Args(runs.TrainArgs):
     """AdamW weight decay (policy and critic)"""
     max_grad_norm: ranges.PositiveFloat = 1.0
     """gradient clipping norm (policy and critic, each on its own)"""
-    gradient_checkpointing: bool = False
-    """trade compute for memory in the update (policy and critic)"""
+    gradient_checkpointing: Literal["auto"] | bool = "auto"
+    """recompute activations in the backward pass (policy and critic); auto: only where the update would not fit
+    otherwise"""
     save_samples: ranges.NonNegativeInt = 0
     """every N iterations write the first --save-questions questions' responses to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
     gamma: ranges.Fraction = 1.0

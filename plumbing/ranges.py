@@ -16,7 +16,7 @@ import math
 import sys
 import types
 import typing
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
@@ -52,13 +52,15 @@ class Range:
 
 
 def bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False,
-            optional: bool = False, many: bool = False):
-    """The type of a field whose values lie in a range: Annotated[kind (| None) (list of), Range, its --help metavar]."""
+            optional: bool = False, many: bool = False, auto: bool = False):
+    """The type of a field whose values lie in a range: Annotated[kind (| None | "auto") (list of), Range, its --help
+    metavar]. auto: the value may also be "auto", which the program replaces with a value it chooses."""
     valid = Range(low, high, low_open, high_open)
     base = list[kind] if many else kind
-    base = base | None if optional else base
+    base = base | None if optional else base | Literal["auto"] if auto else base
     metavar = valid.metavar(kind) + ("..." if many else "")
-    return Annotated[base, valid, tyro.conf.arg(metavar="{None}|" + metavar if optional else metavar)]
+    metavar = "{None}|" + metavar if optional else "auto|" + metavar if auto else metavar
+    return Annotated[base, valid, tyro.conf.arg(metavar=metavar)]
 
 
 # The ranges the project's settings use. An Optional one also accepts None (the flag's "not set" value).
@@ -74,6 +76,8 @@ OptionalPositiveInt = bounded(int, 1, optional=True)
 OptionalPositiveFloat = bounded(float, 0, low_open=True, optional=True)
 PositiveInts = bounded(int, 1, many=True)
 Seeds = bounded(int, 0, 2**32 - 1, many=True)
+AutoPositiveInt = bounded(int, 1, auto=True)  # memory knobs that plumbing.memory sizes to the device
+AutoProbability = bounded(float, 0, 1, low_open=True, auto=True)
 
 
 def field_range(args_class, name: str) -> tuple[Range, type] | None:
@@ -109,7 +113,7 @@ def problems(args) -> list[str]:
     for field in dataclasses.fields(args):
         declared = field_range(type(args), field.name)
         value = getattr(args, field.name)
-        if declared is None or value is None:
+        if declared is None or value is None or value == "auto":
             continue
         valid, kind = declared
         flag = f"--{field.name.replace('_', '-')}"

@@ -28,7 +28,7 @@ from typing import Callable, Literal, Sequence
 
 import tyro
 
-from plumbing import UsageError, checkpoints, distributed, engines, files, models, ranges
+from plumbing import UsageError, checkpoints, distributed, engines, files, memory, models, ranges
 
 
 class Terminated(KeyboardInterrupt):
@@ -93,7 +93,7 @@ def _discard_untrained_run() -> None:
 RESUMABLE_SETTINGS = (
     "resume", "dry_run", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
     "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
-    "precision", "eval_before",
+    "precision", "eval_before", "reference_on_device",
 )
 
 
@@ -188,7 +188,7 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
     if get("backend") is not None:
         problems += engines.backend_problems(args.backend)
     if isinstance(args, TrainArgs):  # the batch, budget and cadence of every training run
-        if args.micro_batch_size >= 1 and (args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size):
+        if args.micro_batch_size != "auto" and args.micro_batch_size >= 1 and (args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size):
             problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
     if get("output_dir") is not None and not get("resume"):
         problems += directory_problems(args.output_dir, "--output-dir")
@@ -334,8 +334,9 @@ class TrainArgs:
     """passes over each iteration's samples"""
     batch_size: ranges.PositiveInt = 64
     """sequences per optimizer step"""
-    micro_batch_size: ranges.PositiveInt = 8
-    """sequences per forward/backward (memory only: the gradient is the same for any split)"""
+    micro_batch_size: ranges.AutoPositiveInt = "auto"
+    """sequences per forward/backward (memory only: the gradient is the same for any split); auto: sized to the
+    GPU's free memory (plumbing/memory.py), 8 on a CPU"""
     clip_eps: ranges.PositiveFloat = 0.2
     """PPO ratio clipping"""
     beta: ranges.NonNegativeFloat = 1e-4
@@ -343,8 +344,9 @@ class TrainArgs:
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
     replica does not fit one GPU; the sampler gathers the whole model while it samples"""
-    gradient_checkpointing: bool = False
-    """trade compute for memory in the update"""
+    gradient_checkpointing: Literal["auto"] | bool = "auto"
+    """recompute activations in the backward pass (about a third more compute, a fraction of the memory); auto: only
+    where the update would not fit otherwise"""
     eval_every: ranges.PositiveInt = 10
     """evaluate every N iterations (and before the first and after the last)"""
     eval_before: bool = True
@@ -366,10 +368,17 @@ class TrainArgs:
     """every N iterations write the first --save-questions groups to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
     save_questions: ranges.PositiveInt = 2
     """questions whose responses --save-samples writes"""
-    vllm_gpu_memory_utilization: ranges.Probability = 0.3
-    """GPU memory fraction for the vLLM engine"""
+    vllm_gpu_memory_utilization: ranges.AutoProbability = "auto"
+    """GPU memory fraction for the vLLM engine (its weights and KV cache); auto: what training leaves free"""
     vllm_enforce_eager: bool = False
     """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding (first runs, debugging)"""
+    reference_on_device: Literal["auto"] | bool = "auto"
+    """keep the frozen reference model on the training device (True), or in pinned CPU memory, moved in for its
+    pass each iteration (False); auto: on the GPU when it fits beside training, on the CPU otherwise"""
+    sampler_batch_tokens: ranges.AutoPositiveInt = "auto"
+    """positions (rows x (prompt + new tokens)) one batch of the HF sampler caches; auto: 65,536 on a CPU, sized to
+    free GPU memory at the run's first start and kept on resume (the batches decide which random draws a row gets,
+    so a resumed run repeats only with the same value)"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,7 +388,8 @@ class TrainArgs:
 def open_run(args, precision_line: str | None = None, device=None) -> tuple[Path, Path | None]:
     """The run directory (new, or the one --resume names) and its newest intact checkpoint (None: start from
     --model). Rank 0 creates a new directory exclusively (a name already taken gets a suffix) and locks the run for
-    this process (lock_run); writes the run's settings to args.json and records this start in starts.jsonl."""
+    this process (lock_run); writes the run's settings to args.json and records this start in starts.jsonl. Replaces
+    the `auto` memory knobs of `args` in place with this device's values (memory.size_run; args.json keeps "auto")."""
     if args.resume:
         run_dir = Path(args.resume)
         checkpoint = checkpoints.latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
@@ -391,21 +401,36 @@ def open_run(args, precision_line: str | None = None, device=None) -> tuple[Path
     else:
         run_name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
         run_dir, checkpoint = Path(args.output_dir) / run_name, None  # rank 0's name (its clock) is broadcast below
+    settings = json.dumps(asdict(args), indent=1)  # as given: `auto` stays auto in args.json
+    # The `auto` memory knobs, on every rank, before anything is written: a run that cannot fit leaves nothing behind.
+    # A resumed run keeps the sampler batch of its first start.
+    first_start = distributed.broadcast(first_record(run_dir) if args.resume and distributed.rank() == 0 else None)
+    sizing = memory.size_run(args, device or "cpu", str(checkpoint) if checkpoint else args.model, first_start)
     problem = None
     if distributed.rank() == 0:  # under torchrun rank 0 writes the run's files; the others read the same directory
         try:
             if not args.resume:
                 run_dir = make_new_directory(run_dir)
             lock_run(run_dir)
-            files.write_atomic(run_dir / "args.json", json.dumps(asdict(args), indent=1), "the run's settings")
+            files.write_atomic(run_dir / "args.json", settings, "the run's settings")
             record_start(run_dir, resumed=bool(args.resume), precision_line=precision_line, world_size=distributed.world_size(),
-                         backend=engines.resolve_backend(args.backend)[0], device=str(device) if device is not None else None)
+                         backend=engines.resolve_backend(args.backend)[0], device=str(device) if device is not None else None,
+                         memory={**sizing.settings(), "update_peak_gib": sizing.peak_gb, "line": sizing.line})
         except UsageError as error:
             problem = str(error)
     run_dir, problem = distributed.broadcast((run_dir, problem))  # a suffixed name, or rank 0's error, on every rank
     if problem:
         raise UsageError(problem)
     return run_dir, checkpoint
+
+
+def first_record(run_dir: Path) -> dict | None:
+    """The first entry of RUN/starts.jsonl (the run's first start), or None."""
+    path = Path(run_dir) / "starts.jsonl"
+    if not path.exists():
+        return None
+    records = files.read_log(path, "the run's start log")
+    return records[0] if records else None
 
 
 def make_new_directory(run_dir: Path) -> Path:

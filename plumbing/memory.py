@@ -1,0 +1,263 @@
+"""Memory sizing: the `auto` values of the memory knobs, chosen from the GPU's free memory, the model's shape and the
+run's context, before anything large is loaded.
+
+    --micro-batch-size         sequences per forward/backward of the update
+    --gradient-checkpointing   recompute each layer's activations in the backward pass
+    --reference-on-device      keep the frozen reference model on the GPU, or in pinned CPU memory between its passes
+    --vllm-gpu-memory-utilization   the vLLM engine's share of the GPU (its weights, activations and KV cache)
+    --sampler-batch-tokens     positions one batch of the HF sampler caches
+
+The formula (bytes; P parameters, L layers, hidden h, MLP width I, vocab V, r = KV heads / query heads):
+  training state     16 P   fp32 weights 4 P, gradients 4 P, AdamW's two moments 8 P (PPO: twice, for the critic;
+                            --fsdp over N ranks: divided by N, plus 4 P for the whole model the sampler gathers)
+  autocast copies     2 P   the bf16 copies of the weights that autocast keeps during a forward/backward pass
+  reference model     4 P   fp32, on the GPU (--reference-on-device) or moved in for its pass
+  activations         per token of a micro-batch (micro-batch x context tokens at most), + 8 h for the final norm:
+                      L (38 h + 6 r h + 8 I)        without checkpointing: what bf16 autocast saves for the backward
+                                                    pass of a pre-norm decoder layer (norms in fp32, linear inputs and
+                                                    MLP products in bf16, attention saving q, k, v and its output);
+                                                    the coefficients are autograd's saved bytes, measured
+                      4 L h + (38 h + 6 r h + 8 I)  with checkpointing: each layer's fp32 input, and one layer again
+  LM head             the log-prob chunks' fp32 logits: at most 2**28 entries kept, and 512 positions in flight
+  margin              5 % of the GPU and 1 GiB: the CUDA context, the allocator's fragmentation
+During rollout the update's activations are gone (emptied from torch's cache) and the engine gets what is left:
+vLLM's share = (free - weights 4 P - AdamW 8 P - reference if kept - margin) / total, capped at 0.9; the HF sampler's
+batch caches 2 L r h bytes x 2 (bf16) per position. tests/test_memory.py checks the activation term against the
+bytes autograd saves for the backward pass (bf16 autocast on a CPU, small Qwen2 models: within 10 %).
+
+Choice, in this order: no checkpointing before checkpointing, then the largest micro-batch (a divisor of the rank's
+batch, at most 8), then the reference on the GPU before the CPU. A value given on the command line is kept. A run
+whose training state does not fit even with micro-batch 1, checkpointing and the reference on the CPU is refused.
+On a CPU: micro-batch 8 (or the largest divisor of the batch below it), no checkpointing, the reference where it is,
+65,536 sampler positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+GiB = 2**30
+CPU_SAMPLER_TOKENS = 2**16  # the HF sampler's batch on a CPU (benchmarks/sampler.py)
+LARGEST_MICRO_BATCH = 8
+LOGIT_CHUNK = 512  # positions per LM-head chunk (training.response_logprobs)
+KEPT_LOGITS = 2**28  # logits entries above which the chunks are recomputed (training.response_logprobs)
+VLLM_SHARE_CAP = 0.9
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the formula needs from a model's config."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def model_shape(config) -> ModelShape:
+    """The shape of a decoder-only transformers config (Llama, Qwen2, Mistral, SmolLM2...), with its parameter count.
+
+    >>> model_shape(transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+    ...     num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False)).params
+    1777088000
+    """
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    intermediate = config.intermediate_size
+    bias = getattr(config, "attention_bias", None)
+    bias = type(config).__name__.startswith("Qwen2") if bias is None else bias  # Qwen2's q, k, v carry biases
+    attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + (heads + 2 * kv_heads) * head_dim * bias
+    per_layer = attention + 3 * h * intermediate + 2 * h  # + two RMSNorm weights
+    embeddings = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return ModelShape(layers * per_layer + embeddings + h, layers, h, intermediate, vocab, heads, kv_heads)
+
+
+def activation_bytes_per_token(shape: ModelShape, checkpointing: bool) -> int:
+    """Bytes the update keeps for its backward pass per token of a micro-batch (bf16 autocast, fp32 weights)."""
+    h, r = shape.hidden, shape.kv_heads / shape.heads
+    layer = 38 * h + 6 * r * h + 8 * shape.intermediate  # tests/test_memory.py measures these on a small model
+    return int(8 * h + (4 * shape.layers * h + layer if checkpointing else shape.layers * layer))
+
+
+def kv_bytes_per_position(shape: ModelShape, element: int = 2) -> int:
+    """Keys and values of one position in every layer (element: 2 for bf16/fp16, 4 for fp32)."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * element
+
+
+@dataclass(frozen=True)
+class Plan:
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    reference_on_device: bool
+    vllm_gpu_memory_utilization: float
+    sampler_batch_tokens: int
+    peak_gb: float | None = None  # the update's estimated peak (None on a CPU)
+    fits: bool = True  # False: values given on the command line exceed the estimate (a warning, not a refusal)
+    line: str = ""
+
+    def settings(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("line", "peak_gb", "fits")}
+
+
+def micro_batch_candidates(batch_per_rank: int, requested) -> list[int]:
+    """The micro-batch sizes to try, largest first: the one given, or the divisors of the rank's batch up to 8."""
+    if requested != "auto":
+        return [requested]
+    return [m for m in range(min(LARGEST_MICRO_BATCH, batch_per_rank), 0, -1) if batch_per_rank % m == 0]
+
+
+def cpu_plan(batch_per_rank: int, requested: dict) -> Plan:
+    """Today's values where there is no GPU memory to size: what is given, else micro-batch 8 (or the largest divisor
+    of the batch below it), no checkpointing, the reference where the model is, vLLM's share 0.3 (unused)."""
+    pick = lambda name, default: default if requested.get(name, "auto") == "auto" else requested[name]  # noqa: E731
+    plan = Plan(
+        micro_batch_size=micro_batch_candidates(batch_per_rank, requested.get("micro_batch_size", "auto"))[0],
+        gradient_checkpointing=pick("gradient_checkpointing", False),
+        reference_on_device=pick("reference_on_device", True),
+        vllm_gpu_memory_utilization=pick("vllm_gpu_memory_utilization", 0.3),
+        sampler_batch_tokens=pick("sampler_batch_tokens", CPU_SAMPLER_TOKENS),
+    )
+    return dataclasses.replace(plan, line=f"memory: {describe(plan)} (CPU: no sizing)")
+
+
+def describe(plan: Plan) -> str:
+    return (f"micro-batch {plan.micro_batch_size}, checkpointing {'on' if plan.gradient_checkpointing else 'off'}, "
+            f"reference on {'device' if plan.reference_on_device else 'CPU (pinned)'}, vLLM share "
+            f"{plan.vllm_gpu_memory_utilization:.2f}, sampler batch {plan.sampler_batch_tokens:,} positions")
+
+
+def plan(
+    shape: ModelShape, *, total: int, free: int, context: int, batch_per_rank: int, backend: str, beta: float,
+    requested: dict, critic: bool = False, fsdp_ranks: int = 1, element: int = 2,
+) -> Plan:
+    """The memory knobs for one GPU with `total` bytes of which `free` are free, by the formula of this module's
+    docstring. `requested`: the command line's values ("auto" or a value, which is kept). backend: the rollout engine
+    ("hf" or "vllm"). critic: PPO's value model (a second copy of the training state and activations). element: bytes
+    of a bf16/fp16 value (2), or 4 where the GPU computes in fp32. Raises UsageError when nothing fits."""
+    from plumbing import UsageError
+
+    P, copies = shape.params, 2 if critic else 1
+    margin = 0.05 * total + GiB
+    sharded = fsdp_ranks > 1
+    state = copies * 16 * P / fsdp_ranks + (4 * P if sharded else 0)  # + the whole model the sampler gathers
+    autocast_copies = copies * (P / fsdp_ranks if sharded else P) * element  # bf16 weights during the pass
+    reference = 4 * P if beta > 0 else 0
+    logits = 2 * LOGIT_CHUNK * shape.vocab * 4  # a chunk's logits and their gradient in flight
+    resident_rollout = copies * 12 * P / fsdp_ranks + (4 * P if sharded else 0)  # weights + AdamW during rollout
+
+    def rollout_room(reference_on_device: bool) -> float:
+        return free - margin - resident_rollout - (reference if reference_on_device else 0)
+
+    def update_peak(micro: int, checkpointing: bool, reference_on_device: bool) -> float:
+        tokens = micro * context
+        activations = copies * tokens * activation_bytes_per_token(shape, checkpointing)
+        kept_logits = min(tokens * shape.vocab, KEPT_LOGITS) * 4  # fp32 logits kept for the backward pass
+        return state + autocast_copies + (reference if reference_on_device else 0) + 1.1 * activations + kept_logits + logits
+
+    vllm_need = 2 * P + 2 * GiB + context * kv_bytes_per_position(shape)  # bf16 weights, warm-up, one full sequence
+    want = lambda name: requested.get(name, "auto")  # noqa: E731
+    chosen = None
+    for checkpointing in ((False, True) if want("gradient_checkpointing") == "auto" else (want("gradient_checkpointing"),)):
+        for micro in micro_batch_candidates(batch_per_rank, want("micro_batch_size")):
+            for on_device in ((True, False) if want("reference_on_device") == "auto" else (want("reference_on_device"),)):
+                if beta == 0:
+                    on_device = True  # no reference model: nothing to place
+                fits = update_peak(micro, checkpointing, on_device) <= free - margin
+                if backend == "vllm" and want("vllm_gpu_memory_utilization") == "auto":
+                    fits = fits and rollout_room(on_device) >= vllm_need
+                if fits:
+                    chosen = (micro, checkpointing, on_device)
+                    break
+            if chosen:
+                break
+        if chosen:
+            break
+    given = [name for name in ("micro_batch_size", "gradient_checkpointing", "reference_on_device") if want(name) != "auto"]
+    if chosen is None:
+        smallest = update_peak(1, True, beta == 0)
+        if given and smallest <= free - margin:  # the values given do not fit, but others would: keep them, warn
+            chosen = (micro_batch_candidates(batch_per_rank, want("micro_batch_size"))[0],
+                      bool(want("gradient_checkpointing")) if want("gradient_checkpointing") != "auto" else True,
+                      bool(want("reference_on_device")) if want("reference_on_device") != "auto" else False)
+        else:
+            need = max(smallest, (resident_rollout + vllm_need) if backend == "vllm" else 0) + margin
+            raise UsageError(
+                f"this run needs about {need / GiB:.0f} GiB of GPU memory even with --micro-batch-size 1, "
+                f"--gradient-checkpointing True and --reference-on-device False, and the GPU has {free / GiB:.0f} GiB "
+                f"free of {total / GiB:.0f}: use a GPU with more memory, --fsdp over several GPUs (torchrun), a shorter "
+                "--context, or --beta 0 (no reference model)"
+            )
+    micro, checkpointing, on_device = chosen
+    fits = update_peak(micro, checkpointing, on_device) <= free - margin
+    if want("vllm_gpu_memory_utilization") != "auto":
+        share = float(want("vllm_gpu_memory_utilization"))
+    else:
+        share = max(0.05, min(VLLM_SHARE_CAP, rollout_room(on_device) / total))
+        share = math.floor(share * 100) / 100
+    if want("sampler_batch_tokens") != "auto":
+        sampler_tokens = int(want("sampler_batch_tokens"))
+    else:
+        room = rollout_room(on_device) - autocast_copies - 256 * shape.vocab * 4 * 3  # + a step's logits for 256 rows
+        sampler_tokens = int(max(context, min(room / (1.2 * kv_bytes_per_position(shape, element)), 256 * context)))
+    peak = update_peak(micro, checkpointing, on_device)
+    result = Plan(micro, checkpointing, on_device, share, sampler_tokens, peak_gb=round(peak / GiB, 1), fits=fits)
+    note = f"; {', '.join('--' + n.replace('_', '-') for n in given)} as given" if given else ""
+    return dataclasses.replace(result, line=(
+        f"memory: {describe(result)}; update peak ~{peak / GiB:.0f} GiB of {free / GiB:.0f} GiB free (computed{note})"))
+
+
+KNOBS = ("micro_batch_size", "gradient_checkpointing", "reference_on_device", "vllm_gpu_memory_utilization",
+         "sampler_batch_tokens")
+
+
+def size_run(args, device, model_path: str, first_start: dict | None = None) -> Plan:
+    """Replace every `auto` memory knob of `args` (a training script's Args) with its value for this device, in place,
+    and return the plan (its .line is printed and recorded in RUN/starts.jsonl; args.json keeps "auto").
+
+    model_path: the model the run trains (its config gives the shape). first_start: the run's first starts.jsonl
+    entry when resuming: its sampler batch is kept, so that a resumed run samples what the uninterrupted one would.
+    Under torchrun every rank takes the same values, from the least free memory of any rank."""
+    import torch
+
+    from plumbing import distributed, engines, models
+    from plumbing.precision import gpu_has_bf16
+
+    requested = {name: getattr(args, name) for name in KNOBS}
+    earlier = (first_start or {}).get("memory") or {}
+    if requested["sampler_batch_tokens"] == "auto" and isinstance(earlier.get("sampler_batch_tokens"), int):
+        requested["sampler_batch_tokens"] = earlier["sampler_batch_tokens"]
+    batch_per_rank = max(1, args.batch_size // distributed.world_size())
+    if torch.device(device).type != "cuda":
+        result = cpu_plan(batch_per_rank, requested)
+    else:
+        from transformers import AutoConfig
+
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        free = min(distributed.gather([free]))  # every rank must take the same micro-batches (collectives match)
+        shape = model_shape(AutoConfig.from_pretrained(models.resolve_model(model_path)))
+        result = plan(
+            shape, total=total, free=free, context=args.context, batch_per_rank=batch_per_rank,
+            backend=engines.resolve_backend(args.backend)[0], beta=args.beta, requested=requested,
+            critic=hasattr(args, "critic_lr"), fsdp_ranks=distributed.world_size() if args.fsdp else 1,
+            element=2 if gpu_has_bf16() and args.precision != "fp32" else 4,
+        )
+    for name, value in result.settings().items():
+        setattr(args, name, value)
+    distributed.print0(result.line)
+    if not result.fits:
+        import warnings
+
+        warnings.warn(f"the memory settings given may not fit ({result.line}); if the update runs out of memory, "
+                      "leave them at auto")
+    return result

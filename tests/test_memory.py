@@ -1,0 +1,197 @@
+"""plumbing/memory.py: the `auto` memory knobs. The formula's terms against measured bytes, its choices on GPUs of
+24, 80 and 141 GiB for the paper's models, and how a run resolves, records and resumes them."""
+
+import json
+import types
+
+import pytest
+import torch
+import transformers
+
+from plumbing import UsageError, memory, training
+from plumbing.precision import choose_precision
+
+GiB = 2**30
+# DeepSeek-R1-Distill-Qwen-1.5B (the long-CoT runs) and Rho-1B (TinyLlama shape: the GSM8K runs), from their configs.
+QWEN_1_5B = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False)
+RHO_1B = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+
+
+def long_cot_plan(total_gib: float, backend: str = "vllm", **overrides) -> memory.Plan:
+    """The plan for SPO-tree's long-CoT run (context 2048, batch 128) on one GPU with `total_gib`, half a GiB in use."""
+    settings = dict(total=int(total_gib * GiB), free=int((total_gib - 0.5) * GiB), context=2048, batch_per_rank=128,
+                    backend=backend, beta=1e-4, requested={})
+    return memory.plan(memory.model_shape(QWEN_1_5B), **{**settings, **overrides})
+
+
+@pytest.mark.parametrize("config", [
+    transformers.Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=1, vocab_size=1000, tie_word_embeddings=True),
+])
+def test_parameter_count_is_the_models(config):
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert memory.model_shape(config).params == sum(p.numel() for p in model.parameters())
+
+
+def test_paper_model_has_its_published_size():
+    assert memory.model_shape(QWEN_1_5B).params == 1_777_088_000  # "1.5B" counts the tied-size backbone; 1.78B untied
+
+
+def _saved_bytes_per_token(config, checkpointing: bool) -> float:
+    """Bytes autograd saves for the backward pass per response token of response_logprobs under bf16 autocast (the
+    slope between 4 rows of 256 and of 512 tokens, so the weights' bf16 copies and per-row terms cancel)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    precision = choose_precision("bf16", "cpu")
+
+    def saved(length: int) -> int:
+        samples = [{"prompt_ids": [1, 2, 3, 4], "response_ids": torch.randint(5, config.vocab_size - 1, (length,)).tolist()}
+                   for _ in range(4)]
+        storages = {}
+
+        def keep(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in weights:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            training.response_logprobs(model, training.collate(samples, 0, "cpu"), 1.0, precision=precision)
+        return sum(storages.values())
+
+    return (saved(512) - saved(256)) / (4 * 256)
+
+
+@pytest.mark.parametrize("hidden,intermediate,heads,kv_heads", [(256, 1408, 8, 2), (128, 1024, 4, 4)])
+def test_activation_term_matches_what_autograd_saves(hidden, intermediate, heads, kv_heads):
+    config = transformers.Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=512,
+                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    shape = memory.model_shape(config)
+    logits = 4 * config.vocab_size  # fp32 logits per token, kept for the backward pass at this size
+    measured = _saved_bytes_per_token(config, checkpointing=False)
+    assert measured == pytest.approx(memory.activation_bytes_per_token(shape, False) + logits, rel=0.10)
+    # With checkpointing the forward pass saves each layer's input; the one layer recomputed at a time is in the
+    # formula but appears only during the backward pass.
+    one_layer = memory.activation_bytes_per_token(shape, True) - 4 * shape.layers * hidden - 8 * hidden
+    measured = _saved_bytes_per_token(config, checkpointing=True)
+    assert measured == pytest.approx(memory.activation_bytes_per_token(shape, True) - one_layer + logits, rel=0.15)
+
+
+def test_141_gib_trains_the_long_cot_run_at_micro_batch_8_with_everything_on_the_gpu():
+    plan = long_cot_plan(141)
+    assert (plan.micro_batch_size, plan.gradient_checkpointing, plan.reference_on_device) == (8, False, True)
+    assert 95 <= plan.peak_gb <= 125  # 28 GiB of training state, 7 of reference, ~60 of activations
+    assert 0.6 <= plan.vllm_gpu_memory_utilization <= 0.8  # the rest, less the weights and AdamW kept during rollout
+    assert plan.fits and "computed" in plan.line
+
+
+def test_80_gib_halves_the_micro_batch_rather_than_recompute():
+    plan = long_cot_plan(80)
+    assert (plan.micro_batch_size, plan.gradient_checkpointing, plan.reference_on_device) == (4, False, True)
+    assert plan.peak_gb <= 80 - 0.05 * 80 - 1
+    assert 0.5 <= plan.vllm_gpu_memory_utilization <= 0.7
+
+
+def test_24_gib_refuses_the_1_5b_model_with_the_flags_that_would_help():
+    with pytest.raises(UsageError) as refused:
+        long_cot_plan(24)
+    message = str(refused.value)
+    assert "--micro-batch-size 1" in message and "--gradient-checkpointing True" in message and "--fsdp" in message
+    assert "24 GiB" in message
+
+
+def test_24_gib_fits_the_1b_gsm8k_run_by_recomputing_and_parking_the_reference():
+    plan = memory.plan(memory.model_shape(RHO_1B), total=24 * GiB, free=int(23.5 * GiB), context=2047, batch_per_rank=64,
+                       backend="vllm", beta=1e-4, requested={})
+    assert plan.gradient_checkpointing and not plan.reference_on_device and plan.micro_batch_size >= 1
+    assert plan.peak_gb <= 23.5 - 0.05 * 24 - 1
+    # vLLM gets what the weights and AdamW leave during rollout: room for its bf16 weights and KV
+    assert plan.vllm_gpu_memory_utilization * 24 >= 2 * memory.model_shape(RHO_1B).params / GiB + 2
+
+
+def test_more_memory_never_chooses_a_slower_setting():
+    previous = None
+    for total in range(40, 200, 10):
+        plan = long_cot_plan(total)
+        key = (not plan.gradient_checkpointing, plan.micro_batch_size, plan.reference_on_device)
+        assert previous is None or key >= previous, total
+        previous = key
+
+
+def test_given_values_are_kept_and_a_warning_is_planned_when_they_exceed_the_estimate():
+    plan = long_cot_plan(80, requested={"micro_batch_size": 8, "gradient_checkpointing": False})
+    assert (plan.micro_batch_size, plan.gradient_checkpointing) == (8, False)
+    assert not plan.fits and "as given" in plan.line
+    plan = long_cot_plan(141, requested={"vllm_gpu_memory_utilization": 0.3, "sampler_batch_tokens": 4096})
+    assert (plan.vllm_gpu_memory_utilization, plan.sampler_batch_tokens) == (0.3, 4096)
+
+
+def test_ppo_counts_its_critic_and_fsdp_divides_the_state():
+    alone, ppo = long_cot_plan(141), long_cot_plan(141, critic=True)
+    assert ppo.peak_gb > alone.peak_gb + 28  # a second fp32 training state
+    sharded = long_cot_plan(24, fsdp_ranks=8, batch_per_rank=16)  # refused on one 24 GiB GPU, fits over eight
+    assert sharded.fits and sharded.peak_gb <= 24 - 0.05 * 24 - 1
+
+
+def test_micro_batch_divides_the_ranks_batch():
+    plan = long_cot_plan(141, batch_per_rank=6)
+    assert plan.micro_batch_size == 6
+    assert memory.micro_batch_candidates(12, "auto") == [6, 4, 3, 2, 1]
+
+
+def test_cpu_keeps_todays_values():
+    args = types.SimpleNamespace(micro_batch_size="auto", gradient_checkpointing="auto", reference_on_device="auto",
+                                 vllm_gpu_memory_utilization="auto", sampler_batch_tokens="auto", batch_size=64, fsdp=False)
+    plan = memory.size_run(args, "cpu", "unused")
+    assert (args.micro_batch_size, args.gradient_checkpointing, args.reference_on_device) == (8, False, True)
+    assert (args.vllm_gpu_memory_utilization, args.sampler_batch_tokens) == (0.3, 2**16)
+    assert "CPU" in plan.line
+    args = types.SimpleNamespace(micro_batch_size=2, gradient_checkpointing=True, reference_on_device="auto",
+                                 vllm_gpu_memory_utilization="auto", sampler_batch_tokens="auto", batch_size=6, fsdp=False)
+    memory.size_run(args, "cpu", "unused", first_start={"memory": {"sampler_batch_tokens": 1234}})
+    assert (args.micro_batch_size, args.gradient_checkpointing, args.sampler_batch_tokens) == (2, True, 1234)
+
+
+def test_cuda_sizes_from_free_memory_and_the_models_config(monkeypatch, capsys):
+    """size_run on a (faked) 80 GiB GPU: the model's config from its directory, free memory from CUDA."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(79.5 * GiB), 80 * GiB))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path, **kw: QWEN_1_5B)
+    args = types.SimpleNamespace(micro_batch_size="auto", gradient_checkpointing="auto", reference_on_device="auto",
+                                 vllm_gpu_memory_utilization="auto", sampler_batch_tokens="auto", batch_size=128,
+                                 fsdp=False, context=2048, backend="hf", beta=1e-4, precision="auto")
+    plan = memory.size_run(args, "cuda", "some/model")
+    expected = long_cot_plan(80, backend="hf", element=4)  # no bf16 on the faked GPU: the sampler's KV in fp32
+    assert plan.settings() == expected.settings()
+    assert args.micro_batch_size == 4 and args.gradient_checkpointing is False
+    assert "micro-batch 4" in capsys.readouterr().out
+
+
+def test_a_run_records_its_sizing_keeps_auto_in_its_settings_and_resumes_with_its_sampler_batch(tmp_path, capsys):
+    import grpo_baseline as grpo
+    from plumbing import runs
+
+    args = grpo.Args(output_dir=str(tmp_path), batch_size=6)
+    run_dir, _ = runs.open_run(args, "precision line", "cpu")
+    runs.release_run()
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved["micro_batch_size"] == "auto" and saved["sampler_batch_tokens"] == "auto"
+    assert args.micro_batch_size == 6  # resolved in place for this process
+    start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])
+    assert start["memory"]["micro_batch_size"] == 6 and start["memory"]["sampler_batch_tokens"] == 2**16
+    # A resumed run takes the sampler batch its first start chose, whatever this machine would choose now.
+    start["memory"]["sampler_batch_tokens"] = 777
+    (run_dir / "starts.jsonl").write_text(json.dumps(start) + "\n")
+    resumed = runs.saved_settings(grpo.Args, run_dir)
+    resumed.resume = str(run_dir)
+    runs.open_run(resumed, "precision line", "cpu")
+    runs.release_run()
+    assert resumed.sampler_batch_tokens == 777
+    assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[1])["memory"]["sampler_batch_tokens"] == 777
