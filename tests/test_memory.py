@@ -195,3 +195,16 @@ def test_a_run_records_its_sizing_keeps_auto_in_its_settings_and_resumes_with_it
     runs.release_run()
     assert resumed.sampler_batch_tokens == 777
     assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[1])["memory"]["sampler_batch_tokens"] == 777
+
+
+def test_readme_table_is_what_memory_plan_prints():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("memory_plan", root / "benchmarks" / "memory_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = (root / "README.md").read_text()
+    block = readme.split(module.BEGIN, 1)[1].split(module.END, 1)[0].strip()
+    assert block == f"{module.table()}\n\n{module.tree_iteration()}", "run: python benchmarks/memory_plan.py --write"
