@@ -209,10 +209,9 @@ def attach_targets(
         flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
         flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask, all_sum=distributed.all_sum)
     if reference is not None:
-        reference.to(model.device)  # parked on the CPU the rest of the time
-        for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id, precision)):
-            s["ref_logps"] = logps
-        reference.to("cpu")
+        with models.on_device(reference):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+            for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id, precision)):
+                s["ref_logps"] = logps
     flat_advantages = whiten(torch.repeat_interleave(advantages, torch.tensor(lengths)), flat_mask, all_sum=distributed.all_sum)
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"], s["advantages"] = mask, advantage
@@ -267,7 +266,10 @@ def main(args: Args) -> dict:
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint = runs.open_run(args, precision.line, device)
-    model, tokenizer, reference = models.load_policy(args.model, checkpoint, device, args.beta, args.gradient_checkpointing, args.fsdp)
+    model, tokenizer, reference = models.load_policy(
+        args.model, checkpoint, device, args.beta, reference_on_device=args.reference_on_device,
+        gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
+    )
     train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = engines.make_sampler(

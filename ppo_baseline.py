@@ -37,7 +37,9 @@ from transformers import Cache
 import eval as ev
 from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
 from plumbing.precision import FP32, Precision, choose_precision
-from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
+from plumbing.training import (
+    collate, micro_batches, no_grad_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite,
+)
 
 
 @dataclass
@@ -283,7 +285,7 @@ def load_critic(args: Args, model, checkpoint_dir: Path | None, device: str, pre
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
         critic.backbone.activation_checkpointing_enable()
-    if args.fsdp:  # the reference stays whole, parked on the CPU
+    if args.fsdp:  # the reference stays whole
         distributed.fully_shard_model(model)
         distributed.fully_shard_model(critic)
     return critic
@@ -311,12 +313,13 @@ def response_values(critic: Critic, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_values(critic: Critic, samples: list[dict], micro_batch_size: int, pad_id: int) -> list[torch.Tensor]:
-    """Per-sample values of the states before each response token (1-D CPU tensors), in micro-batches."""
+    """Per-sample values of the states before each response token (1-D CPU tensors), in passes sized to the GPU's
+    free memory as sample_logprobs' (micro-batches of `micro_batch_size` where nothing is sized: a CPU, --fsdp)."""
     was_training = critic.training
     critic.eval()
     device = next(critic.parameters()).device
     out: list[torch.Tensor] = [None] * len(samples)
-    for indices in micro_batches(samples, micro_batch_size):
+    for indices in no_grad_batches(critic, samples, micro_batch_size, critic.precision, config=critic.backbone.config):
         values = response_values(critic, collate([samples[i] for i in indices], pad_id, device)).cpu()
         for i, row in zip(indices, values):
             out[i] = row[: len(samples[i]["response_ids"])]
@@ -333,10 +336,9 @@ def add_old_logprobs_and_values(
     for sample, logps in zip(samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)):
         sample["old_logps"] = sample["ref_logps"] = logps
     if reference is not None:
-        reference.to(model.device)  # parked on the CPU the rest of the time
-        for sample, logps in zip(samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)):
-            sample["ref_logps"] = logps
-        reference.to("cpu")
+        with models.on_device(reference):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+            for sample, logps in zip(samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)):
+                sample["ref_logps"] = logps
     for sample, values in zip(samples, sample_values(critic, samples, micro_batch_size, pad_id)):
         sample["old_values"] = values
 
@@ -449,7 +451,9 @@ def main(args: Args) -> dict:
     distributed.print0(precision.line)
     run_dir, checkpoint_dir = runs.open_run(args, precision.line, device)
 
-    model, tokenizer, reference = models.load_policy(args.model, checkpoint_dir, device, args.beta)
+    model, tokenizer, reference = models.load_policy(  # checkpointing and --fsdp: load_critic, after the critic's copy
+        args.model, checkpoint_dir, device, args.beta, reference_on_device=args.reference_on_device,
+    )
     critic = load_critic(args, model, checkpoint_dir, device, precision)
     train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)

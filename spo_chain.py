@@ -285,14 +285,13 @@ def old_and_reference_logprobs(
     """Per-sample response log-probs of the policy before its update and of the frozen reference model.
 
     Without a reference model (beta = 0) the policy's own log-probs stand in (the KL term is then 0).
-    The reference model is parked on the CPU and visits the policy's device only here.
+    A reference model parked in pinned CPU memory (--reference-on-device False) visits the device only here.
     """
     old_logps = sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
     if reference is None:
         return old_logps, old_logps
-    reference.to(model.device)
-    ref_logps = sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)
-    reference.to("cpu")
+    with models.on_device(reference):
+        ref_logps = sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)
     return old_logps, ref_logps
 
 
@@ -376,7 +375,10 @@ def main(args: Args) -> dict:
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint = runs.open_run(args, precision.line, device)
-    model, tokenizer, reference = models.load_policy(args.model, checkpoint, device, args.beta, args.gradient_checkpointing, args.fsdp)
+    model, tokenizer, reference = models.load_policy(
+        args.model, checkpoint, device, args.beta, reference_on_device=args.reference_on_device,
+        gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
+    )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
     sampler = engines.make_sampler(

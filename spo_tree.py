@@ -449,7 +449,7 @@ def grade_trees(trees: list[Node], answers: list[str], tokenizer, task: str) -> 
 
 
 def attach_targets(
-    samples: list[dict], reference, *, device, micro_batch_size: int, temperature: float, pad_id: int,
+    samples: list[dict], reference, *, micro_batch_size: int, temperature: float, pad_id: int,
     prob_threshold: float, prob_mask: bool, precision: Precision = FP32,
 ) -> None:
     """Set what the loss needs on every sample: "ref_logps" (the frozen reference model's log-probs; the old ones
@@ -460,11 +460,10 @@ def attach_targets(
     edges = list({id(s): s for s in samples}.values())  # each edge once: a repeat is the same dict
     for s in edges:
         s["ref_logps"] = s["old_logps"]
-    if reference is not None:  # parked on the CPU the rest of the time
-        reference.to(device)
-        for s, logps in zip(edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id, precision)):
-            s["ref_logps"] = logps
-        reference.to("cpu")
+    if reference is not None:
+        with models.on_device(reference):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+            for s, logps in zip(edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id, precision)):
+                s["ref_logps"] = logps
     lengths = [len(s["response_ids"]) for s in samples]
     flat_probs = torch.cat([s["old_logps"] for s in samples] or [torch.zeros(0)]).exp()  # [tokens], p_t of every response token
     flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
@@ -550,7 +549,10 @@ def main(args: Args) -> dict:
     distributed.print0(precision.line)
     run_dir, checkpoint = runs.open_run(args, precision.line, device)
 
-    model, tokenizer, reference = models.load_policy(args.model, checkpoint, device, args.beta, args.gradient_checkpointing, args.fsdp)
+    model, tokenizer, reference = models.load_policy(
+        args.model, checkpoint, device, args.beta, reference_on_device=args.reference_on_device,
+        gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
+    )
     train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = engines.make_sampler(
@@ -602,7 +604,7 @@ def main(args: Args) -> dict:
         taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
         samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)  # the buffer the checkpoint keeps
         rank_samples = distributed.shard(samples)
-        attach_targets(rank_samples, reference, device=device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+        attach_targets(rank_samples, reference, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
                        pad_id=pad_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask, precision=precision)
 
         # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.

@@ -593,7 +593,7 @@ def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
     attach_old_logprobs(model, samples, args)
     runs = {}
     for prob_mask in (True, False):
-        spo_tree.attach_targets(samples, None, device=model.device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+        spo_tree.attach_targets(samples, None, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
                                 pad_id=EOS, prob_threshold=args.prob_threshold, prob_mask=prob_mask, precision=FP32)
         estimates, trained = [], iter(samples)
         for *_, segment, advantage in edges:
@@ -608,7 +608,7 @@ def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
     exact_edges = [{"prompt_ids": exact.prompt + before, "response_ids": segment, "advantage": value}
                    for (exact, before, segment, _), value in zip(edges, segment_truth) if value != 0]
     attach_old_logprobs(model, exact_edges, args)
-    spo_tree.attach_targets(exact_edges, None, device=model.device, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+    spo_tree.attach_targets(exact_edges, None, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
                             pad_id=EOS, prob_threshold=args.prob_threshold, prob_mask=True, precision=FP32)
     runs["spo_tree_exact_edges"] = Run(sampler.tokens, [], [], [], [], loss_gradient(model, spo_tree.accumulate_gradients, exact_edges, args)
                                        if exact_edges else None)

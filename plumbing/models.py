@@ -3,6 +3,7 @@ its tokenizer, and the policy / frozen reference pair every training script star
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -192,19 +193,23 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
 
 
 def load_policy(
-    name_or_path: str, checkpoint: Path | None, device: str, beta: float, gradient_checkpointing: bool = False,
-    fsdp: bool = False,
+    name_or_path: str, checkpoint: Path | None, device: str, beta: float, *, reference_on_device: bool,
+    gradient_checkpointing: bool = False, fsdp: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel | None]:
     """(policy, tokenizer, reference): the policy in fp32 master weights from the checkpoint when resuming, else
-    from `name_or_path`; the frozen reference model from `name_or_path` (None with beta 0), parked on the CPU
-    except while its log-probs are computed. gradient_checkpointing and fsdp (under torchrun: FSDP2 shards) apply
-    to the policy; the reference stays whole."""
+    from `name_or_path`; the frozen reference model from `name_or_path` (None with beta 0). reference_on_device
+    (--reference-on-device, which memory.size_run resolves): True, the reference lives on `device` for the whole run;
+    False, it is parked in pinned CPU memory and visits `device` for its passes only (`with on_device(reference):`).
+    On a CPU both are the same. gradient_checkpointing and fsdp (under torchrun: FSDP2 shards) apply to the policy;
+    the reference stays whole."""
     model, tokenizer = load_model(str(checkpoint) if checkpoint else name_or_path, dtype=torch.float32, device=device)
     check_logits_from_hidden(model)  # training's response_logprobs applies the LM head itself
     reference = None
     if beta > 0:
-        reference, _ = load_model(name_or_path, dtype=model.dtype, device="cpu")
+        reference, _ = load_model(name_or_path, dtype=model.dtype, device=device if reference_on_device else "cpu")
         reference.requires_grad_(False)
+        if not reference_on_device:
+            park(reference, device)
     if gradient_checkpointing:
         model.activation_checkpointing_enable()
     if fsdp:
@@ -212,3 +217,38 @@ def load_policy(
 
         distributed.fully_shard_model(model)
     return model, tokenizer, reference
+
+
+def park(reference: torch.nn.Module, device) -> None:
+    """Keep a frozen model on the CPU between its passes on `device` (see on_device): every parameter's and buffer's
+    data is moved to page-locked memory once, where CUDA is available (pinning needs it), so that each visit is an
+    asynchronous copy at the bus's full speed instead of a staged copy of pageable memory."""
+    reference.parked_for = torch.device(device)  # read by on_device
+    if torch.cuda.is_available():
+        for tensor in [*reference.parameters(), *reference.buffers()]:
+            tensor.data = tensor.data.pin_memory()
+
+
+@contextlib.contextmanager
+def on_device(reference: torch.nn.Module):
+    """The reference model on its training device for the `with` block: a model that lives there (or on a CPU run)
+    is left as it is; a parked one (park) gets device copies of its pinned parameters and buffers, copied without
+    blocking (later kernels on the stream wait for them), and at the end the copies are dropped, nothing is copied
+    back: the CPU tensors are kept, and the weights never change.
+
+        with on_device(reference):
+            ref_logps = sample_logprobs(reference, samples, ...)
+    """
+    device = getattr(reference, "parked_for", None)
+    if device is None:
+        yield reference
+        return
+    tensors = [*reference.parameters(), *reference.buffers()]
+    host = [tensor.data for tensor in tensors]  # pinned; a CPU run's .to() below returns these very tensors
+    try:
+        for tensor, data in zip(tensors, host):
+            tensor.data = data.to(device, non_blocking=True)
+        yield reference
+    finally:
+        for tensor, data in zip(tensors, host):
+            tensor.data = data  # the device copies go back to torch's cache

@@ -1,5 +1,6 @@
-"""Training mechanics the four scripts share: log-probs of responses under a model, micro-batching and collate,
-seeding an iteration, and the guard against non-finite losses.
+"""Training mechanics the four scripts share: log-probs of responses under a model, micro-batching and collate (the
+update's micro-batches; the no-grad passes' batches, sized to free GPU memory), seeding an iteration, and the guard
+against non-finite losses.
 
 A sample is a dict: prompt_ids and response_ids (token ids, exactly as sampled), and what the loss needs per
 response token (old_logps, ref_logps, advantages, loss_mask; PPO adds old_values and returns) as 1-D tensors.
@@ -16,21 +17,26 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Cache
 
 from plumbing import UsageError, distributed
+from plumbing.memory import LOGIT_CHUNK, model_shape
 from plumbing.precision import FP32, Precision
 
 
-def micro_batches(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
-    """Indices of `samples` in micro-batches that compute few positions. A micro-batch costs a forward pass of each
-    distinct prompt in it (left-padded to the longest) and of each response (right-padded to the longest), see
-    response_logprobs. Two orders are cut into micro-batches and the cheaper split is kept: by length (response,
-    then prompt: least padding) and by prompt (the rows of a prompt together, prompts ordered by their longest
-    response: each prompt runs once for all its rows). Neither log-probs nor the gradient depend on the split: the
-    losses are normalised by the whole batch's counts.
+def micro_batches(samples: list[dict], micro_batch_size: int | None = None, max_positions: int | None = None) -> list[list[int]]:
+    """Indices of `samples` in micro-batches that compute few positions: at most `micro_batch_size` rows each (the
+    update), or at most `max_positions` cached positions each (the no-grad passes, sized to free memory: rows x
+    (longest prompt + longest response), what the pass's KV cache holds, each row its prompt's keys and values; at
+    least one sample each). A micro-batch costs a forward pass of each distinct prompt in it (left-padded to the
+    longest) and of each response (right-padded to the longest), see response_logprobs. Two orders are cut into
+    micro-batches and the cheaper split is kept: by length (response, then prompt: least padding) and by prompt (the
+    rows of a prompt together, prompts ordered by their longest response: each prompt runs once for all its rows).
+    Neither log-probs nor the gradient depend on the split: the losses are normalised by the whole batch's counts.
 
     >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], 2)
     [[1, 3], [2, 0]]
     >>> micro_batches([{"prompt_ids": [p] * 8, "response_ids": [2] * n} for p, n in ((1, 1), (2, 2), (1, 3), (2, 4))], 2)
     [[0, 2], [1, 3]]
+    >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], max_positions=15)  # 3 x (1 + 4), 1 x (1 + 5)
+    [[1, 3, 2], [0]]
     """
     prompts = [tuple(s["prompt_ids"]) for s in samples]
     lengths = [len(s["response_ids"]) for s in samples]
@@ -38,8 +44,19 @@ def micro_batches(samples: list[dict], micro_batch_size: int) -> list[list[int]]
     for prompt, length in zip(prompts, lengths):
         longest[prompt] = max(longest.get(prompt, 0), length)
 
-    def split(order: list[int]) -> list[list[int]]:
-        return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
+    def split(order: list[int]) -> list[list[int]]:  # greedy: a new micro-batch where the next sample would not fit
+        micros, widest_prompt, widest_response = [], 0, 0
+        for i in order:
+            prompt, response = max(widest_prompt, len(prompts[i])), max(widest_response, lengths[i])
+            rows = len(micros[-1]) + 1 if micros else 1
+            full = micro_batch_size is not None and rows > micro_batch_size
+            full = full or max_positions is not None and rows * (prompt + response) > max_positions
+            if not micros or full:
+                micros.append([])
+                prompt, response = len(prompts[i]), lengths[i]
+            micros[-1].append(i)
+            widest_prompt, widest_response = prompt, response
+        return micros
 
     def positions(micro: list[int]) -> int:  # distinct prompts x longest prompt + rows x longest response
         distinct = {prompts[i] for i in micro}
@@ -149,15 +166,78 @@ def response_logprobs(
     return torch.cat(logps).view(rows, response_len)  # [rows, R]
 
 
+NO_GRAD_SHARE = 0.8  # of the free memory a no-grad pass may take: the allocator's fragmentation, estimates a little low
+NO_GRAD_ROWS = 4096  # rows per no-grad pass at most: SDPA's memory-efficient kernel takes at most 65,535 (a CUDA grid limit)
+
+
+def no_grad_pass_bytes(shape, element: int, context: int, sharded: bool = False) -> tuple[int, int]:
+    """(bytes per cached position, bytes once per pass) of a no-grad log-prob pass (response_logprobs) of a model of
+    `shape` (plumbing.memory.ModelShape); element: 2 under bf16 autocast, 4 without; context: the longest prompt +
+    the longest response; sharded: an FSDP model (gathered), whose forward keeps every layer's hidden state.
+
+    Per cached position (rows x (longest prompt + longest response), see micro_batches); L layers, hidden h, MLP
+    width I, q / kv heads of head_dim d, e = element:
+      keys (fp32: transformers' RoPE leaves them so under autocast) and values (e) of every layer   L kv d (4 + e)
+      one layer's attention: fp32 queries, keys and values repeated to every query head (SDPA with    q d (8 + 4 e)
+        a mask gets no GQA), their autocast copies, its output
+      the fp32 residual stream, RMSNorm's fp32 temporaries, the final hidden states the LM head      28 h
+        reads (the prompts', the responses', the two joined)
+      one layer's MLP: gate, up and their product                                                    3 e I
+      the attention mask (bool) and SDPA's additive copy, one entry per key                          (1 + 2 e) context
+      sharded: every layer's hidden state (output_hidden_states)                                     4 (L + 1) h
+    Once: a chunk of the LM head, 512 positions x vocab x (e + 12) (its logits, in fp32, divided by the temperature,
+    their log-sum-exp), and under autocast the e-byte copies of the weights it caches for the pass."""
+    e, d = element, shape.head_dim
+    per_position = (
+        shape.layers * shape.kv_heads * d * (4 + e) + shape.heads * d * (8 + 4 * e) + 28 * shape.hidden
+        + 3 * e * shape.intermediate + (1 + 2 * e) * context + (4 * (shape.layers + 1) * shape.hidden if sharded else 0)
+    )
+    return per_position, LOGIT_CHUNK * shape.vocab * (e + 12) + (shape.params * e if e == 2 else 0)
+
+
+def no_grad_batch_tokens(model, samples: list[dict], precision: Precision = FP32, config=None) -> int | None:
+    """Cached positions (rows x (longest prompt + longest response), see micro_batches) that one no-grad forward pass
+    of `model` over some of `samples` may hold in the GPU memory free now (no_grad_pass_bytes; free: what
+    torch.cuda.mem_get_info reports plus what torch holds reserved but unallocated, of which the pass may take
+    NO_GRAD_SHARE). None where nothing is sized: on a CPU (the passes keep the update's micro-batches, so CPU results
+    and timings stay as they were) and for a sharded model whose parameters are not gathered (each pass gathers
+    shards: every rank must run as many as the others). config: the transformer's config when `model` has none of
+    its own (PPO's critic: its backbone's)."""
+    device = next(model.parameters()).device
+    sharded = distributed.is_sharded(model)
+    if device.type != "cuda" or (sharded and not getattr(model, "gathered_by_spo", False)):
+        return None
+    context = max(len(s["prompt_ids"]) for s in samples) + max(len(s["response_ids"]) for s in samples)
+    element = 2 if device.type in precision.bf16 else 4
+    per_position, once = no_grad_pass_bytes(model_shape(config or model.config.get_text_config()), element, context, sharded)
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is free to it
+    return max(1, int((NO_GRAD_SHARE * free - once) // per_position))
+
+
+def no_grad_batches(model, samples: list[dict], micro_batch_size: int, precision: Precision = FP32,
+                    batch_tokens: int | None = None, config=None) -> list[list[int]]:
+    """Indices of `samples` in the batches of a no-grad pass of `model`: at most `batch_tokens` cached positions
+    (by default what the GPU's free memory holds now, no_grad_batch_tokens) and NO_GRAD_ROWS rows each; where nothing
+    is sized (a CPU, an FSDP model not gathered), the update's micro-batches of `micro_batch_size` sequences."""
+    batch_tokens = batch_tokens or (no_grad_batch_tokens(model, samples, precision, config) if samples else None)
+    return micro_batches(samples, micro_batch_size) if batch_tokens is None else micro_batches(samples, NO_GRAD_ROWS, batch_tokens)
+
+
 @torch.no_grad()
 def sample_logprobs(
     model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32,
+    batch_tokens: int | None = None,
 ) -> list[torch.Tensor]:
-    """Per-sample response log-probs (1-D CPU tensors) without gradients, in micro-batches."""
+    """Per-sample response log-probs (1-D CPU tensors) without gradients, in passes of at most `batch_tokens` cached
+    positions each; by default as many as the GPU's free memory holds (no_grad_batches), so that SPO-tree's pass over
+    all of an iteration's new edges takes a few large passes instead of hundreds of training micro-batches. Where
+    nothing is sized (a CPU), micro-batches of `micro_batch_size` sequences. The log-probs do not depend on the split
+    (up to the summation order of padded rows)."""
     was_training = model.training
     model.eval()
     out: list[torch.Tensor] = [None] * len(samples)
-    for indices in micro_batches(samples, micro_batch_size):
+    for indices in no_grad_batches(model, samples, micro_batch_size, precision, batch_tokens):
         batch = collate([samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature, precision=precision).cpu()
         for i, row in zip(indices, logps):

@@ -165,7 +165,7 @@ def spo_tree(model_dir: str) -> tuple[list, dict]:
     taken, buffer = script.sample_buffer(distributed.gather(new_edges), 1, args.buffer_max_age, args.edges_per_question, rng)
     samples, buffer = script.fill_samples(taken, buffer, args.samples_per_iteration, rng)
     rank_samples = distributed.shard(samples)
-    script.attach_targets(rank_samples, reference, device="cpu", micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+    script.attach_targets(rank_samples, reference, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
                           pad_id=tokenizer.pad_token_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
     release(model)
     optimizer, scheduler = sgd(model)

@@ -234,7 +234,7 @@ def test_spo_tree_column_is_tree_segments_and_its_loss(world):
         assert [(s["prompt_ids"], s["response_ids"], s["advantage"]) for s in run.record["samples"]] == expected
         direct = [{"prompt_ids": q, "response_ids": seg, "advantage": a} for q, seg, a in expected]
         ce.attach_old_logprobs(model, direct, ARGS)
-        spo_tree.attach_targets(direct, None, device="cpu", micro_batch_size=3, temperature=ARGS.temperature, pad_id=ce.EOS,
+        spo_tree.attach_targets(direct, None, micro_batch_size=3, temperature=ARGS.temperature, pad_id=ce.EOS,
                                 prob_threshold=0.9, prob_mask=prob_mask)
         assert torch.allclose(gradient_of(model, spo_tree.accumulate_gradients, direct), run.gradient, atol=1e-7)
         # Per token: the edge's advantage where the loss mask keeps the token (a zero edge is not trained).

@@ -1,12 +1,16 @@
 """plumbing.training.response_logprobs, which every script uses: LM head in chunks, recomputed in backward when the
-logits are large (kept when small), equal to the full logits either way."""
+logits are large (kept when small), equal to the full logits either way; the no-grad passes (sample_logprobs) cut
+by a token budget sized to free GPU memory (no_grad_batch_tokens), with the same log-probs for any budget."""
+
+import random
+import types
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from plumbing import UsageError, models, training
+from plumbing import UsageError, distributed, models, training
+from plumbing.precision import Precision
 
 
 def _full_logits_logprobs(model, samples, temperature):
@@ -119,3 +123,70 @@ def test_shared_prompts_with_sliding_window_layers_keep_the_full_logits():
     logps = training.response_logprobs(model, training.collate(samples, 0, "cpu"), 0.7)
     for row, lp in enumerate(expected):
         assert torch.allclose(logps[row, : len(lp)], lp, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# No-grad passes: a token budget instead of the training micro-batch
+
+
+def _random_samples(count: int, seed: int = 0) -> list[dict]:
+    """Rows over a few shared prompts (as a question's responses, a tree node's children), lengths all different."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(4, 90) for _ in range(rng.randint(1, 12))] for _ in range(6)]
+    return [{"prompt_ids": rng.choice(prompts), "response_ids": [rng.randint(4, 90) for _ in range(rng.randint(1, 15))]}
+            for _ in range(count)]
+
+
+def test_micro_batches_keep_the_row_limit_split_and_hold_a_token_budget():
+    rng = random.Random(1)
+    for _ in range(300):
+        samples = _random_samples(rng.randint(1, 30), seed=rng.randint(0, 10**6))
+        size = rng.randint(1, 9)
+        # the update's split (and a CPU's no-grad passes): consecutive runs of `size` rows of one of the two orders
+        assert all(len(micro) == size for micro in training.micro_batches(samples, size)[:-1])
+        budget = rng.randint(1, 200)
+        micros = training.micro_batches(samples, max_positions=budget)
+        assert sorted(i for micro in micros for i in micro) == list(range(len(samples)))
+        for micro in micros:  # rows x (longest prompt + longest response) within the budget, or one sample alone
+            cached = len(micro) * (max(len(samples[i]["prompt_ids"]) for i in micro) + max(len(samples[i]["response_ids"]) for i in micro))
+            assert cached <= budget or len(micro) == 1
+
+
+def test_log_probs_do_not_depend_on_the_budget(tiny_model_dir):
+    model, _ = models.load_model(str(tiny_model_dir))
+    samples = _random_samples(40)
+    one_by_one = training.sample_logprobs(model, samples, 1, 0.7, 0)
+    for micro_batch_size, budget in ((3, None), (40, None), (1, 30), (1, 100), (1, 1000), (1, 10**6)):
+        logps = training.sample_logprobs(model, samples, micro_batch_size, 0.7, 0, batch_tokens=budget)
+        # not bit-equal: padding changes the order of fp32 sums; a few ulps of log-probs near -5
+        assert all(torch.allclose(a, b, rtol=0, atol=2e-6) for a, b in zip(one_by_one, logps))
+    assert [len(lp) for lp in one_by_one] == [len(s["response_ids"]) for s in samples]
+
+
+def test_the_budget_is_the_micro_batch_on_a_cpu_and_grows_with_free_gpu_memory(tiny_model_dir, monkeypatch):
+    model, _ = models.load_model(str(tiny_model_dir))
+    samples = _random_samples(8)
+    assert training.no_grad_batch_tokens(model, samples) is None  # a CPU: the passes keep the micro-batches
+    calls = []
+    monkeypatch.setattr(training, "micro_batches", lambda s, m=None, max_positions=None: calls.append((m, max_positions)) or [list(range(len(s)))])
+    training.sample_logprobs(model, samples, 4, 0.7, 0)
+    assert calls == [(4, None)]
+
+    # DeepSeek-R1-Distill-Qwen-1.5B's shape on a GPU (faked: no CUDA here), at the paper's 2K context
+    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False)
+    weights = types.SimpleNamespace(device=torch.device("cuda", 0), numel=lambda: 1_777_088_000)
+    gpu_model = types.SimpleNamespace(parameters=lambda: iter([weights]), config=config)
+    long_rows = [{"prompt_ids": [1] * 1024, "response_ids": [2] * 1024}]
+    free = {"free": 40 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["free"], 141 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * 2**30)  # 2 GiB cached by torch count as free
+    bf16 = Precision(bf16=frozenset({"cuda"}))
+    budget = training.no_grad_batch_tokens(gpu_model, long_rows, bf16)
+    assert 8 * 2048 < budget < 42 * 2**30 / 100_000  # more than the micro-batch of 8 rows; over 100 kB per position
+    assert training.no_grad_batch_tokens(gpu_model, long_rows) < budget  # fp32: every activation twice the bytes
+    free["free"] = 80 * 2**30
+    assert budget < training.no_grad_batch_tokens(gpu_model, long_rows, bf16) < 3 * budget
+    monkeypatch.setattr(distributed, "is_sharded", lambda model: True)  # --fsdp, shards not gathered: micro-batches
+    assert training.no_grad_batch_tokens(gpu_model, long_rows, bf16) is None

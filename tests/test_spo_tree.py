@@ -16,7 +16,7 @@ import torch
 from conftest import make_tiny_model, make_tokenizer, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
-from plumbing import engines, models
+from plumbing import engines, models, training
 from plumbing import UsageError
 import spo_tree as spo
 
@@ -378,12 +378,8 @@ def test_repeats_count_once_per_copy_in_the_whitening_and_the_reference_runs_onc
         calls.append(len(samples))
         return [torch.full((len(s["response_ids"]),), -2.0) for s in samples]
 
-    class Reference:
-        def to(self, device):
-            return self
-
     monkeypatch.setattr(spo, "sample_logprobs", fake_logprobs)
-    spo.attach_targets([a, b, a, a], Reference(), device="cpu", micro_batch_size=4, temperature=1.0, pad_id=0,
+    spo.attach_targets([a, b, a, a], object(), micro_batch_size=4, temperature=1.0, pad_id=0,
                        prob_threshold=0.9, prob_mask=True)
     assert calls == [2]  # two edges, not four samples
     # Token advantages [1, -1, 1, 1]: mean 0.5, std sqrt(0.75) (the copies of a count three times).
@@ -460,6 +456,25 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
     model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(data), limit=2, max_new_tokens=4)
     assert result["examples"] == 2
+
+
+def test_no_grad_passes_sized_to_memory_and_a_parked_reference_make_the_same_update(sevens, tmp_path, monkeypatch):
+    """The old-log-prob and reference passes cut by a token budget (a GPU's free memory; here 90 positions: passes of
+    2 edges where the CPU's micro-batches hold 4) and the reference parked between its passes: the same trees,
+    losses and weights, up to fp32 summation order (the KL differs in its 5th digit)."""
+    model_dir, data = sevens
+    runs = {}
+    for name, budget, on_device in (("micro-batches", None, True), ("token budget", 90, False)):
+        passes = []
+        monkeypatch.setattr(training, "no_grad_batch_tokens", lambda *a, budget=budget, **k: passes.append(1) or budget)
+        summary = spo.main(smoke_args(spo, model_dir, data, tmp_path / name, samples_per_iteration=0, reference_on_device=on_device))
+        runs[name] = read_metrics(summary["run_dir"]), models.load_model(summary["checkpoint"])[0].state_dict()
+        assert passes  # every no-grad pass asked for its budget
+    (metrics, weights), (budget_metrics, budget_weights) = runs.values()
+    assert [m.keys() for m in metrics] == [m.keys() for m in budget_metrics]
+    for m, b in zip(metrics, budget_metrics):
+        assert m == pytest.approx(b, rel=1e-4, abs=1e-6)
+    assert all(torch.allclose(weights[k], budget_weights[k], rtol=0, atol=1e-6) for k in weights)
 
 
 def test_samples_per_iteration_trains_exactly_that_many_samples(sevens, tmp_path, monkeypatch):
