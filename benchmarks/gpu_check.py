@@ -44,7 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import eval as ev  # noqa: E402
-from plumbing import engines, files, gpu, models, ranges, training  # noqa: E402
+from plumbing import engines, files, gpu, memory, models, ranges, training  # noqa: E402
 from plumbing.memory import model_shape  # noqa: E402
 from plumbing.precision import choose_precision, gpu_has_bf16  # noqa: E402
 from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
@@ -163,7 +163,11 @@ def real_shape_update(device: str, context: int) -> dict:
         started = time.time()
         response_logprobs(model, batch, 0.6, precision=precision).sum().backward()
         synchronize(device)
-        results[f"rows{rows}{'_gc' if checkpointing else ''}"] = {"seconds": round(time.time() - started, 2), "peak_gpu_gb": peak_gb(device)}
+        # plumbing/memory.py's estimate of the same: weights, gradients, autocast's bf16 copies and the pass
+        shape, element = model_shape(model.config), 2 if device in precision.bf16 else 0
+        estimate = (8 + element) * shape.params + memory.pass_bytes(shape, rows * context, checkpointing)
+        results[f"rows{rows}{'_gc' if checkpointing else ''}"] = {"seconds": round(time.time() - started, 2), "peak_gpu_gb": peak_gb(device),
+                                                                  "estimated_gb": round(estimate / 1e9, 2)}
     model.activation_checkpointing_disable()
     model.eval()
     with torch.no_grad():  # the old-log-prob and reference passes

@@ -29,7 +29,8 @@ Choice, in this order: no checkpointing before checkpointing, then the largest m
 batch, at most 8), then the reference on the GPU before the CPU. A value given on the command line is kept. A run
 whose training state does not fit even with micro-batch 1, checkpointing and the reference on the CPU is refused.
 On a CPU: micro-batch 8 (or the largest divisor of the batch below it), no checkpointing, the reference where it is,
-65,536 sampler positions.
+65,536 sampler positions. The no-grad log-prob passes are sized apart, to the memory free when they run
+(training.no_grad_batch_tokens).
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ def activation_bytes_per_token(shape: ModelShape, checkpointing: bool) -> int:
     h, r = shape.hidden, shape.kv_heads / shape.heads
     layer = 38 * h + 6 * r * h + 8 * shape.intermediate  # tests/test_memory.py measures these on a small model
     return int(8 * h + (4 * shape.layers * h + layer if checkpointing else shape.layers * layer))
+
+
+def pass_bytes(shape: ModelShape, tokens: int, checkpointing: bool) -> int:
+    """What one micro-batch of `tokens` positions adds during its forward and backward pass: the activations kept for
+    the backward pass, the fp32 logits kept (at most KEPT_LOGITS entries), a chunk's logits and gradient in flight."""
+    kept_logits = min(tokens * shape.vocab, KEPT_LOGITS) * 4
+    return tokens * activation_bytes_per_token(shape, checkpointing) + kept_logits + 2 * LOGIT_CHUNK * shape.vocab * 4
 
 
 def kv_bytes_per_position(shape: ModelShape, element: int = 2) -> int:
@@ -153,17 +161,14 @@ def plan(
     state = copies * 16 * P / fsdp_ranks + (4 * P if sharded else 0)  # + the whole model the sampler gathers
     autocast_copies = copies * (P / fsdp_ranks if sharded else P) * element  # bf16 weights during the pass
     reference = 4 * P if beta > 0 else 0
-    logits = 2 * LOGIT_CHUNK * shape.vocab * 4  # a chunk's logits and their gradient in flight
     resident_rollout = copies * 12 * P / fsdp_ranks + (4 * P if sharded else 0)  # weights + AdamW during rollout
 
     def rollout_room(reference_on_device: bool) -> float:
         return free - margin - resident_rollout - (reference if reference_on_device else 0)
 
     def update_peak(micro: int, checkpointing: bool, reference_on_device: bool) -> float:
-        tokens = micro * context
-        activations = copies * tokens * activation_bytes_per_token(shape, checkpointing)
-        kept_logits = min(tokens * shape.vocab, KEPT_LOGITS) * 4  # fp32 logits kept for the backward pass
-        return state + autocast_copies + (reference if reference_on_device else 0) + 1.1 * activations + kept_logits + logits
+        activations = copies * pass_bytes(shape, micro * context, checkpointing)  # + 10 %: the allocator's fragmentation
+        return state + autocast_copies + (reference if reference_on_device else 0) + 1.1 * activations
 
     vllm_need = 2 * P + 2 * GiB + context * kv_bytes_per_position(shape)  # bf16 weights, warm-up, one full sequence
     want = lambda name: requested.get(name, "auto")  # noqa: E731
