@@ -274,8 +274,8 @@ def main(args: Args) -> dict:
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = engines.make_sampler(
         args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed, precision=precision,
-        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager,
+        sampler_batch_tokens=args.sampler_batch_tokens, max_model_len=args.context,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.vllm_enforce_eager,
     )
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward

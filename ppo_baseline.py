@@ -459,8 +459,8 @@ def main(args: Args) -> dict:
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = engines.make_sampler(
         args.backend, model, tokenizer, str(checkpoint_dir) if checkpoint_dir else args.model, seed=args.seed, precision=precision,
-        max_model_len=args.context, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager,
+        sampler_batch_tokens=args.sampler_batch_tokens, max_model_len=args.context,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.vllm_enforce_eager,
     )
     # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
     state = checkpoints.load_trainer_state(checkpoint_dir, model.device) if checkpoint_dir else None

@@ -118,9 +118,10 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_ratio: float, t
                    state: dict | None = None, prefix: str = ""):
     """AdamW and its schedule: int(warmup_ratio * total_steps) steps of linear warmup, then linear decay to 0 at
     total_steps; restored from a checkpoint's trainer_state (its {prefix}optimizer and {prefix}scheduler) when given."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
-    if state is not None:
-        distributed.load_optimizer_state(model, optimizer, state[f"{prefix}optimizer"])
-        scheduler.load_state_dict(state[f"{prefix}scheduler"])
+    with distributed.on_shards(model):  # --fsdp: from the shards, even while the awake sampler holds the model gathered
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
+        if state is not None:
+            distributed.load_optimizer_state(model, optimizer, state[f"{prefix}optimizer"])
+            scheduler.load_state_dict(state[f"{prefix}scheduler"])
     return optimizer, scheduler

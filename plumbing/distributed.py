@@ -8,6 +8,7 @@ the identity.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -39,6 +40,13 @@ def world_size() -> int:
 def _collective_device() -> torch.device:
     """Where a collective's tensors must live: the rank's GPU for NCCL, the CPU for gloo."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def rank_seed(seed: int) -> int:
+    """`seed` made this rank's own: rank 0 keeps it (a single-process run's), rank r adds r times an odd 32-bit
+    constant. The ranks must differ in the low 32 bits: torch's CPU generator (mt19937) reads only those, so seeds
+    that differ above them (seed + (rank << 32)) give every rank the same stream."""
+    return seed + rank() * 0x9E3779B1
 
 
 def all_sum(values: torch.Tensor) -> torch.Tensor:
@@ -99,16 +107,13 @@ def barrier() -> None:
 
 def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
     """Under torchrun: settings that must split evenly over the ranks (so every rank takes the same number of
-    optimizer steps), and what is not supported yet. At world size 1: --fsdp (nothing to shard over)."""
+    optimizer steps). At world size 1: --fsdp (nothing to shard over)."""
     world = world_size()
     if world == 1:
         return ["--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (N >= 2), or drop --fsdp"] \
             if getattr(args, "fsdp", False) else []
-    problems = [f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
-                for flag, value in per_rank.items() if value % world]
-    if getattr(args, "backend", "hf") == "vllm":
-        problems.append("--backend vllm under torchrun is not supported yet; use --backend hf (each rank samples with its own replica)")
-    return problems
+    return [f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
+            for flag, value in per_rank.items() if value % world]
 
 
 def check_world_size(checkpoint: Path) -> None:
@@ -145,8 +150,8 @@ def all_reduce_gradients(*models: torch.nn.Module) -> None:
 # and backward; the rest (embeddings, final norm, LM head, a critic's value head) is the root unit, gathered for
 # the whole forward and backward. The root must be called as a whole: plumbing.training's response_logprobs then takes
 # the last hidden state from the root's forward (is_sharded) instead of calling model.base_model. Sampling and
-# the no-grad log-prob passes call the model a different number of times on each rank, so the HF sampler gathers
-# the whole model once while it is awake (gather_parameters) and releases it when it sleeps (for the update).
+# the no-grad log-prob passes call the model a different number of times on each rank, so the sampler (HF or vLLM)
+# gathers the whole model once while it is awake (gather_parameters) and releases it when it sleeps (for the update).
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -159,7 +164,8 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def fully_shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """Shard `model` (a causal LM or a critic around a transformer) over all ranks with FSDP2's fully_shard, in
     place: one unit per transformer block (the model's _no_split_modules), the rest in the root. Gradients are
-    summed over ranks, not averaged, as all_reduce_gradients sums them. Create the optimizer after this."""
+    summed over ranks, not averaged, as all_reduce_gradients sums them. Create the optimizer after this, from the
+    shards (on_shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -198,11 +204,25 @@ def gather_parameters(model: torch.nn.Module, gathered: bool) -> None:
     model.gathered_by_spo = gathered and bool(units)
 
 
-def _gathered_again(model: torch.nn.Module) -> None:
-    """FSDP's state_dict() puts every unit back on its shards; a model that was gathered (the awake sampler's) is
-    gathered again, so the next sample finds it as it left it."""
-    if getattr(model, "gathered_by_spo", False):
-        gather_parameters(model, True)
+@contextlib.contextmanager
+def on_shards(model: torch.nn.Module):
+    """The model on its shards for the `with` block, then gathered again if it was (the awake sampler's). While a
+    model is gathered, FSDP registers whole tensors as its parameters in place of the sharded DTensors: an
+    optimizer must be made from the shards (the update's gradients reach those; one made from the whole tensors
+    never changes the model), and its state is read and written against them. A model that is not sharded is left
+    alone.
+
+        with distributed.on_shards(model):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    """
+    gathered = getattr(model, "gathered_by_spo", False)
+    if gathered:
+        gather_parameters(model, False)
+    try:
+        yield model
+    finally:
+        if gathered:
+            gather_parameters(model, True)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:
@@ -212,9 +232,8 @@ def full_state_dict(model: torch.nn.Module) -> dict:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    _gathered_again(model)
-    return state
+    with on_shards(model):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -224,9 +243,8 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    _gathered_again(model)
-    return state
+    with on_shards(model):  # the optimizer's parameters are found among the model's by identity
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -236,4 +254,5 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    with on_shards(model):
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

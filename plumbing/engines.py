@@ -2,7 +2,8 @@
 
   HFSampler    transformers on any device (the tested path): a batched decode loop in which the n continuations
                of a prefix share one prefill (SPO's Monte-Carlo rollouts, tree children), exact top-p sampling
-  VLLMSampler  vLLM in-process on a GPU (optional dependency, pinned version): weights synced after each update
+  VLLMSampler  vLLM in-process on a GPU (optional dependency, pinned version): weights synced after each update;
+               under torchrun one engine per rank, on the rank's GPU
   make_sampler the engine for --backend hf | vllm | auto
 
 Generation stops at EOS or at a stop string; a response cut by a stop string counts as finished, and its ids end
@@ -390,19 +391,53 @@ class HFSampler:
 #   TokensPrompt: vllm/inputs/llm.py; SamplingParams: vllm/sampling_params.py; outputs: vllm/outputs.py
 #   SamplingParams(n, seed): v1/engine/parallel_sampling.py gives child i seed + i; a seeded request draws its own
 #   noise (v1/worker/gpu/sample/gumbel.py: from (seed, position)), whatever else is in the batch
-#   "reload_weights" RPC: vllm/v1/worker/gpu_worker.py -> model_loader/reload/inplace.py (in-place, HF names)
+#   "reload_weights" RPC: vllm/v1/worker/gpu_worker.py Worker.reload_weights -> gpu_model_runner.py
+#   GPUModelRunner.reload_weights -> model_loader/reload/layerwise.py (in place, HF checkpoint names)
 #   stop strings: vllm/v1/engine/detokenizer.py cuts .text only; token_ids keep the stop tokens, so we cut them.
-# tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures.
+# Sleep, level 2 (weights and KV cache discarded, nothing copied to the host):
+#   LLM.sleep/wake_up -> v1/engine/core.py EngineCore.sleep/wake_up -> v1/executor/abstract.py Executor.sleep (tags
+#   {"weights", "kv_cache"}; a second sleep while any tag sleeps is ignored) and wake_up(tags) -> v1/worker/gpu_worker.py
+#   Worker.sleep/wake_up -> device_allocator/sleep_mode_backend.py CuMemBackend.suspend: level 1 offloads the
+#   "weights" pool to the host, level 2 offloads nothing. The engine resumes scheduling once every tag is awake.
+#   Buffers live in the "weights" pool too: Worker.sleep(level=2) keeps a host copy of model.named_buffers() (the
+#   RoPE cos/sin caches, kilobytes) and Worker.wake_up puts it back when "weights" wakes. reload_weights does not
+#   restore them: model_loader/reload/layerwise.py _copy_and_restore_kernel_tensors skips non-persistent buffers it
+#   did not load. So waking "weights" is what restores them, and every parameter must be sent: one the engine's
+#   model has and the training model lacks would keep whatever the fresh memory held (level 1 kept the old value).
+# torchrun (one engine per rank, on its own GPU): distributed_executor_backend="external_launcher"
+#   v1/executor/abstract.py Executor.get_class -> v1/executor/uniproc_executor.py ExecutorWithExternalLauncher: rank
+#   and local rank from RANK and LOCAL_RANK, init "env://", VLLM_ENABLE_V1_MULTIPROCESSING=0 required;
+#   v1/worker/gpu_worker.py Worker.init_device: cuda:LOCAL_RANK (no data-parallel offset for this backend);
+#   distributed/parallel_state.py init_distributed_environment reuses an initialised torch.distributed world (ours,
+#   from distributed.init_distributed; otherwise it would start a world of size 1 at rank RANK) and
+#   initialize_model_parallel lays the world out as ExternalDP x DP x PP x PCP x TP: with tensor_parallel_size=1 and
+#   data_parallel_size=1 (vllm/config/parallel.py defaults) every rank is an engine of its own that "can generate
+#   independently". data_parallel_size > 1 would make v1/engine/llm_engine.py step the ranks' engines together
+#   (has_unfinished_requests_dp), so every rank would have to call generate as often as the others.
+#   Building the engine is collective (new_group for the world and each 1-rank group; ExecutorWithExternalLauncher.
+#   determine_available_memory takes the minimum over ranks): every rank builds it at the same point of a script.
+# tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures; tests/test_vllm_source.py holds our
+# calls, the fake and the facts above to the wheel's source.
 
 
 class VLLMSampler:
-    """In-process vLLM engine for rollouts; token ids in, token ids out.
+    """In-process vLLM engine for rollouts; token ids in, token ids out. Under torchrun, one engine per rank on the
+    rank's GPU, sampling the rank's own prompts.
 
     Sampling is reproducible as HFSampler's is: every request carries a seed drawn from `generator`, which
-    training.reseed sets per iteration, so a resumed run sends the same seeds as the uninterrupted one.
+    training.reseed sets per iteration and rank, so a resumed run sends the same seeds as the uninterrupted one
+    and ranks draw different samples.
+
+    sleep() discards the engine's weights and KV cache (vLLM's level 2): the training update overwrites the weights
+    anyway, so copying them to the host and back (level 1) would be wasted. wake_up() maps the weights' memory again
+    and load_weights(model) fills it, then brings back the KV cache: sampling before that reload is refused.
+
+    model: the training model. When FSDP shards it (--fsdp), it is gathered while the sampler is awake and back on its
+    shards while it sleeps, as with HFSampler: the no-grad log-prob passes call it a different number of times on
+    each rank, which a sharded model (one all-gather per call) cannot do.
     """
 
-    def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 2048,
+    def __init__(self, model_path: str, *, model: torch.nn.Module | None = None, seed: int = 0, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.5, dtype: str | None = None,
                  enable_sleep_mode: bool = True, enforce_eager: bool = False):
         """dtype: the engine's ("bfloat16", "float16", ...); None: bfloat16 where the GPU has bf16, else float16.
@@ -414,13 +449,15 @@ class VLLMSampler:
         # vLLM starts a separate engine-core process and msgpack-encodes every
         # RPC argument; an iterator of tensors cannot go through that. The
         # variable must be set before the engine is built: EngineCore.__init__
-        # then caches vllm.envs.
+        # then caches vllm.envs. The external launcher needs it too.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         started = time.perf_counter()
         self.llm = LLM(
             model_path,
+            # The engine seeds the process's global RNGs with it (Worker.init_device), the same on every rank, as
+            # torch.manual_seed(args.seed) left them; the samples differ per rank through the requests' seeds.
             seed=seed,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -430,15 +467,31 @@ class VLLMSampler:
             enable_prefix_caching=True,
             enable_sleep_mode=enable_sleep_mode,
             enforce_eager=enforce_eager,
+            # Under torchrun each rank holds the whole model on its own GPU (see the comment above the class); in
+            # one process the default single-process executor.
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher" if distributed.world_size() > 1 else None,
         )
-        distributed.print0(f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype})")
+        distributed.print0(f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype})"
+                           + (f", one per rank on {distributed.world_size()} ranks" if distributed.world_size() > 1 else ""))
         # Use the same tokenizer as vLLM's stop-string detokenizer.
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
         self.weight_dtype = getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None
         self.sleep_enabled = enable_sleep_mode
-        self.asleep = False
-        self.generator = torch.Generator().manual_seed(seed)  # the requests' seeds come from it (reseed sets it)
+        self.asleep = False  # weights and KV cache released (sleep() until wake_up())
+        self.cache_asleep = False  # the KV cache still released (sleep() until load_weights())
+        self.weights_discarded = False  # sleep() threw the weights away; load_weights() brings the model's
+        # The requests' seeds come from it; training.reseed sets it per iteration and rank, rank_seed keeps the
+        # ranks apart before that (rank 0: the seed of a single-process run).
+        self.generator = torch.Generator().manual_seed(distributed.rank_seed(seed))
+        self.model = model
+        # Gathered after the engine is built: vLLM sizes its KV cache from the memory free when it starts.
+        self._gather(True)
+
+    def _gather(self, gathered: bool) -> None:
+        if self.model is not None and distributed.is_sharded(self.model):
+            distributed.gather_parameters(self.model, gathered)
 
     def sample(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int | list[int], stop: Sequence[str] = (), context: int | None = None,
@@ -451,6 +504,9 @@ class VLLMSampler:
 
         if self.asleep:
             raise RuntimeError("VLLMSampler.sample() called while asleep; call wake_up() first")
+        if self.weights_discarded:
+            raise RuntimeError("VLLMSampler.sample(): weights not reloaded since sleep() discarded them; "
+                               "call load_weights(model) after wake_up()")
         stop = list(stop)
         histories = stop_histories(prompts, generated, stop)
         limit = self.max_model_len if context is None else min(context, self.max_model_len)
@@ -494,11 +550,23 @@ class VLLMSampler:
                 ids, finish = cut[len(history) :], "stop"
         return Completion(ids=ids, finish_reason=finish)
 
-    def load_weights(self, model: "torch.nn.Module") -> None:
-        """Copy the training model's current weights into the engine, in place."""
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Copy the training model's current weights into the engine, in place, then bring back the KV cache if
+        sleep() released it. Under torchrun every rank calls it (a sharded model's weights are gathered)."""
         if self.asleep:
             raise RuntimeError("VLLMSampler.load_weights() called while asleep; call wake_up() first")
+        from torch.distributed.tensor import DTensor
+
+        self.model = model
         model = getattr(model, "_orig_mod", model)  # unwrap torch.compile so names match the checkpoint
+        dtype = self.weight_dtype
+
+        def whole(p: torch.Tensor) -> torch.Tensor:
+            # A parameter FSDP holds sharded is gathered here, one at a time: every rank walks named_parameters in
+            # the same order, so the all-gathers match. wake_up() has usually gathered the model already.
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            return full.detach() if dtype is None else full.detach().to(dtype)
+
         # HF parameter names are the checkpoint format vLLM's model.load_weights
         # expects. It handles fused qkv/gate_up and tied embeddings (named_parameters
         # yields a tied lm_head once, as embed_tokens). reload_weights is the in-place
@@ -507,10 +575,13 @@ class VLLMSampler:
         # The fp32 master weights go over in the engine's dtype, one tensor at a time:
         # the generator holds a single converted tensor, never a second copy of the
         # model. detach() keeps autograd out of vLLM's copy_.
-        dtype = self.weight_dtype
-        weights = ((name, p.detach() if dtype is None else p.detach().to(dtype)) for name, p in model.named_parameters())
+        weights = ((name, whole(p)) for name, p in model.named_parameters())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                          "is_checkpoint_format": True})
+        self.weights_discarded = False
+        if self.cache_asleep:  # woken only now: the KV cache was not allocated while the weights loaded
+            self.llm.wake_up(tags=["kv_cache"])
+            self.cache_asleep = False
         # KV blocks cached under the old weights would be reused for matching
         # prefixes. Drop them. vLLM returns False, and resets nothing, while any
         # request still holds blocks; stale KV would quietly skew the rollouts.
@@ -518,17 +589,29 @@ class VLLMSampler:
             raise RuntimeError("vLLM could not reset its prefix cache after loading weights")
 
     def sleep(self) -> None:
-        """Release the engine's GPU memory for training. Level 1 moves the
-        weights to CPU and drops the KV cache. Does nothing if sleep mode is off."""
+        """Release the engine's GPU memory for training: vLLM's level 2 discards the weights and the KV cache
+        (load_weights after wake_up brings the weights). A sharded training model goes back to its shards. The
+        engine sleeps only if built with sleep mode."""
+        self._gather(False)
         if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            if self.cache_asleep:
+                # Woken for a weight load that did not come: vLLM ignores sleep while any tag sleeps (Executor.sleep),
+                # so the KV cache wakes first and the weights' memory is released again below.
+                self.llm.wake_up(tags=["kv_cache"])
+            self.llm.sleep(level=2)
+            self.asleep = self.cache_asleep = self.weights_discarded = True
 
     def wake_up(self) -> None:
-        """Bring the weights and KV cache back onto the GPU."""
+        """Map the weights' memory again (their values come with load_weights, which then brings the KV cache
+        back: the cache is not allocated while the weights load, as vLLM's sleep-mode docs advise). A sharded
+        training model is gathered."""
         if self.asleep:
-            self.llm.wake_up()
+            # The update's activations stay in torch's caching allocator; vLLM maps its memory anew on waking, so that
+            # memory must go back to the driver first (plumbing/memory.py counts on it).
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
             self.asleep = False
+        self._gather(True)
 
 
 def backend_problems(backend: str) -> list[str]:
@@ -540,29 +623,30 @@ def backend_problems(backend: str) -> list[str]:
 
 
 def resolve_backend(backend: str) -> tuple[str, str]:
-    """The engine --backend names, and why: "auto" is vllm when it imports and a GPU is present (in one process),
-    else hf."""
+    """The engine --backend names, and why: "auto" is vllm when it imports and a GPU is present (under torchrun: one
+    engine per rank), else hf."""
     if backend != "auto":
         return backend, f"--backend {backend}"
-    if distributed.world_size() > 1:
-        return "hf", "--backend auto under torchrun: each rank samples with its own replica (vLLM per rank: not yet)"
     if not torch.cuda.is_available():
         return "hf", "--backend auto: no CUDA GPU"
     try:
         import vllm  # noqa: F401
     except ImportError:
         return "hf", "--backend auto: vllm is not installed (pip install -r requirements-vllm.txt), so the slower HF decode loop"
+    if distributed.world_size() > 1:
+        return "vllm", "--backend auto: vllm installed and a CUDA GPU present (under torchrun: one engine per rank, on its GPU)"
     return "vllm", "--backend auto: vllm installed and a CUDA GPU present"
 
 
 def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_path: str, seed: int = 0,
-                 precision: Precision = FP32, **vllm_kwargs):
+                 precision: Precision = FP32, sampler_batch_tokens: int = 2**16, **vllm_kwargs):
     """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present).
-    `precision` is the HF sampler's (vLLM computes in its own dtype)."""
+    `precision` and `sampler_batch_tokens` (positions one batch caches) are the HF sampler's (vLLM computes in its own
+    dtype and schedules its own batches)."""
     backend, why = resolve_backend(backend)
     if problems := backend_problems(backend):
         raise UsageError(problems[0])
     distributed.print0(f"rollout engine: {backend} ({why})")
     if backend == "hf":
-        return HFSampler(model, tokenizer, seed=seed, precision=precision)
-    return VLLMSampler(models.resolve_model(model_path), seed=seed, **vllm_kwargs)
+        return HFSampler(model, tokenizer, seed=seed, precision=precision, max_batch_tokens=sampler_batch_tokens)
+    return VLLMSampler(models.resolve_model(model_path), model=model, seed=seed, **vllm_kwargs)

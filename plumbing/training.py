@@ -252,7 +252,7 @@ def reseed(seed: int, iteration: int, sampler) -> random.Random:
     per rank, so ranks draw different responses. Reseeding every iteration makes a resumed run sample exactly what
     the uninterrupted one would (at the same world size)."""
     iteration_seed = seed * 1_000_003 + iteration
-    rank_seed = iteration_seed + (distributed.rank() << 32)  # rank 0: the seed of a single-process run
+    rank_seed = distributed.rank_seed(iteration_seed)  # rank 0: the seed of a single-process run
     torch.manual_seed(rank_seed)
     if hasattr(sampler, "generator"):
         sampler.generator.manual_seed(rank_seed)

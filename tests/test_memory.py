@@ -208,3 +208,28 @@ def test_readme_table_is_what_memory_plan_prints():
     readme = (root / "README.md").read_text()
     block = readme.split(module.BEGIN, 1)[1].split(module.END, 1)[0].strip()
     assert block == f"{module.table()}\n\n{module.tree_iteration()}", "run: python benchmarks/memory_plan.py --write"
+
+
+def test_resume_repeats_with_the_sampler_batch_auto_chose_at_the_first_start(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+    """auto may size the sampler's batches differently on the machine that resumes; the run keeps its first choice,
+    so the resumed run samples what the uninterrupted one did."""
+    from pathlib import Path
+
+    import grpo_baseline as grpo
+    from conftest import smoke_args
+
+    def run(name: str, **settings) -> Path:
+        settings = {"iterations": 2, "context": 160, "save_samples": 1, "save_questions": 3, "eval_before": False, **settings}
+        return Path(grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / name, **settings))["run_dir"])
+
+    def responses(run_dir: Path) -> list:
+        return [[json.loads(line)["token_ids"] for line in (run_dir / "samples" / f"iter_{i}.jsonl").read_text().splitlines()]
+                for i in (1, 2)]
+
+    monkeypatch.setattr(memory, "CPU_SAMPLER_TOKENS", 48)  # the first machine's choice: one row of a prompt per batch
+    full, first = run("full"), run("first", iterations=1)
+    monkeypatch.setattr(memory, "CPU_SAMPLER_TOKENS", 2**16)  # the resuming machine would choose otherwise
+    other = run("other")
+    assert responses(other) != responses(full)  # the batches do change what is sampled
+    resumed = run("unused", resume=str(first))
+    assert resumed == first and responses(resumed) == responses(full)

@@ -15,11 +15,23 @@ checks the fake against that version's real source):
   TokensPrompt                      vllm/inputs/llm.py
   CompletionOutput, RequestOutput   vllm/outputs.py
   Worker.reload_weights             vllm/v1/worker/gpu_worker.py -> gpu_model_runner.py
+  tensor_parallel_size, distributed_executor_backend
+                                    LLM.__init__ / EngineArgs fields; "external_launcher" is
+                                    vllm/v1/executor/uniproc_executor.py ExecutorWithExternalLauncher
 If the glue renames a keyword or drops one, a call here fails with TypeError.
+The fake keeps the engine's memory as 0.30 does: sleep(level) releases the "weights" and "kv_cache" tags
+(v1/executor/abstract.py Executor.sleep, ignored while any tag sleeps), level 2 discards the weights (nothing
+copied to the host), wake_up(tags) maps the named tags again, and generate needs every tag awake. What it
+samples depends on the weights it holds (the digest of the last reload), so weights that were discarded and
+not reloaded, or reloaded with other values, show in the samples.
+Built with distributed_executor_backend="external_launcher" it checks what ExecutorWithExternalLauncher needs
+from torchrun (RANK, LOCAL_RANK, MASTER_ADDR/PORT, an initialised torch.distributed world) and, like it, takes
+part in a collective while it is built (every rank must build its engine at the same point).
 The fake also reproduces how 0.30 handles stop strings (v1/engine/detokenizer.py):
 token_ids keep the token(s) that complete the stop string, finish_reason is "stop",
 and stop_reason is the matched string.
 """
+import hashlib
 import os
 import random
 import sys
@@ -34,7 +46,7 @@ from tokenizers import Tokenizer, decoders, models
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from plumbing import gpu, precision
+from plumbing import distributed, engines, gpu, precision
 from plumbing.engines import Completion, VLLMSampler, cut_at_stop
 from plumbing.training import reseed
 
@@ -111,11 +123,17 @@ class FakeWorker:
         self.log = log
         self.expected = expected  # {name: shape} of the engine's model, or None to record only
         self.dtype = dtype
+        self.sleeping_tags: set[str] = set()  # Executor.sleeping_tags: memory released by sleep, not yet woken
+        # What the weights hold: None, as loaded from the model path; DISCARDED after a level-2 sleep; else the
+        # digest of the weights the last reload_weights wrote.
+        self.weights_state: str | None = None
 
     # vllm/v1/worker/gpu_worker.py Worker.reload_weights forwards to
     # GPUModelRunner.reload_weights(weights_iterator=None, weights_path=None, is_checkpoint_format=True)
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format: bool = True):
         assert not isinstance(weights_iterator, (list, tuple, dict)), "weights must stream, not be materialised"
+        # On a GPU this writes into unmapped memory (the weights' pool is asleep): a crash, or nothing kept.
+        assert "weights" not in self.sleeping_tags, "reload_weights while the weights sleep: wake_up(tags=['weights']) first"
         received, previous = [], None
         for name, tensor in weights_iterator:
             # The glue keeps no reference to a tensor it has handed over: no second copy of the model builds up.
@@ -133,6 +151,19 @@ class FakeWorker:
         if self.expected is not None:
             assert set(names) == set(self.expected), f"missing: {sorted(set(self.expected) - set(names))}"
         self.log.append(("reload_weights", received, weights_path, is_checkpoint_format))
+        self.weights_state = weights_digest(received)
+
+
+DISCARDED = "discarded"
+
+
+def weights_digest(weights: list[tuple[str, torch.Tensor]]) -> str:
+    """A digest of named tensors (their names, dtypes, shapes and values)."""
+    digest = hashlib.sha256()
+    for name, tensor in weights:
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -147,14 +178,16 @@ class FakeEngine:
     llm: Any = None
 
 
-def make_fake_vllm(engine: FakeEngine):
-    tok = make_tokenizer()
+def make_fake_vllm(engine: FakeEngine, tokenizer=None):
+    """The fake `vllm` module; `tokenizer`: the engine's (get_tokenizer, stop strings, EOS; default make_tokenizer())."""
+    tok = tokenizer or make_tokenizer()
+    eos = tok.eos_token_id
 
     class FakeLLM:
-        def __init__(self, model: str, *, seed: int = 0, dtype: str = "auto",
-                     gpu_memory_utilization: float = 0.92, max_model_len: int | None = None,
-                     enable_prefix_caching: bool | None = None, enable_sleep_mode: bool = False,
-                     enforce_eager: bool = False):
+        def __init__(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", seed: int = 0,
+                     gpu_memory_utilization: float = 0.92, enforce_eager: bool = False,
+                     max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
+                     enable_sleep_mode: bool = False, distributed_executor_backend: str | None = None):
             # In-process engine core is required for passing tensors through collective_rpc.
             assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
             engine.log.append(("LLM", model, dict(seed=seed, dtype=dtype,
@@ -162,19 +195,44 @@ def make_fake_vllm(engine: FakeEngine):
                                                   max_model_len=max_model_len,
                                                   enable_prefix_caching=enable_prefix_caching,
                                                   enable_sleep_mode=enable_sleep_mode,
-                                                  enforce_eager=enforce_eager)))
+                                                  enforce_eager=enforce_eager,
+                                                  tensor_parallel_size=tensor_parallel_size,
+                                                  distributed_executor_backend=distributed_executor_backend)))
+            engine.log.append(("world", self._join_world(distributed_executor_backend, tensor_parallel_size)))
             self.max_model_len = max_model_len
             self.enable_sleep_mode = enable_sleep_mode
-            self.sleeping = False
             self.worker = FakeWorker(engine.log, engine.weights, getattr(torch, dtype, None))
             engine.llm = self
+
+        @staticmethod
+        def _join_world(backend, tensor_parallel_size) -> dict:
+            """What 0.30's executors need of the process: ExecutorWithExternalLauncher reads RANK and LOCAL_RANK
+            and joins "env://"; init_distributed_environment reuses an initialised torch.distributed world (else
+            it would start one of size tensor_parallel_size x ... at rank RANK). The single-process executor
+            under torchrun would put every rank's engine on cuda:0 (UniProcExecutor._distributed_args)."""
+            import torch.distributed as dist
+
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if backend != "external_launcher":
+                assert world == 1, f"a single-process engine in a torch.distributed world of {world}: use external_launcher"
+                return {"world_size": world}
+            missing = [v for v in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            assert not missing, f"external_launcher outside torchrun: no {missing}"
+            assert dist.is_initialized(), "external_launcher before torch.distributed is initialised"
+            assert world % tensor_parallel_size == 0
+            # Building the engine is collective (new_group for vLLM's groups; the minimum free memory over ranks).
+            free = torch.tensor([int(os.environ["RANK"]) + 1])
+            dist.all_reduce(free, op=dist.ReduceOp.MIN, group=dist.new_group(backend="gloo"))
+            return {"world_size": world, "rank": int(os.environ["RANK"]), "local_rank": int(os.environ["LOCAL_RANK"]),
+                    "torch_rank": dist.get_rank(), "min_over_ranks": int(free)}
 
         def get_tokenizer(self):
             return tok
 
         def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None,
                      priority=None, tokenization_kwargs=None, mm_processor_kwargs=None):
-            assert not self.sleeping, "generate while asleep"
+            assert not self.worker.sleeping_tags, f"generate while {sorted(self.worker.sleeping_tags)} sleep"
+            assert self.worker.weights_state != DISCARDED, "generate with the weights a level-2 sleep discarded"
             engine.log.append(("generate", prompts, sampling_params, use_tqdm))
             if not isinstance(sampling_params, list):
                 sampling_params = [sampling_params] * len(prompts)
@@ -194,10 +252,15 @@ def make_fake_vllm(engine: FakeEngine):
             # decoded text; token ids are NOT trimmed), max_tokens / max_model_len.
             out, finish, reason = [], None, None
             seed = None if sp.seed is None else sp.seed + index  # v1/engine/parallel_sampling.py
-            for t in engine.script(p, index) if engine.script else self._random_tokens(seed):
+            # A sample follows from the prompt, the weights and the seed (greedy: no seed); unseeded: fresh entropy.
+            if sp.temperature == 0:
+                source = f"greedy/{p}/{self.worker.weights_state}"
+            else:
+                source = None if seed is None else f"{seed}/{p}/{self.worker.weights_state}"
+            for t in engine.script(p, index) if engine.script else self._random_tokens(source):
                 out.append(t)
                 text = tok.decode(out, skip_special_tokens=True)
-                if t == EOS:
+                if t == eos:
                     finish = "stop"
                 elif hits := [s for s in sp.stop if s in text]:
                     finish, reason = "stop", min(hits, key=lambda s: text.find(s) + len(s))
@@ -209,10 +272,10 @@ def make_fake_vllm(engine: FakeEngine):
             raise AssertionError("script ran out of tokens")
 
         @staticmethod
-        def _random_tokens(seed):
-            rng = random.Random(seed)  # None: fresh entropy, as an unseeded request draws from state no one resets
+        def _random_tokens(source):
+            rng = random.Random(source)  # None: fresh entropy, as an unseeded request draws from state no one resets
             while True:
-                yield EOS if rng.random() < 0.1 else rng.randrange(2, len(VOCAB))
+                yield eos if rng.random() < 0.1 else rng.randrange(2, len(tok))
 
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             assert isinstance(method, str)
@@ -224,12 +287,21 @@ def make_fake_vllm(engine: FakeEngine):
 
         def sleep(self, level: int = 1, mode: str = "abort"):
             assert self.enable_sleep_mode
+            if self.worker.sleeping_tags:  # Executor.sleep: "Executor is already sleeping", nothing released
+                engine.log.append(("sleep ignored", level, mode))
+                return
             engine.log.append(("sleep", level, mode))
-            self.sleeping = True
+            self.worker.sleeping_tags = {"weights", "kv_cache"}
+            if level == 2:  # CuMemBackend.suspend: level 1 offloads the weights to the host, level 2 nothing
+                self.worker.weights_state = DISCARDED
 
         def wake_up(self, tags: list[str] | None = None):
+            # Executor.wake_up: only tags that sleep (one that does not: a warning, nothing woken); None: all.
+            if not self.worker.sleeping_tags or (tags and not set(tags) <= self.worker.sleeping_tags):
+                engine.log.append(("wake_up ignored", tags))
+                return
             engine.log.append(("wake_up", tags))
-            self.sleeping = False
+            self.worker.sleeping_tags -= set(tags) if tags else self.worker.sleeping_tags
 
     mod = types.ModuleType("vllm")
     mod.LLM, mod.SamplingParams, mod.TokensPrompt = FakeLLM, FakeSamplingParams, FakeTokensPrompt
@@ -265,7 +337,9 @@ def test_constructor(engine, monkeypatch):
     [(_, model, kw)] = calls(engine, "LLM")
     assert model == "/ckpt/model"
     assert kw == dict(seed=7, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=64,
-                      enable_prefix_caching=True, enable_sleep_mode=True, enforce_eager=False)
+                      enable_prefix_caching=True, enable_sleep_mode=True, enforce_eager=False,
+                      tensor_parallel_size=1, distributed_executor_backend=None)  # one process: vLLM's own executor
+    assert calls(engine, "world") == [("world", {"world_size": 1})]
     assert s.tokenizer is engine.llm.get_tokenizer()
 
     VLLMSampler("m", max_model_len=64, enforce_eager=True)
@@ -469,21 +543,70 @@ def test_load_weights_never_holds_a_second_copy(engine):
     s.load_weights(lm)
 
 
-def test_sleep_and_wake_up(engine):
+def memory_calls(eng) -> list:
+    """The engine's sleep / wake / weight-load calls, in order."""
+    return [c[0] if c[0] in ("reload_weights", "reset_prefix_cache") else c for c in eng.log
+            if c[0] in ("sleep", "sleep ignored", "wake_up", "wake_up ignored", "reload_weights", "reset_prefix_cache")]
+
+
+def test_sleep_discards_the_weights_and_wake_up_reloads_them_before_the_kv_cache(engine):
+    # Level 2: the update overwrites the weights, so none is copied to the host. wake_up maps only the weights'
+    # memory; load_weights fills it, then the KV cache comes back (not allocated while the weights load).
     engine.script = lambda p, i: iter([EOS])
-    s = VLLMSampler("m", max_model_len=64)
+    s, lm = VLLMSampler("m", max_model_len=64), TinyLM()
     s.sleep()
     s.sleep()  # idempotent
-    assert calls(engine, "sleep") == [("sleep", 1, "abort")]
-    with pytest.raises(RuntimeError):
+    assert memory_calls(engine) == [("sleep", 2, "abort")]
+    with pytest.raises(RuntimeError, match="while asleep; call wake_up"):
         s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)
-    with pytest.raises(RuntimeError):
-        s.load_weights(TinyLM())
+    with pytest.raises(RuntimeError, match="while asleep; call wake_up"):
+        s.load_weights(lm)
     s.wake_up()
     s.wake_up()
-    assert calls(engine, "wake_up") == [("wake_up", None)]
+    assert memory_calls(engine)[1:] == [("wake_up", ["weights"])]
+    with pytest.raises(RuntimeError, match="weights not reloaded since sleep"):  # the weights hold nothing yet
+        s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)
+    s.load_weights(lm)
+    assert memory_calls(engine)[2:] == ["reload_weights", ("wake_up", ["kv_cache"]), "reset_prefix_cache"]
     [[c]] = s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)
     assert c.ids == [EOS]
+    s.load_weights(lm)  # awake: a sync only
+    assert memory_calls(engine)[5:] == ["reload_weights", "reset_prefix_cache"]
+
+
+def test_sleep_after_a_wake_up_without_weights_releases_them_again(engine):
+    # vLLM ignores sleep() while any of its memory sleeps (Executor.sleep): the KV cache wakes first, or the
+    # weights woken for a load that never came would stay on the GPU through the update.
+    s, lm = VLLMSampler("m", max_model_len=64), TinyLM()
+    s.sleep()
+    s.wake_up()
+    s.sleep()
+    assert memory_calls(engine) == [("sleep", 2, "abort"), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), ("sleep", 2, "abort")]
+    s.wake_up()
+    s.load_weights(lm)
+    s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)
+
+
+def test_seeded_and_greedy_samples_are_the_same_after_a_sleep_cycle(engine):
+    # The fake samples from the weights it holds: what the engine held before sleep() is what it holds after
+    # wake_up() and load_weights() of the same model; another model's weights sample differently.
+    s, lm = VLLMSampler("m", seed=3, max_model_len=64), TinyLM()
+    prompts = [ids("Q", ":"), ids("The")]
+
+    def draw():
+        reseed(3, 1, s)
+        seeded = s.sample(prompts, 3, temperature=1.0, top_p=1.0, max_new_tokens=8)
+        greedy = s.sample(prompts, 1, temperature=0.0, top_p=1.0, max_new_tokens=8)
+        return [[tuple(c.ids) for c in row] for row in seeded + greedy]
+
+    s.load_weights(lm)
+    before = draw()
+    s.sleep()
+    s.wake_up()
+    s.load_weights(lm)
+    assert draw() == before
+    s.load_weights(TinyLM())
+    assert draw() != before
 
 
 def test_sleep_is_a_no_op_without_sleep_mode(engine):
@@ -491,6 +614,33 @@ def test_sleep_is_a_no_op_without_sleep_mode(engine):
     s.sleep()
     s.wake_up()
     assert not calls(engine, "sleep") and not calls(engine, "wake_up")
+    s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)  # the weights were never discarded
+
+
+def test_each_rank_draws_its_own_request_seeds(engine, monkeypatch):
+    # Under torchrun the ranks' engines must not share noise: the requests' seeds differ per rank from the start
+    # (training.reseed then sets them per iteration and rank); rank 0 sends a single process's.
+    def first_seed(rank: int) -> int:
+        monkeypatch.setattr(distributed, "rank", lambda: rank)
+        VLLMSampler("m", seed=3, max_model_len=64).sample([ids("Q")], 2, temperature=1.0, top_p=1.0, max_new_tokens=4)
+        return calls(engine, "generate")[-1][2][0].seed
+
+    single = torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(3)).item()
+    assert first_seed(0) == single
+    assert len({single, first_seed(1), first_seed(2)}) == 3
+
+
+def test_auto_chooses_vllm_under_torchrun(engine, monkeypatch):
+    # One engine per rank (the external launcher, tests/test_vllm_ranks.py): --backend auto no longer falls back to
+    # the HF sampler under torchrun, and --backend vllm is not refused there.
+    monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    backend, why = engines.resolve_backend("auto")
+    assert backend == "vllm" and "one engine per rank" in why
+    args = types.SimpleNamespace(backend="vllm", fsdp=True)
+    assert distributed.world_size_problems(args, per_rank={"--questions": 4, "--batch-size": 8}) == []
+    monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: False)
+    assert engines.resolve_backend("auto") == ("hf", "--backend auto: no CUDA GPU")
 
 
 def test_stop_string_beginning_in_the_response_so_far_cuts_to_nothing(engine):

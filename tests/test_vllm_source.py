@@ -11,6 +11,12 @@ the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is n
     kwargs=...) names a Worker method whose GPUModelRunner counterpart takes those keywords;
   - the rest the glue relies on: parameter order of collective_rpc, reset_prefix_cache() -> bool, the
     fields it sets and reads, and the VLLM_ENABLE_V1_MULTIPROCESSING switch in vllm/envs.py;
+  - sleep level 2 as the glue uses it: nothing offloaded to the host, the "weights" and "kv_cache" tags woken
+    one at a time, buffers kept by the worker (reload_weights does not restore them), a second sleep ignored;
+  - one engine per torchrun rank: the executor backend the glue names is one 0.30 knows and maps to
+    ExecutorWithExternalLauncher (RANK, LOCAL_RANK, env://, in-process core, cuda:LOCAL_RANK), which joins the
+    torch.distributed world the training made, with each rank an engine of its own at tensor and data
+    parallel size 1 (their defaults), not stepped together with the other ranks;
   - every parameter or field of the fake exists in the real counterpart, at the same position when
     positional, and with the same default where both defaults are literals; the fake's __version__ is the pin;
   - the CUDA of the README's torch index (cuXYZ) is the CUDA the wheel's compiled ops link (libcudart.so.N, read
@@ -237,7 +243,7 @@ def test_llm_api_the_glue_relies_on(src):
     assert llm_init(src)[0][:1] == ["model"], f"{llm[0]}: LLM.__init__'s first parameter is not 'model'"
     for name, wanted in {"generate": ["prompts", "sampling_params", "use_tqdm"], "get_tokenizer": [],
                          "collective_rpc": ["method", "timeout", "args", "kwargs"], "reset_prefix_cache": [],
-                         "sleep": ["level"], "wake_up": []}.items():
+                         "sleep": ["level"], "wake_up": ["tags"]}.items():
         named = signature(method(llm, name))[1]
         assert [n for n in named if n in wanted] == wanted, f"{llm[0]}: LLM.{name}{tuple(named)} lacks {wanted} in this order"
     returns = method(llm, "reset_prefix_cache").returns
@@ -285,6 +291,101 @@ def test_child_requests_get_distinct_seeds(src):
     # VLLMSampler sends one seed per prompt with n samples; the samples differ only because each child gets seed + i.
     body = ast.unparse(method(src.find_class("vllm.v1.engine.parallel_sampling", "ParentRequest"), "_get_child_sampling_params"))
     assert "seed + index" in body, "vllm/v1/engine/parallel_sampling.py no longer seeds child i with seed + i"
+
+
+def body(src: Source, module: str, name: str, function: str | None = None) -> str:
+    """The source of class `name`'s method `function` in `module` (or of the module-level function `name`), as
+    ast.unparse writes it (quotes normalised to '...')."""
+    if function:
+        return ast.unparse(method(src.find_class(module, name), function))
+    path = module.replace(".", "/") + ".py"
+    defs = [n for n in src.tree(path).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert defs, f"{path} has no function {name}"
+    return ast.unparse(defs[-1])
+
+
+def test_sleep_level_2_discards_the_weights_and_wakes_by_tag(src):
+    # VLLMSampler.sleep uses level 2 because nothing is copied to the host there (level 1 offloads the weights).
+    suspend = body(src, "vllm.device_allocator.sleep_mode_backend", "CuMemBackend", "suspend")
+    assert "offload_tags=('weights',) if level == 1 else tuple()" in suspend, (
+        "vllm/device_allocator/sleep_mode_backend.py: CuMemBackend.suspend no longer offloads nothing at level 2")
+    # wake_up(tags=["weights"]), load, wake_up(tags=["kv_cache"]): the executor tracks the two tags, wakes each one
+    # alone, and ignores a sleep while any sleeps (VLLMSampler.sleep wakes the KV cache first then).
+    executor = src.find_class("vllm.v1.executor.abstract", "Executor")
+    sleep, wake_up = ast.unparse(method(executor, "sleep")), ast.unparse(method(executor, "wake_up"))
+    assert "self.sleeping_tags = {'weights', 'kv_cache'}" in sleep, "Executor.sleep: the tags are not weights and kv_cache"
+    assert "if self.is_sleeping:" in sleep and "return" in sleep, "Executor.sleep no longer ignores a second sleep"
+    assert "self.sleeping_tags.remove(tag)" in wake_up, "Executor.wake_up no longer wakes tags one at a time"
+    worker = ast.unparse(src.find_class("vllm.v1.worker.gpu_worker", "Worker")[1])
+    for tag in ("weights", "kv_cache"):
+        assert f"_maybe_get_memory_pool_context(tag='{tag}')" in worker, f"gpu_worker.py allocates no memory under tag {tag!r}"
+    assert "resume_scheduler" in body(src, "vllm.v1.engine.core", "EngineCore", "wake_up"), (
+        "EngineCore.wake_up no longer resumes scheduling once every tag is awake")
+
+
+def test_buffers_survive_level_2_through_the_worker_not_the_reload(src):
+    # Level 2 discards the "weights" pool, buffers (RoPE caches) included: the worker keeps them on the host and
+    # puts them back when "weights" wakes; the in-place reload rewrites parameters and skips such buffers.
+    sleep = body(src, "vllm.v1.worker.gpu_worker", "Worker", "sleep")
+    wake_up = body(src, "vllm.v1.worker.gpu_worker", "Worker", "wake_up")
+    assert "if level == 2:" in sleep and "model.named_buffers()" in sleep, "Worker.sleep(level=2) no longer saves the buffers"
+    assert "wake_weights = tags is None or 'weights' in tags" in wake_up and "_sleep_saved_buffers" in wake_up, (
+        "Worker.wake_up no longer restores the buffers when 'weights' wakes")
+    restore = body(src, "vllm.model_executor.model_loader.reload.layerwise", "_copy_and_restore_kernel_tensors")
+    assert "if name in non_persistent and name not in loaded_tensor_names:" in restore, (
+        "layerwise.py: _copy_and_restore_kernel_tensors may now overwrite buffers the reload did not load")
+    assert "finalize_layerwise_reload(model" in body(src, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights"), (
+        "GPUModelRunner.reload_weights no longer goes through model_loader/reload/layerwise.py")
+
+
+def glue_executor_backends() -> set:
+    """The distributed_executor_backend values VLLMSampler's LLM(...) call can pass (string constants)."""
+    for kind, call in glue_calls():
+        for kw in call.keywords if kind == "LLM" else ():
+            if kw.arg == "distributed_executor_backend":
+                return {n.value for n in ast.walk(kw.value) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    raise AssertionError("VLLMSampler's LLM(...) passes no distributed_executor_backend")
+
+
+def test_torchrun_engines_use_the_external_launcher(src):
+    backends = glue_executor_backends()
+    assert backends == {"external_launcher"}, f"plumbing/engines.py passes distributed_executor_backend {sorted(backends)}"
+    tree = src.tree("vllm/config/parallel.py")
+    literal = next(ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and ast.unparse(n.targets[0]) == "DistributedExecutorBackend")
+    assert "'external_launcher'" in literal, f"vllm/config/parallel.py: DistributedExecutorBackend = {literal}"
+    get_class = body(src, "vllm.v1.executor.abstract", "Executor", "get_class")
+    assert "distributed_executor_backend == 'external_launcher':\n        executor_class = ExecutorWithExternalLauncher" in get_class, (
+        "vllm/v1/executor/abstract.py: Executor.get_class no longer maps external_launcher to ExecutorWithExternalLauncher")
+    launcher = src.find_class("vllm.v1.executor.uniproc_executor", "ExecutorWithExternalLauncher")
+    args = ast.unparse(method(launcher, "_distributed_args"))
+    for needed in ("'env://'", "os.environ['RANK']", "os.environ['LOCAL_RANK']"):
+        assert needed in args, f"{launcher[0]}: ExecutorWithExternalLauncher._distributed_args no longer uses {needed}"
+    assert "not envs.VLLM_ENABLE_V1_MULTIPROCESSING" in ast.unparse(method(launcher, "_init_executor"))
+    assert "ReduceOp.MIN" in ast.unparse(method(launcher, "determine_available_memory"))  # collective: the fake joins one too
+    # The engine's GPU is the rank's own: no data-parallel offset to LOCAL_RANK for this backend.
+    assert "not in ('ray', 'external_launcher')" in body(src, "vllm.v1.worker.gpu_worker", "Worker", "init_device")
+
+
+def test_external_launcher_engines_are_independent_in_the_training_world(src):
+    # The world the training's init_distributed made is reused (not a new one of size 1 at rank RANK).
+    init = body(src, "vllm.distributed.parallel_state", "init_distributed_environment")
+    assert "if not torch.distributed.is_initialized():" in init and "ranks = list(range(torch.distributed.get_world_size()))" in init, (
+        "vllm/distributed/parallel_state.py: init_distributed_environment no longer reuses an initialised world")
+    # Ranks are laid out ExternalDP x DP x PP x PCP x TP: at TP = DP = PP = PCP = 1 every rank is its own engine.
+    layout = body(src, "vllm.distributed.parallel_state", "initialize_model_parallel")
+    assert ("torch.arange(world_size).reshape(-1, data_parallel_size, pipeline_model_parallel_size, "
+            "prefill_context_model_parallel_size, tensor_model_parallel_size)") in layout, (
+        "initialize_model_parallel no longer puts the external data-parallel dimension first")
+    # Sizes the glue relies on: tensor_parallel_size is passed (1); data, pipeline and prefill-context parallel sizes
+    # keep their defaults of 1. Data parallel > 1 would step the ranks' engines together.
+    parallel = src.find_class("vllm.config.parallel", "ParallelConfig")
+    for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size"):
+        default = fields(src, parallel)[name]
+        assert default is not None and "default=1" in ast.unparse(default), f"{parallel[0]}: ParallelConfig.{name} = {ast.unparse(default)}"
+    engine = body(src, "vllm.v1.engine.llm_engine", "LLMEngine", "__init__")
+    assert "self.external_launcher_dp = parallel_config.data_parallel_size > 1 and executor_backend == 'external_launcher'" in engine
+    assert "has_unfinished_requests_dp" in body(src, "vllm.v1.engine.llm_engine", "LLMEngine", "has_unfinished_requests")
 
 
 def readme_torch_index() -> str:
