@@ -190,3 +190,19 @@ def test_the_budget_is_the_micro_batch_on_a_cpu_and_grows_with_free_gpu_memory(t
     assert budget < training.no_grad_batch_tokens(gpu_model, long_rows, bf16) < 3 * budget
     monkeypatch.setattr(distributed, "is_sharded", lambda model: True)  # --fsdp, shards not gathered: micro-batches
     assert training.no_grad_batch_tokens(gpu_model, long_rows, bf16) is None
+
+
+def test_every_rank_draws_its_own_random_stream(monkeypatch):
+    """torch's CPU generator (mt19937) reads a seed's low 32 bits only: ranks whose seeds differ above them (seed +
+    (rank << 32)) drew identical streams. rank_seed keeps rank 0's seed (a single-process run's) and parts the rest."""
+    from plumbing import distributed
+
+    draws = []
+    for rank in range(4):
+        monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
+        draws.append(torch.rand(4, generator=torch.Generator().manual_seed(distributed.rank_seed(3 * 1_000_003 + 2))).tolist())
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    assert distributed.rank_seed(12345) == 12345
+    assert len({tuple(d) for d in draws}) == 4
+    assert torch.equal(torch.rand(4, generator=torch.Generator().manual_seed(7)),
+                       torch.rand(4, generator=torch.Generator().manual_seed(7 + (1 << 32))))  # the trap itself
