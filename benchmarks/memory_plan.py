@@ -10,6 +10,7 @@ update's real peak where a GPU is lent.
 from __future__ import annotations
 
 import argparse
+import textwrap
 import sys
 from pathlib import Path
 
@@ -54,11 +55,14 @@ def cell(script: str, module, run: str, total_gib: int) -> str:
 
 
 def table() -> str:
-    lines = ["| run | model | " + " | ".join(f"{g} GiB" for g in GPUS_GIB) + " |", "|---|---|" + "---|" * len(GPUS_GIB)]
+    """Markdown: one row per paper run; runs whose plans are all equal share a row."""
+    rows: dict[tuple, list[str]] = {}  # (model, cells) -> the runs
     for script, module in SCRIPTS:
         for run, paper in module.PAPER_SETTINGS.items():
-            cells = [cell(script, module, run, g) for g in GPUS_GIB]
-            lines.append(f"| `{script}` {run} | {paper['model']} | " + " | ".join(cells) + " |")
+            cells = tuple(cell(script, module, run, g) for g in GPUS_GIB)
+            rows.setdefault((paper["model"], cells), []).append(f"`{script}` {run}")
+    lines = ["| runs | model | " + " | ".join(f"{g} GiB" for g in GPUS_GIB) + " |", "|---|---|" + "---|" * len(GPUS_GIB)]
+    lines += [f"| {', '.join(runs)} | {model} | " + " | ".join(cells) + " |" for (model, cells), runs in rows.items()]
     return "\n".join(lines)
 
 
@@ -74,10 +78,10 @@ def tree_iteration() -> str:
     trained = paper["samples_per_iteration"] * paper["epochs"] * (context - segment * (len(branches) - 1))
     params = SHAPES[paper["model"]].params
     flops = 2 * params * tokens + 2 * params * trained + 6 * params * trained  # old log-probs, reference, update
-    return (f"One SPO-tree long-CoT iteration samples at most {edges:,} edges ({tokens / 1e6:.1f}M tokens); the old-log-prob "
+    return textwrap.fill(f"One SPO-tree long-CoT iteration samples at most {edges:,} edges ({tokens / 1e6:.1f}M tokens); the old-log-prob "
             f"pass reads them all, the reference and the update read {paper['samples_per_iteration']} edges "
             f"(at most {trained / 1e6:.2f}M tokens): {flops / 1e15:.0f} PFLOP, {flops / (0.4 * 989e12):.0f} s on an H200 at 40 % "
-            "of its bf16 peak (computed), plus the rollout (not measured).")
+            "of its bf16 peak (computed), plus the rollout (not measured).", 118)
 
 
 def main() -> None:
