@@ -14,7 +14,8 @@ In one command it reports, each step on its own so that one failure loses none o
   5. the HF sampler at 30 and 240 rows (tokens per second);
   6. the reference model's cost per iteration at the real shape: pageable .to(device) and back, pinned (copied in,
      dropped after), resident; the small model's reference log-probs equal resident and parked;
-  7. the vLLM sampler when vllm imports (sample, sleep / wake up, weight load, greedy equal to the HF sampler).
+  7. the vLLM sampler when vllm imports (sample, sleep / wake up, weight load, greedy equal to the HF sampler), and
+     spo_tree.py with --backend vllm and every memory setting at auto, for two iterations.
 `--device cpu` runs every step at toy sizes on the CPU: CI runs it (tests/test_gpu_check.py) so the check
 cannot rot between leases.
 
@@ -344,6 +345,16 @@ def vllm_sampler(model_dir: Path, device: str) -> dict:
     return {"greedy_equal_to_hf": f"{same} of {len(prompts)}", "sampled_after_wake": len(engine.sample(prompts, 2, temperature=1.0, top_p=1.0, max_new_tokens=8))}
 
 
+def vllm_script(model: Path, task: Path, out: Path, device: str) -> dict:
+    """spo_tree.py's main with --backend vllm and the memory settings at auto, where vllm imports."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return {"skipped": "vllm is not installed here"}
+    return run_script(spo_tree, model, task, out, device, backend="vllm", micro_batch_size="auto", tree="6,6", segment_tokens=30,
+                      samples_per_iteration=64, vllm_enforce_eager=True)
+
+
 def main(args: Args) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device here: run on the GPU machine, or --device cpu for the toy-size check")
@@ -367,6 +378,9 @@ def main(args: Args) -> dict:
         timed("hf_sampler", results, sampler_rows, printable, args.device)
         timed("reference_round_trip", results, reference_round_trip, printable, args.device)
         timed("vllm_sampler", results, vllm_sampler, printable, args.device)
+        # SPO-tree with vLLM and every memory setting at auto: the engine's share beside the no-grad passes, the
+        # level-2 sleep and the reload, for two iterations (last: a failed engine start loses no other step)
+        timed("script_spo_tree_vllm", results, vllm_script, model, task, tmp / "runs" / "spo_tree_vllm", args.device)
     out = ROOT / args.out
     files.write_atomic(out, json.dumps(results, indent=1), "the GPU check's results")
     failed = [step for step, value in results.items() if isinstance(value, dict) and "error" in value]

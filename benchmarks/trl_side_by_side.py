@@ -488,7 +488,7 @@ def run_ours(args: Args, work: Path, round_index: int, env: dict) -> dict:
         "--top-p", "1.0", "--max-new-tokens", str(args.max_new_tokens),
         "--eval-every", str(NEVER), "--eval-limit", "1", "--eval-samples", "1", "--save-every", str(NEVER),
         "--save-samples", str(args.steps), "--save-questions", str(args.questions),  # the last step's questions, for the prompt check
-        "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
+        "--gradient-checkpointing", str(bool(args.gradient_checkpointing)),
         "--precision", args.precision,  # TRL's bf16 flag follows it (its bf16 default is turned off for fp32)
     ]
     marks, totals = watch(command, env, work / f"ours_r{round_index}.log", lambda: list(output_dir.glob("*/metrics.jsonl")), args.poll_seconds)

@@ -580,6 +580,7 @@ class VLLMSampler:
                                                          "is_checkpoint_format": True})
         self.weights_discarded = False
         if self.cache_asleep:  # woken only now: the KV cache was not allocated while the weights loaded
+            torch.cuda.empty_cache()  # the reload's temporaries (bf16 copies, gathered shards) sit in torch's cache
             self.llm.wake_up(tags=["kv_cache"])
             self.cache_asleep = False
         # KV blocks cached under the old weights would be reused for matching

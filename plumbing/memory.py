@@ -20,8 +20,10 @@ The formula (bytes; P parameters, L layers, hidden h, MLP width I, vocab V, r = 
                       4 L h + (38 h + 6 r h + 8 I)  with checkpointing: each layer's fp32 input, and one layer again
   LM head             the log-prob chunks' fp32 logits: at most 2**28 entries kept, and 512 positions in flight
   margin              5 % of the GPU and 1 GiB: the CUDA context, the allocator's fragmentation
-During rollout the update's activations are gone (emptied from torch's cache) and the engine gets what is left:
-vLLM's share = (free - weights 4 P - AdamW 8 P - reference if kept - margin) / total, capped at 0.9; the HF sampler's
+During rollout the update's activations are gone (emptied from torch's cache) and the engine gets what is left once
+the no-grad passes, which run while it is awake, have their room (the reference 4 P, autocast's copies, an LM-head
+chunk, four full-context rows: training.no_grad_pass_bytes):
+vLLM's share = (free - weights 4 P - AdamW 8 P - no-grad room - margin) / total, capped at 0.9; the HF sampler's
 batch caches 2 L r h bytes x 2 (bf16) per position. tests/test_memory.py checks the activation term against the
 bytes autograd saves for the backward pass (bf16 autocast on a CPU, small Qwen2 models: within 10 %).
 
@@ -163,8 +165,19 @@ def plan(
     reference = 4 * P if beta > 0 else 0
     resident_rollout = copies * 12 * P / fsdp_ranks + (4 * P if sharded else 0)  # weights + AdamW during rollout
 
+    # The no-grad passes (old log-probs, reference, PPO's values) run while the engine is awake: vLLM's share must
+    # leave them the reference (resident, or its copy visiting), autocast's weight copies, an LM-head chunk and a
+    # pass of at least one full-context row (training.no_grad_pass_bytes).
+    from plumbing.training import no_grad_pass_bytes
+
+    per_position, once = no_grad_pass_bytes(shape, element, context, sharded)
+    no_grad_reserve = reference + once + 4 * context * per_position  # `once` holds autocast's weight copies
+
     def rollout_room(reference_on_device: bool) -> float:
         return free - margin - resident_rollout - (reference if reference_on_device else 0)
+
+    def engine_room() -> float:
+        return free - margin - resident_rollout - no_grad_reserve
 
     def update_peak(micro: int, checkpointing: bool, reference_on_device: bool) -> float:
         activations = copies * pass_bytes(shape, micro * context, checkpointing)  # + 10 %: the allocator's fragmentation
@@ -180,7 +193,7 @@ def plan(
                     on_device = True  # no reference model: nothing to place
                 fits = update_peak(micro, checkpointing, on_device) <= free - margin
                 if backend == "vllm" and want("vllm_gpu_memory_utilization") == "auto":
-                    fits = fits and rollout_room(on_device) >= vllm_need
+                    fits = fits and engine_room() >= vllm_need
                 if fits:
                     chosen = (micro, checkpointing, on_device)
                     break
@@ -196,19 +209,19 @@ def plan(
                       bool(want("gradient_checkpointing")) if want("gradient_checkpointing") != "auto" else True,
                       bool(want("reference_on_device")) if want("reference_on_device") != "auto" else False)
         else:
-            need = max(smallest, (resident_rollout + vllm_need) if backend == "vllm" else 0) + margin
+            need = max(smallest, (resident_rollout + no_grad_reserve + vllm_need) if backend == "vllm" else 0) + margin
             raise UsageError(
                 f"this run needs about {need / GiB:.0f} GiB of GPU memory even with --micro-batch-size 1, "
                 f"--gradient-checkpointing True and --reference-on-device False, and the GPU has {free / GiB:.0f} GiB "
                 f"free of {total / GiB:.0f}: use a GPU with more memory, --fsdp over several GPUs (torchrun), a shorter "
-                "--context, or --beta 0 (no reference model)"
+                "--context, or --beta 0 (no reference model)" + (", or --backend hf (no engine beside training)" if backend == "vllm" else "")
             )
     micro, checkpointing, on_device = chosen
     fits = update_peak(micro, checkpointing, on_device) <= free - margin
     if want("vllm_gpu_memory_utilization") != "auto":
         share = float(want("vllm_gpu_memory_utilization"))
     else:
-        share = max(0.05, min(VLLM_SHARE_CAP, rollout_room(on_device) / total))
+        share = max(0.05, min(VLLM_SHARE_CAP, engine_room() / total))
         share = math.floor(share * 100) / 100
     if want("sampler_batch_tokens") != "auto":
         sampler_tokens = int(want("sampler_batch_tokens"))

@@ -119,6 +119,8 @@ def saved_settings(args_class, run_dir: str | Path):
     # A setting added to the script after the run started is taken at its default when it cannot change the
     # algorithm (e.g. --dry-run); any other difference means another script or version made the run.
     saved |= {f.name: f.default for f in dataclasses.fields(args_class) if f.name not in saved and f.name in RESUMABLE_SETTINGS}
+    if "sampler_batch_tokens" in fields and "sampler_batch_tokens" not in saved:
+        saved["sampler_batch_tokens"] = 2**16  # runs from before the setting sampled in batches of this size
     if set(saved) != fields:
         foreign = sorted(set(saved) ^ fields)
         raise UsageError(f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
