@@ -141,10 +141,12 @@ def cpu_plan(batch_per_rank: int, requested: dict) -> Plan:
     return dataclasses.replace(plan, line=f"memory: {describe(plan)} (CPU: no sizing)")
 
 
-def describe(plan: Plan) -> str:
+def describe(plan: Plan, backend: str = "hf") -> str:
+    """The plan in words, with the knob of the rollout engine that runs (vLLM's share, or the HF sampler's batch)."""
+    engine = (f"vLLM share {plan.vllm_gpu_memory_utilization:.2f}" if backend == "vllm"
+              else f"sampler batch {plan.sampler_batch_tokens:,} positions")
     return (f"micro-batch {plan.micro_batch_size}, checkpointing {'on' if plan.gradient_checkpointing else 'off'}, "
-            f"reference on {'device' if plan.reference_on_device else 'CPU (pinned)'}, vLLM share "
-            f"{plan.vllm_gpu_memory_utilization:.2f}, sampler batch {plan.sampler_batch_tokens:,} positions")
+            f"reference on {'device' if plan.reference_on_device else 'CPU (pinned)'}, {engine}")
 
 
 def plan(
@@ -232,7 +234,7 @@ def plan(
     result = Plan(micro, checkpointing, on_device, share, sampler_tokens, peak_gb=round(peak / GiB, 1), fits=fits)
     note = f"; {', '.join('--' + n.replace('_', '-') for n in given)} as given" if given else ""
     return dataclasses.replace(result, line=(
-        f"memory: {describe(result)}; update peak ~{peak / GiB:.0f} GiB of {free / GiB:.0f} GiB free (computed{note})"))
+        f"memory: {describe(result, backend)}; update peak ~{peak / GiB:.0f} GiB of {free / GiB:.0f} GiB free (computed{note})"))
 
 
 KNOBS = ("micro_batch_size", "gradient_checkpointing", "reference_on_device", "vllm_gpu_memory_utilization",
