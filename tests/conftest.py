@@ -112,6 +112,15 @@ def smoke_args(script, model_dir, data, out, **overrides):
     return script.Args(**{**settings, **overrides})
 
 
+def cli_flags(settings: dict) -> list[str]:
+    """A script's command-line flags for settings: True -> --flag, False -> --no-flag, else --flag value."""
+    out = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [f"--no-{key.replace('_', '-')}"] if value is False else [flag, str(value)]
+    return out
+
+
 def read_metrics(run_dir) -> list[dict]:
     """A run's metrics.jsonl without its timing entries (those differ between otherwise identical runs)."""
     lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import SMOKE_SETTINGS, read_metrics
+from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
 
 import eval as ev
 from plumbing import distributed, models
@@ -68,17 +68,9 @@ SMOKE = {  # torchrun settings: SMOKE_SETTINGS with 4 questions (a multiple of 2
 }
 
 
-def flags(settings: dict) -> list[str]:
-    out = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        out += [flag] if value is True else [f"--no-{key.replace('_', '-')}"] if value is False else [flag, str(value)]
-    return out
-
-
 def torchrun_script(script: str, model_dir, data, out, **overrides) -> list[str]:
     settings = {**SMOKE_SETTINGS[script], **SMOKE[script], "model": str(model_dir), "task": str(data), "output_dir": str(out), **overrides}
-    return TORCHRUN + [str(ROOT / f"{script}.py")] + flags(settings)
+    return TORCHRUN + [str(ROOT / f"{script}.py")] + cli_flags(settings)
 
 
 def only_run(out) -> Path:

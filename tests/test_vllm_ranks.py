@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE_SETTINGS, read_metrics
+from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
 from vllm_ranks_run import digests
 
 from plumbing import models
@@ -27,14 +27,6 @@ def ranks(out: Path, *command: str) -> list[dict]:
     result = subprocess.run(TORCHRUN + [str(out), *command], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-
-
-def flags(settings: dict) -> list[str]:
-    out = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        out += [flag] if value is True else [f"--no-{key.replace('_', '-')}"] if value is False else [flag, str(value)]
-    return out
 
 
 def engine_built_for_its_rank(record: dict, rank: int) -> None:
@@ -54,7 +46,7 @@ def test_each_rank_samples_its_questions_with_its_own_engine_and_receives_the_tr
                 "task": str(gsm8k_jsonl), "output_dir": str(tmp_path / "runs"),
                 # replicas: --backend auto chooses vLLM under torchrun; fsdp: --backend vllm is not refused there
                 "backend": "auto" if sharding == "replicas" else "vllm", **({"fsdp": True} if sharding == "fsdp" else {})}
-    records = ranks(tmp_path, "script", "grpo_baseline.py", *flags(settings))
+    records = ranks(tmp_path, "script", "grpo_baseline.py", *cli_flags(settings))
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])["backend"] == "vllm"
     metrics = read_metrics(run_dir)
