@@ -187,22 +187,13 @@ def plan(
 
     vllm_need = 2 * P + 2 * GiB + context * kv_bytes_per_position(shape)  # bf16 weights, warm-up, one full sequence
     want = lambda name: requested.get(name, "auto")  # noqa: E731
-    chosen = None
-    for checkpointing in ((False, True) if want("gradient_checkpointing") == "auto" else (want("gradient_checkpointing"),)):
-        for micro in micro_batch_candidates(batch_per_rank, want("micro_batch_size")):
-            for on_device in ((True, False) if want("reference_on_device") == "auto" else (want("reference_on_device"),)):
-                if beta == 0:
-                    on_device = True  # no reference model: nothing to place
-                fits = update_peak(micro, checkpointing, on_device) <= free - margin
-                if backend == "vllm" and want("vllm_gpu_memory_utilization") == "auto":
-                    fits = fits and engine_room() >= vllm_need
-                if fits:
-                    chosen = (micro, checkpointing, on_device)
-                    break
-            if chosen:
-                break
-        if chosen:
-            break
+    options = lambda name, auto: auto if want(name) == "auto" else (want(name),)  # noqa: E731
+    engine_fits = backend != "vllm" or want("vllm_gpu_memory_utilization") != "auto" or engine_room() >= vllm_need
+    candidates = ((micro, checkpointing, on_device)  # in order of preference: see the module's docstring
+                  for checkpointing in options("gradient_checkpointing", (False, True))
+                  for micro in micro_batch_candidates(batch_per_rank, want("micro_batch_size"))
+                  for on_device in ((True,) if beta == 0 else options("reference_on_device", (True, False))))
+    chosen = next((c for c in candidates if engine_fits and update_peak(*c) <= free - margin), None)
     given = [name for name in ("micro_batch_size", "gradient_checkpointing", "reference_on_device") if want(name) != "auto"]
     if chosen is None:
         smallest = update_peak(1, True, beta == 0)
