@@ -116,7 +116,9 @@ def _parse_rg_name(name: str) -> tuple[str, dict]:
     for item in filter(None, options.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise UsageError(f"bad reasoning-gym option {item!r} in {name!r}: write key=value, e.g. rg:chain_sum:max_digits=1")
+            raise UsageError(
+                f"bad reasoning-gym option {item!r} in {name!r}: write key=value, e.g. rg:chain_sum:max_digits=1"
+            )
         try:
             config[key.strip()] = json.loads(value.strip().lower() if value.strip() in ("True", "False") else value)
         except json.JSONDecodeError:
@@ -152,9 +154,15 @@ def _jsonl_rows(path: str) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise UsageError(f"{path} line {number} is not valid JSON ({error.msg}); expected {{\"question\": ..., \"answer\": ...}}") from None
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), (str, int, float)):
-            raise UsageError(f"{path} line {number} needs a string \"question\" and an \"answer\" (GSM8K format)")
+            raise UsageError(
+                f'{path} line {number} is not valid JSON ({error.msg}); expected {{"question": ..., "answer": ...}}'
+            ) from None
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or not isinstance(row.get("answer"), (str, int, float))
+        ):
+            raise UsageError(f'{path} line {number} needs a string "question" and an "answer" (GSM8K format)')
         rows.append({"question": row["question"], "answer": _gsm8k_answer(str(row["answer"]))})
     return rows
 
@@ -177,8 +185,10 @@ def task_problems(name: str, split: str | None = None, flag: str = "--task") -> 
 
         if dataset not in DATASETS:
             close = sorted(d for d in DATASETS if d[:3] == dataset[:3])[:5]
-            problems.append(f"{flag} {name}: reasoning-gym has no dataset {dataset!r}"
-                            + (f" (similar: {', '.join(close)})" if close else " (e.g. rg:chain_sum, rg:gsm_symbolic)"))
+            problems.append(
+                f"{flag} {name}: reasoning-gym has no dataset {dataset!r}"
+                + (f" (similar: {', '.join(close)})" if close else " (e.g. rg:chain_sum, rg:gsm_symbolic)")
+            )
     elif name.endswith(".jsonl"):
         if Path(name).is_dir():
             problems.append(f"{flag} {name}: a directory, not a task file")
@@ -187,8 +197,10 @@ def task_problems(name: str, split: str | None = None, flag: str = "--task") -> 
         elif not os.access(name, os.R_OK):
             problems.append(f"{flag} {name}: the file cannot be read (permission denied)")
     elif name not in HUB_TASKS:
-        problems.append(f"{flag}: unknown task {name!r}: use gsm8k, math, math500, aime24, rg:<reasoning-gym dataset> "
-                        "or a .jsonl file")
+        problems.append(
+            f"{flag}: unknown task {name!r}: use gsm8k, math, math500, aime24, rg:<reasoning-gym dataset> "
+            "or a .jsonl file"
+        )
     return problems
 
 
@@ -201,17 +213,25 @@ def check_prompt_room(examples: list[Example], context: int, what: str, drop: bo
     full = [e for e in examples if len(e.prompt_ids) >= context]
     if full and len(full) == len(examples):
         lengths = sorted(len(e.prompt_ids) for e in examples)
-        raise UsageError(f"--context {context} leaves no room for a response after any prompt of {what} (prompts are "
-                         f"{lengths[0]}-{lengths[-1]} tokens): raise --context")
+        raise UsageError(
+            f"--context {context} leaves no room for a response after any prompt of {what} (prompts are "
+            f"{lengths[0]}-{lengths[-1]} tokens): raise --context"
+        )
     if full:
         action = "dropped" if drop else "kept; they score 0 as unfinished"
-        warnings.warn(f"{len(full)} of {len(examples)} prompts of {what} leave no room for a response within --context "
-                      f"{context} ({action})")
+        warnings.warn(
+            f"{len(full)} of {len(examples)} prompts of {what} leave no room for a response within --context "
+            f"{context} ({action})"
+        )
     return [e for e in examples if len(e.prompt_ids) < context] if drop else examples
 
 
 def load_task(
-    name: str, split: str = "train", limit: int | None = None, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None
+    name: str,
+    split: str = "train",
+    limit: int | None = None,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> list[Example]:
     """Examples of a task: question, reference answer and, given a tokenizer, the prompt in the model's format.
 
@@ -219,10 +239,21 @@ def load_task(
     split: "train" or "test" (math500/aime24 have one split; reasoning-gym test items come from a far seed).
     """
     if name == "gsm8k":
-        rows = [{"question": r["question"], "answer": _gsm8k_answer(r["answer"])} for r in _hub_rows("openai/gsm8k", "main", split)]
+        rows = [
+            {"question": r["question"], "answer": _gsm8k_answer(r["answer"])}
+            for r in _hub_rows("openai/gsm8k", "main", split)
+        ]
     elif name == "math":
         math500 = {r["problem"] for r in _hub_rows("HuggingFaceH4/MATH-500", None, "test")}
-        subjects = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory", "prealgebra", "precalculus"]
+        subjects = [
+            "algebra",
+            "counting_and_probability",
+            "geometry",
+            "intermediate_algebra",
+            "number_theory",
+            "prealgebra",
+            "precalculus",
+        ]
         rows = [
             {"question": r["problem"], "answer": _last_boxed(r["solution"])}
             for subject in subjects
@@ -230,9 +261,14 @@ def load_task(
             if r["problem"] not in math500
         ]
     elif name == "math500":
-        rows = [{"question": r["problem"], "answer": r["answer"]} for r in _hub_rows("HuggingFaceH4/MATH-500", None, "test")]
+        rows = [
+            {"question": r["problem"], "answer": r["answer"]} for r in _hub_rows("HuggingFaceH4/MATH-500", None, "test")
+        ]
     elif name == "aime24":
-        rows = [{"question": r["problem"], "answer": str(r["answer"])} for r in _hub_rows("HuggingFaceH4/aime_2024", None, "train")]
+        rows = [
+            {"question": r["problem"], "answer": str(r["answer"])}
+            for r in _hub_rows("HuggingFaceH4/aime_2024", None, "train")
+        ]
     elif name.startswith("rg:"):
         rows = _rg_rows(name, split, size=max(limit or 0, 10_000), seed=seed)
     elif name.endswith(".jsonl"):
@@ -248,9 +284,13 @@ def load_task(
     parses = check_references([str(row["answer"]) for row in unique], name)
     bad = [number for number, ok in enumerate(parses, 1) if not ok]
     if bad and name.endswith(".jsonl"):  # the user's own file: stop and say which row to fix
-        raise UsageError(f"{name} row {bad[0]} has a missing or unparseable reference answer {unique[bad[0] - 1]['answer']!r}; fix or remove it")
+        raise UsageError(
+            f"{name} row {bad[0]} has a missing or unparseable reference answer {unique[bad[0] - 1]['answer']!r}; fix or remove it"
+        )
     if bad:  # a public dataset: a few answers math-verify cannot parse are skipped, not fatal
-        warnings.warn(f"{name} {split}: skipped {len(bad)} rows whose reference does not parse (first: row {bad[0]}, {unique[bad[0] - 1]['answer']!r})")
+        warnings.warn(
+            f"{name} {split}: skipped {len(bad)} rows whose reference does not parse (first: row {bad[0]}, {unique[bad[0] - 1]['answer']!r})"
+        )
     examples = [Example(question=row["question"], answer=str(row["answer"])) for row, ok in zip(unique, parses) if ok]
     if limit is not None:
         examples = examples[:limit]
@@ -269,20 +309,28 @@ def default_eval_task(task: str) -> str:
     return "math500" if task == "math" else task
 
 
-def load_examples(task: str, eval_task: str, context: int, eval_limit: int | None, seed: int, tokenizer) -> tuple[list[Example], list[Example]]:
+def load_examples(
+    task: str, eval_task: str, context: int, eval_limit: int | None, seed: int, tokenizer
+) -> tuple[list[Example], list[Example]]:
     """A training run's questions: the training split of `task` (prompts without room for a response within
     `context` dropped) and the held-out questions of `eval_task` (kept, scoring 0 as unfinished)."""
     train_examples = load_task(task, "train", seed=seed, tokenizer=tokenizer)
     held_out = load_task(eval_task, "test", limit=eval_limit, seed=seed, tokenizer=tokenizer)
     if eval_task == task and task.endswith(".jsonl"):  # a file has no test split: say that "held-out" is not
-        warnings.warn(f"--eval-task is the training file {task} itself: the accuracy reported is on training questions, "
-                      "not held-out ones; give --eval-task a separate file for a held-out figure", stacklevel=2)
-    return (check_prompt_room(train_examples, context, f"--task {task}", drop=True),
-            check_prompt_room(held_out, context, f"--eval-task {eval_task}", drop=False))
+        warnings.warn(
+            f"--eval-task is the training file {task} itself: the accuracy reported is on training questions, "
+            "not held-out ones; give --eval-task a separate file for a held-out figure",
+            stacklevel=2,
+        )
+    return (
+        check_prompt_room(train_examples, context, f"--task {task}", drop=True),
+        check_prompt_room(held_out, context, f"--eval-task {eval_task}", drop=False),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation
+
 
 def final_answer(response: str) -> str:
     """A light normal form of a response's final answer, used only to group votes for majority voting."""
@@ -332,24 +380,42 @@ def evaluate(
             examples = check_prompt_room(examples, context, f"--task {task}", drop=False)
     sampler = sampler or HFSampler(model, tokenizer, seed=seed)
     started = time.time()
-    examples = distributed.shard(examples)  # under torchrun each rank evaluates its share; the records are gathered below
+    examples = distributed.shard(
+        examples
+    )  # under torchrun each rank evaluates its share; the records are gathered below
     completions = sampler.sample(
-        [e.prompt_ids for e in examples], samples, temperature=temperature, top_p=top_p,
-        max_new_tokens=max_new_tokens, stop=stop_strings(tokenizer), context=context, progress="eval",
+        [e.prompt_ids for e in examples],
+        samples,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        stop=stop_strings(tokenizer),
+        context=context,
+        progress="eval",
     )
     texts = [[tokenizer.decode(c.ids, skip_special_tokens=True) for c in group] for group in completions]
-    flat_scores = grade([t for group in texts for t in group], [e.answer for e in examples for _ in range(samples)], task)
+    flat_scores = grade(
+        [t for group in texts for t in group], [e.answer for e in examples for _ in range(samples)], task
+    )
     records = []
     for i, (example, group) in enumerate(zip(examples, completions)):
         # Unfinished (length-limited) responses score 0, in evaluation as in training.
-        scores = [s if c.finish_reason == "stop" else 0.0 for s, c in zip(flat_scores[i * samples : (i + 1) * samples], group)]
+        scores = [
+            s if c.finish_reason == "stop" else 0.0 for s, c in zip(flat_scores[i * samples : (i + 1) * samples], group)
+        ]
         votes = collections.Counter(final_answer(t) for t in texts[i])
         majority = votes.most_common(1)[0][0]
-        records.append({
-            "question": example.question, "answer": example.answer, "responses": texts[i], "scores": scores,
-            "finish_reasons": [c.finish_reason for c in group], "response_tokens": [len(c.ids) for c in group],
-            "majority_correct": scores[[final_answer(t) for t in texts[i]].index(majority)],
-        })
+        records.append(
+            {
+                "question": example.question,
+                "answer": example.answer,
+                "responses": texts[i],
+                "scores": scores,
+                "finish_reasons": [c.finish_reason for c in group],
+                "response_tokens": [len(c.ids) for c in group],
+                "majority_correct": scores[[final_answer(t) for t in texts[i]].index(majority)],
+            }
+        )
     records = distributed.gather(records)  # every rank's, in the examples' order
     finish_reasons = [reason for r in records for reason in r["finish_reasons"]]
     return {
@@ -370,11 +436,24 @@ def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: li
     """A training script's eval/... metrics of the current policy on its held-out questions (the --eval-* settings
     of `args`, a script's Args)."""
     result = evaluate(
-        model, tokenizer, eval_task, examples=eval_examples, samples=args.eval_samples, temperature=args.eval_temperature,
-        top_p=args.eval_top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,
+        model,
+        tokenizer,
+        eval_task,
+        examples=eval_examples,
+        samples=args.eval_samples,
+        temperature=args.eval_temperature,
+        top_p=args.eval_top_p,
+        max_new_tokens=args.max_new_tokens,
+        context=args.context,
+        sampler=sampler,
+        seed=args.seed,
     )
-    return {"eval/accuracy": result["accuracy"], f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-            "eval/majority_accuracy": result["majority_accuracy"], "eval/truncation_rate": result["truncation_rate"]}
+    return {
+        "eval/accuracy": result["accuracy"],
+        f"eval/pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+        "eval/majority_accuracy": result["majority_accuracy"],
+        "eval/truncation_rate": result["truncation_rate"],
+    }
 
 
 @dataclass
@@ -430,14 +509,34 @@ def main(args: EvalArgs) -> dict:
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     model, tokenizer = load_model(args.model, device=device)
-    sampler = make_sampler(args.backend, model, tokenizer, args.model, seed=args.seed, precision=precision,
-                           max_model_len=args.context or 4096, enforce_eager=args.vllm_enforce_eager)
+    sampler = make_sampler(
+        args.backend,
+        model,
+        tokenizer,
+        args.model,
+        seed=args.seed,
+        precision=precision,
+        max_model_len=args.context or 4096,
+        enforce_eager=args.vllm_enforce_eager,
+    )
     result = evaluate(
-        model, tokenizer, args.task, split=args.split, limit=args.limit, samples=args.samples, temperature=args.temperature,
-        top_p=args.top_p, max_new_tokens=args.max_new_tokens, context=args.context, sampler=sampler, seed=args.seed,
+        model,
+        tokenizer,
+        args.task,
+        split=args.split,
+        limit=args.limit,
+        samples=args.samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        context=args.context,
+        sampler=sampler,
+        seed=args.seed,
     )
     safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")  # noqa: E731
-    output = distributed.broadcast(Path(args.output or f"runs/eval/{safe(args.model)}__{safe(args.task)}__{int(time.time())}.json"))
+    output = distributed.broadcast(
+        Path(args.output or f"runs/eval/{safe(args.model)}__{safe(args.task)}__{int(time.time())}.json")
+    )
     if distributed.rank() > 0:  # rank 0 writes the gathered result
         return result
     try:

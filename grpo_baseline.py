@@ -48,15 +48,47 @@ class Args(runs.TrainArgs):
 # and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
 PAPER_SETTINGS = {
     "gsm8k": dict(
-        model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=1024,
-        context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9, questions=64, group_size=8, epochs=2,
-        batch_size=64, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4,
+        model="rho-1b-sft-gsm8k",
+        task="gsm8k",
+        eval_task="gsm8k",
+        temperature=0.6,
+        top_p=0.9,
+        max_new_tokens=1024,
+        context=2047,
+        eval_samples=16,
+        eval_temperature=0.35,
+        eval_top_p=0.9,
+        questions=64,
+        group_size=8,
+        epochs=2,
+        batch_size=64,
+        lr=1e-6,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        clip_eps=0.2,
+        beta=1e-4,
         prob_mask=False,
     ),
     "math": dict(
-        model="deepseek-r1-distill-qwen-1.5b", task="math", eval_task="math500", temperature=0.6, top_p=1.0,
-        context=2048, eval_samples=1, eval_temperature=0.6, eval_top_p=0.95, questions=64, group_size=8, lr=1e-6,
-        warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4, prob_mask=False,
+        model="deepseek-r1-distill-qwen-1.5b",
+        task="math",
+        eval_task="math500",
+        temperature=0.6,
+        top_p=1.0,
+        context=2048,
+        eval_samples=1,
+        eval_temperature=0.6,
+        eval_top_p=0.95,
+        questions=64,
+        group_size=8,
+        lr=1e-6,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        clip_eps=0.2,
+        beta=1e-4,
+        prob_mask=False,
     ),
 }
 
@@ -78,7 +110,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-8) 
 
 
 def loss_mask(
-    response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool, all_sum: Callable = lambda x: x,
+    response_mask: torch.Tensor,
+    probs: torch.Tensor,
+    threshold: float,
+    prob_mask: bool,
+    all_sum: Callable = lambda x: x,
 ) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
@@ -99,7 +135,9 @@ def loss_mask(
     return masked if all_sum(masked.sum()) > 0 else response_mask
 
 
-def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
+def whiten(
+    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
     shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
@@ -161,8 +199,17 @@ def policy_loss(
 
 
 def accumulate_gradients(
-    model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float,
-    pad_id: int, on_policy: bool = False, all_sum: Callable = lambda x: x, precision: Precision = FP32,
+    model,
+    batch_samples: list[dict],
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    clip_eps: float,
+    beta: float,
+    pad_id: int,
+    on_policy: bool = False,
+    all_sum: Callable = lambda x: x,
+    precision: Precision = FP32,
 ) -> tuple[dict, list[torch.Tensor]]:
     """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
     Under torchrun each rank passes its share of the batch and `all_sum=distributed.all_sum`: the loss is normalised by
@@ -182,7 +229,15 @@ def accumulate_gradients(
         old_logps = logps.detach() if on_policy else batch["old_logps"]  # [rows, R]
         ref_logps = batch.get("ref_logps", old_logps)  # without a reference model (beta 0) the KL term is 0
         loss, micro = policy_loss(
-            logps, old_logps, ref_logps, batch["advantages"], batch["loss_mask"], clip_eps, beta, batch_tokens, batch_sequences,
+            logps,
+            old_logps,
+            ref_logps,
+            batch["advantages"],
+            batch["loss_mask"],
+            clip_eps,
+            beta,
+            batch_tokens,
+            batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -195,7 +250,14 @@ def accumulate_gradients(
 
 
 def attach_targets(
-    samples: list[dict], advantages: torch.Tensor, model, reference, args: Args, pad_id: int, on_policy: bool, precision: Precision = FP32,
+    samples: list[dict],
+    advantages: torch.Tensor,
+    model,
+    reference,
+    args: Args,
+    pad_id: int,
+    on_policy: bool,
+    precision: Precision = FP32,
 ) -> torch.Tensor:
     """Set what the loss needs on every sample: "old_logps" (one no-grad pass; skipped on-policy, where the update's
     own forward pass provides them), "ref_logps" (the frozen reference model's, when beta > 0), "loss_mask" and
@@ -204,22 +266,38 @@ def attach_targets(
     lengths = [len(s["response_ids"]) for s in samples]
     flat_mask = torch.ones(sum(lengths), dtype=torch.bool)  # on-policy: every response token
     if not on_policy:
-        for s, logps in zip(samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)):
+        for s, logps in zip(
+            samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)
+        ):
             s["old_logps"] = logps
         flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
         flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask, all_sum=distributed.all_sum)
     if reference is not None:
-        with models.on_device(reference):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
-            for s, logps in zip(samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id, precision)):
+        with models.on_device(
+            reference
+        ):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+            for s, logps in zip(
+                samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id, precision)
+            ):
                 s["ref_logps"] = logps
-    flat_advantages = whiten(torch.repeat_interleave(advantages, torch.tensor(lengths)), flat_mask, all_sum=distributed.all_sum)
+    flat_advantages = whiten(
+        torch.repeat_interleave(advantages, torch.tensor(lengths)), flat_mask, all_sum=distributed.all_sum
+    )
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"], s["advantages"] = mask, advantage
     return flat_mask
 
 
 def update_policy(
-    model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, on_policy: bool, iteration: int, streak: list[int],
+    model,
+    optimizer,
+    scheduler,
+    samples: list[dict],
+    args: Args,
+    pad_id: int,
+    on_policy: bool,
+    iteration: int,
+    streak: list[int],
     precision: Precision = FP32,
 ) -> tuple[list[dict], list[torch.Tensor | None]]:
     """--epochs passes over the samples in shuffled batches of --batch-size, one optimizer step per batch (under
@@ -234,8 +312,15 @@ def update_policy(
             batch = order[start : start + batch_size]
             optimizer.zero_grad(set_to_none=True)
             stats, logps = accumulate_gradients(
-                model, [samples[i] for i in batch], micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-                clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, on_policy=on_policy, all_sum=distributed.all_sum,
+                model,
+                [samples[i] for i in batch],
+                micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature,
+                clip_eps=args.clip_eps,
+                beta=args.beta,
+                pad_id=pad_id,
+                on_policy=on_policy,
+                all_sum=distributed.all_sum,
                 precision=precision,
             )
             for i, sample_logps in zip(batch, logps):
@@ -252,6 +337,7 @@ def update_policy(
     optimizer.zero_grad(set_to_none=True)
     return steps, forward_logps
 
+
 # ----------------------------------------------------------------------------------------------
 # Main loop: the algorithm box
 
@@ -261,29 +347,48 @@ def main(args: Args) -> dict:
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return runs.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)})
+        return runs.dry_run(
+            args,
+            PAPER_SETTINGS,
+            resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
+        )
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint = runs.open_run(args, precision.line, device)
     model, tokenizer, reference = models.load_policy(
-        args.model, checkpoint, device, args.beta, reference_on_device=args.reference_on_device,
-        gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
+        args.model,
+        checkpoint,
+        device,
+        args.beta,
+        reference_on_device=args.reference_on_device,
+        gradient_checkpointing=args.gradient_checkpointing,
+        fsdp=args.fsdp,
     )
-    train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
+    train_examples, eval_examples = ev.load_examples(
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+    )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = engines.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed, precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens, max_model_len=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.vllm_enforce_eager,
+        args.backend,
+        model,
+        tokenizer,
+        str(checkpoint) if checkpoint else args.model,
+        seed=args.seed,
+        precision=precision,
+        sampler_batch_tokens=args.sampler_batch_tokens,
+        max_model_len=args.context,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager,
     )
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
     # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).
     on_policy = steps_per_iteration == 1 and not args.prob_mask
     state = checkpoints.load_trainer_state(checkpoint, model.device) if checkpoint else None
-    optimizer, scheduler = checkpoints.make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio,
-                                                      args.iterations * steps_per_iteration, state)
+    optimizer, scheduler = checkpoints.make_optimizer(
+        model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations * steps_per_iteration, state
+    )
     start_iteration = state["iteration"] + 1 if state else 1
     log, streak = runs.RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
     accuracy_before = accuracy_after = None
@@ -291,8 +396,13 @@ def main(args: Args) -> dict:
         log.write(0, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = accuracy_after = evaluation["eval/accuracy"]
 
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
-                         total=args.iterations, disable=distributed.rank() > 0)
+    progress = tqdm.tqdm(
+        range(start_iteration, args.iterations + 1),
+        desc="iterations",
+        initial=start_iteration - 1,
+        total=args.iterations,
+        disable=distributed.rank() > 0,
+    )
     for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
@@ -300,8 +410,14 @@ def main(args: Args) -> dict:
         started = iteration_started = time.time()
         questions = distributed.shard([rng.choice(train_examples) for _ in range(args.questions)])
         groups = sampler.sample(
-            [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
+            [q.prompt_ids for q in questions],
+            args.group_size,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            stop=stop,
+            context=args.context,
+            progress="rollout",
         )
         completions = [completion for group in groups for completion in group]
         rollout_seconds = time.time() - started
@@ -309,20 +425,27 @@ def main(args: Args) -> dict:
         # 2. Rewards: the graded final answer; an unfinished response scores 0.
         texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
         scores = ev.grade(texts, [q.answer for q in questions for _ in range(args.group_size)], args.task)
-        rewards = torch.tensor([s if completion.finish_reason == "stop" else 0.0 for s, completion in zip(scores, completions)])
+        rewards = torch.tensor(
+            [s if completion.finish_reason == "stop" else 0.0 for s, completion in zip(scores, completions)]
+        )
 
         # 3. Advantages: group-normalised, broadcast to every token, whitened over the iteration's masked tokens
         #    (of all ranks: distributed.all_sum).
         #    pi_old and the reference model's log-probs come from one no-grad pass each; on-policy, pi_old comes
         #    from the update's own forward pass instead (step 4), and every token is in the loss mask.
         advantages = group_advantages(rewards, args.group_size)
-        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
+        samples = [
+            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids}
+            for i, c in enumerate(completions)
+        ]
         flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, on_policy, precision)
 
         # 4. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
         started = time.time()
-        steps, forward_logps = update_policy(model, optimizer, scheduler, samples, args, pad_id, on_policy, iteration, streak, precision)
+        steps, forward_logps = update_policy(
+            model, optimizer, scheduler, samples, args, pad_id, on_policy, iteration, streak, precision
+        )
         if on_policy:  # pi_old is what the update's forward pass computed: keep it for the samples file
             for s, logps in zip(samples, forward_logps):
                 s["old_logps"] = logps
@@ -331,20 +454,38 @@ def main(args: Args) -> dict:
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
         log.train_seconds += iteration_seconds
-        last = distributed.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
+        last = distributed.broadcast(
+            iteration == args.iterations
+            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        )
 
         # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
-        metrics = iteration_metrics(distributed.gather(rewards), distributed.gather(completions), distributed.gather(flat_mask), steps, scheduler.get_last_lr()[0], args.group_size, {
-            "rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds,
-        })
+        metrics = iteration_metrics(
+            distributed.gather(rewards),
+            distributed.gather(completions),
+            distributed.gather(flat_mask),
+            steps,
+            scheduler.get_last_lr()[0],
+            args.group_size,
+            {
+                "rollout": rollout_seconds,
+                "update": update_seconds,
+                "iteration": iteration_seconds,
+                "train": log.train_seconds,
+            },
+        )
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         distributed.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
         if args.save_samples and iteration % args.save_samples == 0 and distributed.rank() == 0:  # rank 0's questions
-            runs.write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl",
-                          sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args))
+            runs.write_samples(
+                run_dir / "samples" / f"iter_{iteration}.jsonl",
+                sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args),
+            )
         if iteration % args.eval_every == 0 or last:
-            log.write(iteration, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            log.write(
+                iteration, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
+            )
             accuracy_after = evaluation["eval/accuracy"]
         if iteration % args.save_every == 0 or last:
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
@@ -361,14 +502,21 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> None:
     problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
-    problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
+    problems += distributed.world_size_problems(
+        args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
+    )
     if problems:
         raise UsageError("; ".join(problems))
 
 
 def iteration_metrics(
-    rewards: torch.Tensor, completions: list[engines.Completion], flat_mask: torch.Tensor, steps: list[dict], lr: float,
-    group_size: int, seconds: dict[str, float],
+    rewards: torch.Tensor,
+    completions: list[engines.Completion],
+    flat_mask: torch.Tensor,
+    steps: list[dict],
+    lr: float,
+    group_size: int,
+    seconds: dict[str, float],
 ) -> dict:
     """The metrics.jsonl entry of one iteration (`seconds`: rollout, update, iteration, train)."""
     generated = sum(len(completion.ids) for completion in completions)
@@ -376,12 +524,15 @@ def iteration_metrics(
         "charts/reward": rewards.mean().item(),
         "charts/zero_spread_groups": (rewards.view(-1, group_size).std(dim=1) == 0).float().mean().item(),
         "charts/response_tokens": generated / len(completions),
-        "charts/truncation_rate": sum(completion.finish_reason == "length" for completion in completions) / len(completions),
+        "charts/truncation_rate": sum(completion.finish_reason == "length" for completion in completions)
+        / len(completions),
         "charts/lr": lr,
         "charts/tokens_per_second": generated / max(seconds["rollout"], 1e-9),
         "charts/generated_tokens": generated,
         "charts/loss_mask_fraction": flat_mask.float().mean().item(),
-        **{f"time/{name}_seconds": value for name, value in seconds.items()},  # iteration: without evaluation and checkpoint
+        **{
+            f"time/{name}_seconds": value for name, value in seconds.items()
+        },  # iteration: without evaluation and checkpoint
     }
     for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
         if steps:
@@ -391,28 +542,48 @@ def iteration_metrics(
 
 def progress_line(iteration: int, metrics: dict) -> str:
     """The one line printed per iteration."""
-    return (f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-            f"kl {metrics.get('losses/kl', 0):.2e}  rollout {metrics['time/rollout_seconds']:.1f}s  "
-            f"update {metrics['time/update_seconds']:.1f}s")
+    return (
+        f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
+        f"kl {metrics.get('losses/kl', 0):.2e}  rollout {metrics['time/rollout_seconds']:.1f}s  "
+        f"update {metrics['time/update_seconds']:.1f}s"
+    )
 
 
 def sample_records(
-    iteration: int, questions: list[ev.Example], completions: list[engines.Completion], rewards: torch.Tensor,
-    advantages: torch.Tensor, samples: list[dict], tokenizer, args: Args,
+    iteration: int,
+    questions: list[ev.Example],
+    completions: list[engines.Completion],
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    samples: list[dict],
+    tokenizer,
+    args: Args,
 ) -> list[dict]:
     """The first --save-questions groups as viewer.py records: tokens, p_t, advantage (before whitening), loss mask."""
     records = []
     for i in range(min(args.save_questions, len(questions)) * args.group_size):
         question = questions[i // args.group_size]
-        records.append({
-            "algorithm": "grpo", "iteration": iteration, "question_index": i // args.group_size,
-            "question": question.question, "reference": question.answer, "prompt": question.prompt,
-            "reward": rewards[i].item(), "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-            "tokens": engines.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
-            "advantages": [advantages[i].item()] * len(completions[i].ids),
-            "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
-            "cutpoints": None, "cutpoint_values": None, "values": None,
-        })
+        records.append(
+            {
+                "algorithm": "grpo",
+                "iteration": iteration,
+                "question_index": i // args.group_size,
+                "question": question.question,
+                "reference": question.answer,
+                "prompt": question.prompt,
+                "reward": rewards[i].item(),
+                "finish_reason": completions[i].finish_reason,
+                "token_ids": completions[i].ids,
+                "tokens": engines.token_pieces(tokenizer, completions[i].ids),
+                "probs": samples[i]["old_logps"].exp().tolist(),
+                "advantages": [advantages[i].item()] * len(completions[i].ids),
+                "loss_mask": samples[i]["loss_mask"].tolist(),
+                "prob_threshold": args.prob_threshold,
+                "cutpoints": None,
+                "cutpoint_values": None,
+                "values": None,
+            }
+        )
     return records
 
 

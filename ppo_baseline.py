@@ -38,7 +38,13 @@ import eval as ev
 from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import (
-    collate, micro_batches, no_grad_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite,
+    collate,
+    micro_batches,
+    no_grad_batches,
+    reseed,
+    response_logprobs,
+    sample_logprobs,
+    skipped_non_finite,
 )
 
 
@@ -82,10 +88,30 @@ class Args(runs.TrainArgs):
 # and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
 PAPER_SETTINGS = {
     "gsm8k": dict(
-        model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=1024,
-        context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9, questions=64, group_size=8, epochs=2,
-        batch_size=64, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4,
-        gamma=1.0, lam=1.0, value_clip_eps=0.2, prob_mask=False,
+        model="rho-1b-sft-gsm8k",
+        task="gsm8k",
+        eval_task="gsm8k",
+        temperature=0.6,
+        top_p=0.9,
+        max_new_tokens=1024,
+        context=2047,
+        eval_samples=16,
+        eval_temperature=0.35,
+        eval_top_p=0.9,
+        questions=64,
+        group_size=8,
+        epochs=2,
+        batch_size=64,
+        lr=1e-6,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        clip_eps=0.2,
+        beta=1e-4,
+        gamma=1.0,
+        lam=1.0,
+        value_clip_eps=0.2,
+        prob_mask=False,
     ),
 }
 
@@ -128,7 +154,11 @@ def gae_advantages(
 
 
 def loss_mask(
-    response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool, all_sum: Callable = lambda x: x,
+    response_mask: torch.Tensor,
+    probs: torch.Tensor,
+    threshold: float,
+    prob_mask: bool,
+    all_sum: Callable = lambda x: x,
 ) -> torch.Tensor:
     """Tokens that count in the policy loss: response tokens, and with the probability mask only those with p_t < threshold.
 
@@ -149,7 +179,9 @@ def loss_mask(
     return masked if all_sum(masked.sum()) > 0 else response_mask
 
 
-def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
+def whiten(
+    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
     shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
@@ -235,7 +267,10 @@ def value_loss(
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped_values - returns) ** 2
     loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / batch_tokens
-    stats = {"value_loss": loss.item(), "value_clip_count": ((clipped_loss > unclipped_loss).float() * mask).sum().item()}
+    stats = {
+        "value_loss": loss.item(),
+        "value_clip_count": ((clipped_loss > unclipped_loss).float() * mask).sum().item(),
+    }
     return loss, stats
 
 
@@ -254,19 +289,30 @@ class Critic(torch.nn.Module):
     def __init__(self, backbone: torch.nn.Module, hidden_size: int, precision: Precision = FP32):
         super().__init__()
         self.backbone, self.precision = backbone, precision
-        self.value_head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device)
+        self.value_head = torch.nn.Linear(
+            hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device
+        )
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids, attention_mask, position_ids, cache: Cache | None = None, use_cache: bool = False,
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache: Cache | None = None,
+        use_cache: bool = False,
     ) -> tuple[torch.Tensor, Cache | None]:
         """Values [rows, positions] of the positions given, value i = V(tokens up to i), and with use_cache=True the
         KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the sequence)."""
         device = input_ids.device.type
         with self.precision.autocast(device):  # fp32 weights; bf16 compute where `precision` chose it
             out = self.backbone(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
             )
         return self.value_head(out.last_hidden_state.float()).squeeze(-1), out.cache  # [rows, positions]
 
@@ -300,13 +346,21 @@ def response_values(critic: Critic, batch: dict) -> torch.Tensor:
     (the prompt's last token for y_0), the same positions whose logits give log pi(y_t). As in
     response_logprobs, each distinct prompt runs once and its rows' responses continue its KV cache."""
     prompt_len = batch["prompt_ids"].shape[1]
-    if critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled():  # as in response_logprobs
+    if (
+        critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled()
+    ):  # as in response_logprobs
         values, _ = critic(batch["input_ids"], batch["attention_mask"], batch["positions"])  # [rows, P + R]
         return values[:, prompt_len - 1 : -1]  # [rows, R]; the value after the last column belongs to no token
-    prompt_values, cache = critic(batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True)  # [prompts, P]
+    prompt_values, cache = critic(
+        batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True
+    )  # [prompts, P]
     cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]
     values, _ = critic(
-        batch["input_ids"][:, prompt_len:], batch["attention_mask"], batch["positions"][:, prompt_len:], cache, use_cache=True,
+        batch["input_ids"][:, prompt_len:],
+        batch["attention_mask"],
+        batch["positions"][:, prompt_len:],
+        cache,
+        use_cache=True,
     )  # [rows, R]
     return torch.cat([prompt_values[batch["prompt_of_row"], -1:], values[:, :-1]], dim=1)  # [rows, R]
 
@@ -328,16 +382,29 @@ def sample_values(critic: Critic, samples: list[dict], micro_batch_size: int, pa
 
 
 def add_old_logprobs_and_values(
-    samples: list[dict], model, reference, critic: Critic, *, micro_batch_size: int, temperature: float, pad_id: int,
+    samples: list[dict],
+    model,
+    reference,
+    critic: Critic,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    pad_id: int,
     precision: Precision = FP32,
 ) -> None:
     """Store in each sample, once per iteration and without gradients: old_logps (the policy before this iteration's
     update), ref_logps (the reference model's; the old ones when there is none, beta 0) and old_values (the critic's)."""
-    for sample, logps in zip(samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)):
+    for sample, logps in zip(
+        samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
+    ):
         sample["old_logps"] = sample["ref_logps"] = logps
     if reference is not None:
-        with models.on_device(reference):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
-            for sample, logps in zip(samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)):
+        with models.on_device(
+            reference
+        ):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+            for sample, logps in zip(
+                samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)
+            ):
                 sample["ref_logps"] = logps
     for sample, values in zip(samples, sample_values(critic, samples, micro_batch_size, pad_id)):
         sample["old_values"] = values
@@ -358,40 +425,76 @@ def add_advantages_and_returns(
     token_rewards[nonempty.nonzero().squeeze(-1), lengths[nonempty] - 1] = rewards[nonempty]
     advantages, returns = gae_advantages(token_rewards, old_values, response_mask, gamma, lam)  # [N, T]
     flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
+    flat_mask = loss_mask(
+        torch.ones_like(flat_probs, dtype=torch.bool),
+        flat_probs,
+        prob_threshold,
+        prob_mask,
+        all_sum=distributed.all_sum,
+    )
     flat_advantages = whiten(advantages[response_mask], flat_mask, all_sum=distributed.all_sum)
     flat_returns = returns[response_mask]
     split = lengths.tolist()
-    for s, mask, whitened, targets in zip(samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)):
+    for s, mask, whitened, targets in zip(
+        samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)
+    ):
         s["loss_mask"], s["advantages"], s["returns"] = mask, whitened, targets
     return advantages
 
 
 def accumulate_gradients(
-    model, critic: Critic, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float,
-    beta: float, value_clip_eps: float, pad_id: int, all_sum: Callable = lambda x: x, precision: Precision = FP32,
+    model,
+    critic: Critic,
+    batch_samples: list[dict],
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    clip_eps: float,
+    beta: float,
+    value_clip_eps: float,
+    pad_id: int,
+    all_sum: Callable = lambda x: x,
+    precision: Precision = FP32,
 ) -> dict:
     """Forward/backward one optimizer batch through policy and critic in micro-batches; each model's
     gradients add up to its full-batch gradient. Under torchrun each rank passes its share of the batch and
     `all_sum=distributed.all_sum`: both losses are normalised by the whole batch's counts, so the ranks' gradients (and
     stats) sum to those of the whole batch."""
-    counts = all_sum(torch.tensor([  # policy: masked tokens; critic: every response token; sequences
-        sum(int(s["loss_mask"].sum()) for s in batch_samples), sum(len(s["response_ids"]) for s in batch_samples), len(batch_samples),
-    ]))
+    counts = all_sum(
+        torch.tensor(
+            [  # policy: masked tokens; critic: every response token; sequences
+                sum(int(s["loss_mask"].sum()) for s in batch_samples),
+                sum(len(s["response_ids"]) for s in batch_samples),
+                len(batch_samples),
+            ]
+        )
+    )
     batch_tokens, value_tokens, batch_sequences = max(1, int(counts[0])), max(1, int(counts[1])), int(counts[2])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0, "value_loss": 0.0, "value_clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature, precision=precision)
         loss, micro = policy_loss(
-            logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            clip_eps, beta, batch_tokens, batch_sequences,
+            logps,
+            batch["old_logps"],
+            batch["ref_logps"],
+            batch["advantages"],
+            batch["loss_mask"],
+            clip_eps,
+            beta,
+            batch_tokens,
+            batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
         values = response_values(critic, batch)
         critic_loss, critic_micro = value_loss(
-            values, batch["old_values"], batch["returns"], batch["response_mask"], value_clip_eps, value_tokens,
+            values,
+            batch["old_values"],
+            batch["returns"],
+            batch["response_mask"],
+            value_clip_eps,
+            value_tokens,
         )
         critic_loss.backward()
         for key, value in {**micro, **critic_micro}.items():
@@ -402,8 +505,18 @@ def accumulate_gradients(
 
 
 def update_policy(
-    model, critic: Critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples: list[dict], args: Args,
-    pad_id: int, iteration: int, streak: list[int], precision: Precision = FP32,
+    model,
+    critic: Critic,
+    optimizer,
+    scheduler,
+    critic_optimizer,
+    critic_scheduler,
+    samples: list[dict],
+    args: Args,
+    pad_id: int,
+    iteration: int,
+    streak: list[int],
+    precision: Precision = FP32,
 ) -> list[dict]:
     """--epochs passes over the iteration's samples in shuffled batches of --batch-size, policy and critic on the
     same batches, one optimizer step each per batch (under torchrun each rank takes --batch-size / world size of
@@ -418,15 +531,27 @@ def update_policy(
             optimizer.zero_grad(set_to_none=True)
             critic_optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
-                model, critic, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
-                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, value_clip_eps=args.value_clip_eps, pad_id=pad_id,
-                all_sum=distributed.all_sum, precision=precision,
+                model,
+                critic,
+                [samples[i] for i in order[start : start + batch_size]],
+                micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature,
+                clip_eps=args.clip_eps,
+                beta=args.beta,
+                value_clip_eps=args.value_clip_eps,
+                pad_id=pad_id,
+                all_sum=distributed.all_sum,
+                precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
-            if not skipped_non_finite(stats, iteration, streak, keys=("loss", "value_loss"), fix="lower --lr / --critic-lr"):
+            if not skipped_non_finite(
+                stats, iteration, streak, keys=("loss", "value_loss"), fix="lower --lr / --critic-lr"
+            ):
                 distributed.all_reduce_gradients(model, critic)
                 stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
+                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                    critic.parameters(), args.max_grad_norm
+                ).item()
                 optimizer.step()
                 critic_optimizer.step()
                 step_stats.append(stats)
@@ -435,6 +560,7 @@ def update_policy(
     optimizer.zero_grad(set_to_none=True)
     critic_optimizer.zero_grad(set_to_none=True)
     return step_stats
+
 
 # ----------------------------------------------------------------------------------------------
 # Main loop: the algorithm box
@@ -445,29 +571,49 @@ def main(args: Args) -> dict:
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return runs.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)})
+        return runs.dry_run(
+            args,
+            PAPER_SETTINGS,
+            resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
+        )
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint_dir = runs.open_run(args, precision.line, device)
 
     model, tokenizer, reference = models.load_policy(  # checkpointing and --fsdp: load_critic, after the critic's copy
-        args.model, checkpoint_dir, device, args.beta, reference_on_device=args.reference_on_device,
+        args.model,
+        checkpoint_dir,
+        device,
+        args.beta,
+        reference_on_device=args.reference_on_device,
     )
     critic = load_critic(args, model, checkpoint_dir, device, precision)
-    train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
+    train_examples, eval_examples = ev.load_examples(
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+    )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = engines.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint_dir) if checkpoint_dir else args.model, seed=args.seed, precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens, max_model_len=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.vllm_enforce_eager,
+        args.backend,
+        model,
+        tokenizer,
+        str(checkpoint_dir) if checkpoint_dir else args.model,
+        seed=args.seed,
+        precision=precision,
+        sampler_batch_tokens=args.sampler_batch_tokens,
+        max_model_len=args.context,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager,
     )
     # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
     state = checkpoints.load_trainer_state(checkpoint_dir, model.device) if checkpoint_dir else None
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
-    optimizer, scheduler = checkpoints.make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state)
+    optimizer, scheduler = checkpoints.make_optimizer(
+        model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state
+    )
     critic_optimizer, critic_scheduler = checkpoints.make_optimizer(
-        critic, args.critic_lr, args.weight_decay, args.warmup_ratio, total_steps, state, prefix="critic_")
+        critic, args.critic_lr, args.weight_decay, args.warmup_ratio, total_steps, state, prefix="critic_"
+    )
     start_iteration = state["iteration"] + 1 if state else 1
     log, streak = runs.RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
     accuracy_before = accuracy_after = None
@@ -475,8 +621,13 @@ def main(args: Args) -> dict:
         log.write(0, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = accuracy_after = evaluation["eval/accuracy"]
 
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
-                         total=args.iterations, disable=distributed.rank() > 0)
+    progress = tqdm.tqdm(
+        range(start_iteration, args.iterations + 1),
+        desc="iterations",
+        initial=start_iteration - 1,
+        total=args.iterations,
+        disable=distributed.rank() > 0,
+    )
     for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
@@ -484,8 +635,14 @@ def main(args: Args) -> dict:
         iteration_started = time.time()
         questions = distributed.shard([rng.choice(train_examples) for _ in range(args.questions)])
         groups = sampler.sample(
-            [q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout",
+            [q.prompt_ids for q in questions],
+            args.group_size,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            stop=stop,
+            context=args.context,
+            progress="rollout",
         )
         rollout_seconds = time.time() - iteration_started
 
@@ -498,33 +655,75 @@ def main(args: Args) -> dict:
 
         # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch (the
         #    loss mask's fallback and the whitening over all ranks' tokens: distributed.all_sum).
-        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids} for i, c in enumerate(completions)]
+        samples = [
+            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids}
+            for i, c in enumerate(completions)
+        ]
         add_old_logprobs_and_values(
-            samples, model, reference, critic, micro_batch_size=args.micro_batch_size, temperature=args.temperature, pad_id=pad_id,
+            samples,
+            model,
+            reference,
+            critic,
+            micro_batch_size=args.micro_batch_size,
+            temperature=args.temperature,
+            pad_id=pad_id,
             precision=precision,
         )
         gae = add_advantages_and_returns(  # [N, T], before whitening
-            samples, rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask,
+            samples,
+            rewards,
+            gamma=args.gamma,
+            lam=args.lam,
+            prob_threshold=args.prob_threshold,
+            prob_mask=args.prob_mask,
         )
 
         # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches.
         sampler.sleep()
         update_started = time.time()
         step_stats = update_policy(
-            model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args, pad_id, iteration, streak, precision,
+            model,
+            critic,
+            optimizer,
+            scheduler,
+            critic_optimizer,
+            critic_scheduler,
+            samples,
+            args,
+            pad_id,
+            iteration,
+            streak,
+            precision,
         )
         update_seconds = time.time() - update_started
         sampler.wake_up()
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
         log.train_seconds += iteration_seconds
-        last = distributed.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
+        last = distributed.broadcast(
+            iteration == args.iterations
+            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        )
 
         # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
-        seconds = {"rollout": rollout_seconds, "update": update_seconds, "iteration": iteration_seconds, "train": log.train_seconds}
-        token_info = distributed.gather([{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples])  # what the metrics read
-        metrics = iteration_metrics(distributed.gather(completions), distributed.gather(rewards), token_info, step_stats, scheduler.get_last_lr()[0],
-                                    critic_scheduler.get_last_lr()[0], seconds)
+        seconds = {
+            "rollout": rollout_seconds,
+            "update": update_seconds,
+            "iteration": iteration_seconds,
+            "train": log.train_seconds,
+        }
+        token_info = distributed.gather(
+            [{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples]
+        )  # what the metrics read
+        metrics = iteration_metrics(
+            distributed.gather(completions),
+            distributed.gather(rewards),
+            token_info,
+            step_stats,
+            scheduler.get_last_lr()[0],
+            critic_scheduler.get_last_lr()[0],
+            seconds,
+        )
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         distributed.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
@@ -532,12 +731,16 @@ def main(args: Args) -> dict:
             records = sample_records(iteration, questions, answers, completions, rewards, samples, gae, tokenizer, args)
             runs.write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", records)
         if iteration % args.eval_every == 0 or last:
-            log.write(iteration, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            log.write(
+                iteration, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
+            )
             accuracy_after = evaluation["eval/accuracy"]
         if iteration % args.save_every == 0 or last:  # every rank: with --fsdp the states are gathered from the shards
-            trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler),
-                             **checkpoints.optimizer_checkpoint(critic, critic_optimizer, critic_scheduler, prefix="critic_"),
-                             "iteration": iteration}
+            trainer_state = {
+                **checkpoints.optimizer_checkpoint(model, optimizer, scheduler),
+                **checkpoints.optimizer_checkpoint(critic, critic_optimizer, critic_scheduler, prefix="critic_"),
+                "iteration": iteration,
+            }
             checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state, modules={"critic": critic})
         distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:
@@ -552,20 +755,30 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> None:
     problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
-    problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
+    problems += distributed.world_size_problems(
+        args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
+    )
     if problems:
         raise UsageError("; ".join(problems))
 
 
 def iteration_metrics(
-    completions: list[engines.Completion], rewards: torch.Tensor, samples: list[dict], step_stats: list[dict], lr: float,
-    critic_lr: float, seconds: dict[str, float],
+    completions: list[engines.Completion],
+    rewards: torch.Tensor,
+    samples: list[dict],
+    step_stats: list[dict],
+    lr: float,
+    critic_lr: float,
+    seconds: dict[str, float],
 ) -> dict:
     """One iteration's training metrics (losses/ averaged over the optimizer steps taken); `seconds` holds its
     rollout, update, iteration and train timings."""
     generated = sum(len(c.ids) for c in completions)
     flat_mask = torch.cat([s["loss_mask"] for s in samples])  # every response token of the iteration
-    flat_values, flat_returns = torch.cat([s["old_values"] for s in samples]), torch.cat([s["returns"] for s in samples])
+    flat_values, flat_returns = (
+        torch.cat([s["old_values"] for s in samples]),
+        torch.cat([s["returns"] for s in samples]),
+    )
     metrics = {
         "charts/reward": rewards.mean().item(),
         "charts/response_tokens": generated / len(completions),
@@ -593,26 +806,44 @@ def iteration_metrics(
 
 def progress_line(iteration: int, metrics: dict) -> str:
     """The one line printed per iteration."""
-    return (f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-            f"kl {metrics.get('losses/kl', 0):.2e}  value loss {metrics.get('losses/value_loss', 0):.3f}  "
-            f"rollout {metrics['time/rollout_seconds']:.1f}s  update {metrics['time/update_seconds']:.1f}s")
+    return (
+        f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
+        f"kl {metrics.get('losses/kl', 0):.2e}  value loss {metrics.get('losses/value_loss', 0):.3f}  "
+        f"rollout {metrics['time/rollout_seconds']:.1f}s  update {metrics['time/update_seconds']:.1f}s"
+    )
 
 
 def sample_records(
-    iteration: int, questions: list[ev.Example], answers: list[str], completions: list[engines.Completion], rewards: torch.Tensor,
-    samples: list[dict], gae: torch.Tensor, tokenizer, args: Args,
+    iteration: int,
+    questions: list[ev.Example],
+    answers: list[str],
+    completions: list[engines.Completion],
+    rewards: torch.Tensor,
+    samples: list[dict],
+    gae: torch.Tensor,
+    tokenizer,
+    args: Args,
 ) -> list[dict]:
     """The --save-samples records (viewer.py's format) of the first --save-questions questions' responses."""
     return [
         {
-            "algorithm": "ppo", "iteration": iteration, "question_index": i // args.group_size,
-            "question": questions[i // args.group_size].question, "reference": answers[i],
-            "prompt": questions[i // args.group_size].prompt, "reward": rewards[i].item(),
-            "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-            "tokens": engines.token_pieces(tokenizer, completions[i].ids), "probs": samples[i]["old_logps"].exp().tolist(),
+            "algorithm": "ppo",
+            "iteration": iteration,
+            "question_index": i // args.group_size,
+            "question": questions[i // args.group_size].question,
+            "reference": answers[i],
+            "prompt": questions[i // args.group_size].prompt,
+            "reward": rewards[i].item(),
+            "finish_reason": completions[i].finish_reason,
+            "token_ids": completions[i].ids,
+            "tokens": engines.token_pieces(tokenizer, completions[i].ids),
+            "probs": samples[i]["old_logps"].exp().tolist(),
             "advantages": gae[i, : len(completions[i].ids)].tolist(),  # GAE, before whitening
-            "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
-            "cutpoints": None, "cutpoint_values": None, "values": samples[i]["old_values"].tolist(),
+            "loss_mask": samples[i]["loss_mask"].tolist(),
+            "prob_threshold": args.prob_threshold,
+            "cutpoints": None,
+            "cutpoint_values": None,
+            "values": samples[i]["old_values"].tolist(),
         }
         for i in range(min(args.save_questions, len(questions)) * args.group_size)
     ]

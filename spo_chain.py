@@ -68,10 +68,30 @@ class Args(runs.TrainArgs):
 # and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
 PAPER_SETTINGS = {
     "gsm8k": dict(
-        model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=1024,
-        context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9, questions=64, group_size=8, epochs=2,
-        batch_size=64, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4,
-        mc_samples=9, interval=5, prob_mask=True, prob_threshold=0.9,
+        model="rho-1b-sft-gsm8k",
+        task="gsm8k",
+        eval_task="gsm8k",
+        temperature=0.6,
+        top_p=0.9,
+        max_new_tokens=1024,
+        context=2047,
+        eval_samples=16,
+        eval_temperature=0.35,
+        eval_top_p=0.9,
+        questions=64,
+        group_size=8,
+        epochs=2,
+        batch_size=64,
+        lr=1e-6,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        clip_eps=0.2,
+        beta=1e-4,
+        mc_samples=9,
+        interval=5,
+        prob_mask=True,
+        prob_threshold=0.9,
     ),
 }
 
@@ -127,7 +147,9 @@ def chain_advantages(
     T, cutpoints, values = len(probs), [int(c) for c in cutpoints], [float(v) for v in values]
     if len(values) != len(cutpoints):
         raise ValueError(f"{len(cutpoints)} cutpoints but {len(values)} values")
-    if any(b <= a for a, b in zip(cutpoints, cutpoints[1:])) or (cutpoints and not -1 <= cutpoints[0] <= cutpoints[-1] <= T - 1):
+    if any(b <= a for a, b in zip(cutpoints, cutpoints[1:])) or (
+        cutpoints and not -1 <= cutpoints[0] <= cutpoints[-1] <= T - 1
+    ):
         raise ValueError(f"cutpoints must be strictly increasing within -1..{T - 1}, got {cutpoints}")
     if T == 0 or not cutpoints:
         return [0.0] * T
@@ -145,7 +167,11 @@ def chain_advantages(
 
 
 def loss_mask(
-    response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool, all_sum: Callable = lambda x: x,
+    response_mask: torch.Tensor,
+    probs: torch.Tensor,
+    threshold: float,
+    prob_mask: bool,
+    all_sum: Callable = lambda x: x,
 ) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
@@ -166,7 +192,9 @@ def loss_mask(
     return masked if all_sum(masked.sum()) > 0 else response_mask
 
 
-def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
+def whiten(
+    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
     shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
@@ -257,9 +285,14 @@ def mc_values(
     if not unique:
         return [], stats
     groups = sampler.sample(
-        [list(prompt + prefix) for prompt, prefix, _ in unique], mc_samples, temperature=temperature,
-        top_p=top_p, max_new_tokens=[max_new_tokens - len(prefix) for _, prefix, _ in unique],
-        stop=stop, context=context, progress="mc",
+        [list(prompt + prefix) for prompt, prefix, _ in unique],
+        mc_samples,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=[max_new_tokens - len(prefix) for _, prefix, _ in unique],
+        stop=stop,
+        context=context,
+        progress="mc",
         generated=[len(prefix) for _, prefix, _ in unique],  # a stop string may begin in the response prefix
     )
     texts, answers, finished = [], [], []
@@ -280,7 +313,13 @@ def mc_values(
 
 
 def old_and_reference_logprobs(
-    model, reference, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32,
+    model,
+    reference,
+    samples: list[dict],
+    micro_batch_size: int,
+    temperature: float,
+    pad_id: int,
+    precision: Precision = FP32,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-sample response log-probs of the policy before its update and of the frozen reference model.
 
@@ -296,8 +335,16 @@ def old_and_reference_logprobs(
 
 
 def accumulate_gradients(
-    model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float, pad_id: int,
-    all_sum: Callable = lambda x: x, precision: Precision = FP32,
+    model,
+    batch_samples: list[dict],
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    clip_eps: float,
+    beta: float,
+    pad_id: int,
+    all_sum: Callable = lambda x: x,
+    precision: Precision = FP32,
 ) -> dict:
     """Forward/backward one optimizer batch in micro-batches of `micro_batch_size`; gradients add up to the
     full-batch gradient. Returns the batch's loss, pg_loss, kl and clip_frac (fraction of masked tokens clipped).
@@ -310,8 +357,15 @@ def accumulate_gradients(
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature, precision=precision)
         loss, micro = policy_loss(
-            logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            clip_eps, beta, batch_tokens, batch_sequences,
+            logps,
+            batch["old_logps"],
+            batch["ref_logps"],
+            batch["advantages"],
+            batch["loss_mask"],
+            clip_eps,
+            beta,
+            batch_tokens,
+            batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -321,22 +375,38 @@ def accumulate_gradients(
     return stats
 
 
-def attach_advantages(samples: list[dict], advantages: list[list[float]], flat_probs: torch.Tensor, prob_threshold: float,
-                      prob_mask: bool) -> torch.Tensor:
+def attach_advantages(
+    samples: list[dict], advantages: list[list[float]], flat_probs: torch.Tensor, prob_threshold: float, prob_mask: bool
+) -> torch.Tensor:
     """Set each sample's "loss_mask" and "advantages" (its chain advantages, whitened over the masked tokens of the
     whole iteration batch, all ranks included); `flat_probs` holds p_t of every response token. Returns the flat
     loss mask."""
     lengths = [len(s["response_ids"]) for s in samples]
     flat_advantages = torch.tensor([a for response in advantages for a in response])  # [all response tokens]
-    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
+    flat_mask = loss_mask(
+        torch.ones_like(flat_probs, dtype=torch.bool),
+        flat_probs,
+        prob_threshold,
+        prob_mask,
+        all_sum=distributed.all_sum,
+    )
     flat_advantages = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum)
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"], s["advantages"] = mask, advantage
     return flat_mask
 
 
-def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int,
-                  streak: list[int], precision: Precision = FP32) -> list[dict]:
+def update_policy(
+    model,
+    optimizer,
+    scheduler,
+    samples: list[dict],
+    args: Args,
+    pad_id: int,
+    iteration: int,
+    streak: list[int],
+    precision: Precision = FP32,
+) -> list[dict]:
     """--epochs passes over the iteration's samples in shuffled batches of --batch-size: one clipped optimizer step
     per batch (under torchrun each rank takes --batch-size / world size of its own samples, and the gradients are
     summed). A skipped (non-finite) batch still steps the scheduler. Returns the stats of the steps taken."""
@@ -347,8 +417,14 @@ def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, 
         for start in range(0, len(order), batch_size):
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
-                model, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
-                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, all_sum=distributed.all_sum,
+                model,
+                [samples[i] for i in order[start : start + batch_size]],
+                micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature,
+                clip_eps=args.clip_eps,
+                beta=args.beta,
+                pad_id=pad_id,
+                all_sum=distributed.all_sum,
                 precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
@@ -361,6 +437,7 @@ def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, 
     optimizer.zero_grad(set_to_none=True)
     return steps
 
+
 # ----------------------------------------------------------------------------------------------
 # Main loop: the algorithm box
 
@@ -370,25 +447,45 @@ def main(args: Args) -> dict:
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:
-        return runs.dry_run(args, PAPER_SETTINGS, resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)})
+        return runs.dry_run(
+            args,
+            PAPER_SETTINGS,
+            resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
+        )
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint = runs.open_run(args, precision.line, device)
     model, tokenizer, reference = models.load_policy(
-        args.model, checkpoint, device, args.beta, reference_on_device=args.reference_on_device,
-        gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
+        args.model,
+        checkpoint,
+        device,
+        args.beta,
+        reference_on_device=args.reference_on_device,
+        gradient_checkpointing=args.gradient_checkpointing,
+        fsdp=args.fsdp,
     )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
+    train_examples, eval_examples = ev.load_examples(
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+    )
     sampler = engines.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed, precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens, max_model_len=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.vllm_enforce_eager,
+        args.backend,
+        model,
+        tokenizer,
+        str(checkpoint) if checkpoint else args.model,
+        seed=args.seed,
+        precision=precision,
+        sampler_batch_tokens=args.sampler_batch_tokens,
+        max_model_len=args.context,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager,
     )
     state = checkpoints.load_trainer_state(checkpoint, device) if checkpoint else None
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
-    optimizer, scheduler = checkpoints.make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state)
+    optimizer, scheduler = checkpoints.make_optimizer(
+        model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state
+    )
     start_iteration = state["iteration"] + 1 if state else 1
     log = runs.RunLog(run_dir, start_iteration, args)
 
@@ -397,16 +494,29 @@ def main(args: Args) -> dict:
         log.write(0, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = eval_metrics["eval/accuracy"]
     accuracy_after, streak = accuracy_before, [0]
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
-                         total=args.iterations, disable=distributed.rank() > 0)
+    progress = tqdm.tqdm(
+        range(start_iteration, args.iterations + 1),
+        desc="iterations",
+        initial=start_iteration - 1,
+        total=args.iterations,
+        disable=distributed.rank() > 0,
+    )
     for iteration in progress:
         # 1. Rollout: G responses per question (reseeded per iteration: a resumed run samples the same); under
         #    torchrun each rank takes its share of the questions.
         rng = reseed(args.seed, iteration, sampler)
         started = iteration_started = time.time()
         questions = distributed.shard([rng.choice(train_examples) for _ in range(args.questions)])
-        groups = sampler.sample([q.prompt_ids for q in questions], args.group_size, temperature=args.temperature, top_p=args.top_p,
-                                max_new_tokens=args.max_new_tokens, stop=stop, context=args.context, progress="rollout")
+        groups = sampler.sample(
+            [q.prompt_ids for q in questions],
+            args.group_size,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            stop=stop,
+            context=args.context,
+            progress="rollout",
+        )
         seconds = {"rollout": time.time() - started}
 
         # 2. Rewards: graded final answer; unfinished responses score 0.
@@ -414,12 +524,18 @@ def main(args: Args) -> dict:
         texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
         answers = [q.answer for q in questions for _ in range(args.group_size)]
         scores = ev.grade(texts, answers, args.task)
-        rewards = [score if completion.finish_reason == "stop" else 0.0 for score, completion in zip(scores, completions)]
+        rewards = [
+            score if completion.finish_reason == "stop" else 0.0 for score, completion in zip(scores, completions)
+        ]
 
         # 3. Old and reference log-probs, once; p_t = exp(old log-prob) comes from the same forward pass.
-        samples = [{"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": completion.ids}
-                   for i, completion in enumerate(completions)]
-        old_logps, ref_logps = old_and_reference_logprobs(model, reference, samples, args.micro_batch_size, args.temperature, pad_id, precision)
+        samples = [
+            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": completion.ids}
+            for i, completion in enumerate(completions)
+        ]
+        old_logps, ref_logps = old_and_reference_logprobs(
+            model, reference, samples, args.micro_batch_size, args.temperature, pad_id, precision
+        )
         for s, old, ref in zip(samples, old_logps, ref_logps):
             s["old_logps"], s["ref_logps"] = old, ref
         lengths = [len(s["response_ids"]) for s in samples]
@@ -431,16 +547,32 @@ def main(args: Args) -> dict:
 
         # 5. Segment values: V(s_c) from K MC continuations of every cutpoint state, all states in one sampler call.
         started = time.time()
-        states = [(s["prompt_ids"], s["response_ids"][: cut + 1], answer) for s, cuts, answer in zip(samples, cutpoints, answers) for cut in cuts]
-        flat_values, mc_stats = mc_values(sampler, tokenizer, states, mc_samples=args.mc_samples, temperature=args.temperature,
-                                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, context=args.context, task=args.task, stop=stop)
+        states = [
+            (s["prompt_ids"], s["response_ids"][: cut + 1], answer)
+            for s, cuts, answer in zip(samples, cutpoints, answers)
+            for cut in cuts
+        ]
+        flat_values, mc_stats = mc_values(
+            sampler,
+            tokenizer,
+            states,
+            mc_samples=args.mc_samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            context=args.context,
+            task=args.task,
+            stop=stop,
+        )
         seconds["mc"] = time.time() - started
 
         # 6. Chain advantages (prob-masked), whitened over the loss-masked tokens of the whole iteration batch.
         values = iter(flat_values)
         cutpoint_values = [[next(values) for _ in cuts] for cuts in cutpoints]
-        advantages = [chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
-                      for p, cuts, v, reward in zip(probs, cutpoints, cutpoint_values, rewards)]
+        advantages = [
+            chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
+            for p, cuts, v, reward in zip(probs, cutpoints, cutpoint_values, rewards)
+        ]
         flat_mask = attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
 
         # 7. Update: epochs x shuffled batches x micro-batches.
@@ -452,19 +584,48 @@ def main(args: Args) -> dict:
         sampler.load_weights(model)
         seconds["iteration"] = time.time() - iteration_started
         seconds["train"] = log.train_seconds = log.train_seconds + seconds["iteration"]
-        last = distributed.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
+        last = distributed.broadcast(
+            iteration == args.iterations
+            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        )
 
         # 8. Log (over all ranks' responses), save samples, evaluate, checkpoint.
-        metrics = iteration_metrics(distributed.gather(rewards), distributed.gather(completions), distributed.gather(cutpoints), distributed.gather(flat_mask),
-                                    distributed.gather(flat_values), distributed.sum_over_ranks(mc_stats), model_stats, scheduler.get_last_lr()[0], seconds)
+        metrics = iteration_metrics(
+            distributed.gather(rewards),
+            distributed.gather(completions),
+            distributed.gather(cutpoints),
+            distributed.gather(flat_mask),
+            distributed.gather(flat_values),
+            distributed.sum_over_ranks(mc_stats),
+            model_stats,
+            scheduler.get_last_lr()[0],
+            seconds,
+        )
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         distributed.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
         if args.save_samples and iteration % args.save_samples == 0 and distributed.rank() == 0:  # rank 0's questions
-            runs.write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(
-                iteration, questions, answers, completions, rewards, probs, advantages, samples, cutpoints, cutpoint_values, tokenizer, args))
+            runs.write_samples(
+                run_dir / "samples" / f"iter_{iteration}.jsonl",
+                sample_records(
+                    iteration,
+                    questions,
+                    answers,
+                    completions,
+                    rewards,
+                    probs,
+                    advantages,
+                    samples,
+                    cutpoints,
+                    cutpoint_values,
+                    tokenizer,
+                    args,
+                ),
+            )
         if iteration % args.eval_every == 0 or last:
-            log.write(iteration, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            log.write(
+                iteration, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
+            )
             accuracy_after = eval_metrics["eval/accuracy"]
         if iteration % args.save_every == 0 or last:
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
@@ -482,14 +643,23 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> None:
     problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
-    problems += distributed.world_size_problems(args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size})
+    problems += distributed.world_size_problems(
+        args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
+    )
     if problems:
         raise UsageError("; ".join(problems))
 
 
 def iteration_metrics(
-    rewards: list[float], completions: list, cutpoints: list[list[int]], flat_mask: torch.Tensor, flat_values: list[float],
-    mc_stats: dict, model_stats: list[dict], lr: float, seconds: dict[str, float],
+    rewards: list[float],
+    completions: list,
+    cutpoints: list[list[int]],
+    flat_mask: torch.Tensor,
+    flat_values: list[float],
+    mc_stats: dict,
+    model_stats: list[dict],
+    lr: float,
+    seconds: dict[str, float],
 ) -> dict:
     """One iteration's training metrics; `seconds` holds its rollout, mc, update, iteration and train timings."""
     generated = sum(len(completion.ids) for completion in completions)
@@ -498,7 +668,8 @@ def iteration_metrics(
     metrics = {
         "charts/reward": sum(rewards) / len(rewards),
         "charts/response_tokens": generated / len(completions),
-        "charts/truncation_rate": sum(completion.finish_reason == "length" for completion in completions) / len(completions),
+        "charts/truncation_rate": sum(completion.finish_reason == "length" for completion in completions)
+        / len(completions),
         "charts/lr": lr,
         "charts/tokens_per_second": generated / max(seconds["rollout"], 1e-9),
         "charts/loss_mask_fraction": flat_mask.float().mean().item() if generated else 0.0,
@@ -535,21 +706,39 @@ def progress_line(iteration: int, metrics: dict) -> str:
 
 
 def sample_records(
-    iteration: int, questions: list, answers: list[str], completions: list, rewards: list[float], probs: list[list[float]],
-    advantages: list[list[float]], samples: list[dict], cutpoints: list[list[int]], cutpoint_values: list[list[float]],
-    tokenizer, args: Args,
+    iteration: int,
+    questions: list,
+    answers: list[str],
+    completions: list,
+    rewards: list[float],
+    probs: list[list[float]],
+    advantages: list[list[float]],
+    samples: list[dict],
+    cutpoints: list[list[int]],
+    cutpoint_values: list[list[float]],
+    tokenizer,
+    args: Args,
 ) -> list[dict]:
     """The --save-samples records (viewer.py's format) of the first --save-questions questions' responses."""
     return [
         {
-            "algorithm": "spo_chain", "iteration": iteration, "question_index": i // args.group_size,
-            "question": questions[i // args.group_size].question, "reference": answers[i],
-            "prompt": questions[i // args.group_size].prompt, "reward": rewards[i],
-            "finish_reason": completions[i].finish_reason, "token_ids": completions[i].ids,
-            "tokens": engines.token_pieces(tokenizer, completions[i].ids), "probs": probs[i],
+            "algorithm": "spo_chain",
+            "iteration": iteration,
+            "question_index": i // args.group_size,
+            "question": questions[i // args.group_size].question,
+            "reference": answers[i],
+            "prompt": questions[i // args.group_size].prompt,
+            "reward": rewards[i],
+            "finish_reason": completions[i].finish_reason,
+            "token_ids": completions[i].ids,
+            "tokens": engines.token_pieces(tokenizer, completions[i].ids),
+            "probs": probs[i],
             "advantages": advantages[i],  # before whitening, prob mask applied
-            "loss_mask": samples[i]["loss_mask"].tolist(), "prob_threshold": args.prob_threshold,
-            "cutpoints": cutpoints[i], "cutpoint_values": cutpoint_values[i], "values": None,
+            "loss_mask": samples[i]["loss_mask"].tolist(),
+            "prob_threshold": args.prob_threshold,
+            "cutpoints": cutpoints[i],
+            "cutpoint_values": cutpoint_values[i],
+            "values": None,
         }
         for i in range(min(args.save_questions, len(questions)) * args.group_size)
     ]

@@ -120,18 +120,61 @@ class Args(runs.TrainArgs):
 # and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
 PAPER_SETTINGS = {
     "math": dict(
-        model="deepseek-r1-distill-qwen-1.5b", task="math", eval_task="math500", temperature=0.6, top_p=1.0,
-        context=2048, eval_samples=1, eval_temperature=0.6, eval_top_p=0.95, questions=32, samples_per_iteration=512,
-        epochs=1, batch_size=128, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2,
-        beta=1e-4, tree="6,6,6", segment_tokens=600, advantage="rloo", prob_mask=True, prob_threshold=0.9,
-        buffer_max_age=8, edges_per_question=32,
+        model="deepseek-r1-distill-qwen-1.5b",
+        task="math",
+        eval_task="math500",
+        temperature=0.6,
+        top_p=1.0,
+        context=2048,
+        eval_samples=1,
+        eval_temperature=0.6,
+        eval_top_p=0.95,
+        questions=32,
+        samples_per_iteration=512,
+        epochs=1,
+        batch_size=128,
+        lr=1e-6,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        clip_eps=0.2,
+        beta=1e-4,
+        tree="6,6,6",
+        segment_tokens=600,
+        advantage="rloo",
+        prob_mask=True,
+        prob_threshold=0.9,
+        buffer_max_age=8,
+        edges_per_question=32,
     ),
     "gsm8k": dict(
-        model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=1024,
-        context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9, questions=16,
-        samples_per_iteration=1024, epochs=1, batch_size=128, lr=1e-6, warmup_ratio=0.03, weight_decay=0.0,
-        max_grad_norm=1.0, clip_eps=0.2, beta=1e-4, tree="6,6,6", segment_tokens=30, advantage="rloo",
-        prob_mask=True, prob_threshold=0.9, buffer_max_age=8, edges_per_question=32,
+        model="rho-1b-sft-gsm8k",
+        task="gsm8k",
+        eval_task="gsm8k",
+        temperature=0.6,
+        top_p=0.9,
+        max_new_tokens=1024,
+        context=2047,
+        eval_samples=16,
+        eval_temperature=0.35,
+        eval_top_p=0.9,
+        questions=16,
+        samples_per_iteration=1024,
+        epochs=1,
+        batch_size=128,
+        lr=1e-6,
+        warmup_ratio=0.03,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        clip_eps=0.2,
+        beta=1e-4,
+        tree="6,6,6",
+        segment_tokens=30,
+        advantage="rloo",
+        prob_mask=True,
+        prob_threshold=0.9,
+        buffer_max_age=8,
+        edges_per_question=32,
     ),
 }
 
@@ -154,7 +197,9 @@ def parse_tree(spec: str) -> list[int]:
     for depth, part in enumerate(spec.split(",")):
         part = part.strip()
         if not re.fullmatch(r"[0-9]+", part) or int(part) < 1:
-            raise ValueError(f"{spec!r}: branch factor {part!r} at depth {depth} is not a positive integer (write one per depth, e.g. 6,6,6)")
+            raise ValueError(
+                f"{spec!r}: branch factor {part!r} at depth {depth} is not a positive integer (write one per depth, e.g. 6,6,6)"
+            )
         branches.append(int(part))
     return branches
 
@@ -194,7 +239,11 @@ def edge_advantages(parent: Node, advantage: str = "rloo") -> list[float]:
     >>> edge_advantages(Node([0], [Node([1], value=1.0), Node([2], value=0.0)], value=0.5))
     [0.5, -0.5]
     """
-    scale = statistics.pstdev([child.value for child in parent.children]) + 1e-8 if advantage == "grpo" and parent.children else 1.0
+    scale = (
+        statistics.pstdev([child.value for child in parent.children]) + 1e-8
+        if advantage == "grpo" and parent.children
+        else 1.0
+    )
     return [(child.value - parent.value) / scale for child in parent.children]
 
 
@@ -250,8 +299,15 @@ def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advan
         segments = tree_segments(tree, advantage)
         nonzero += len(segments)
         edges += [
-            {"question": question_id, "born": iteration, "prompt_ids": query, "response_ids": segment, "advantage": edge_advantage}
-            for query, segment, edge_advantage in segments if segment
+            {
+                "question": question_id,
+                "born": iteration,
+                "prompt_ids": query,
+                "response_ids": segment,
+                "advantage": edge_advantage,
+            }
+            for query, segment, edge_advantage in segments
+            if segment
         ]
     return edges, nonzero
 
@@ -302,12 +358,18 @@ def fill_samples(taken: list[dict], remaining: list[dict], n: int, rng: random.R
         chosen = set(rng.sample(range(len(taken)), n))
         samples = [edge for i, edge in enumerate(taken) if i in chosen]
         returned = [edge for i, edge in enumerate(taken) if i not in chosen]
-        return samples, sorted(remaining + returned, key=lambda edge: edge["born"])  # stable: both lists are oldest first
+        return samples, sorted(
+            remaining + returned, key=lambda edge: edge["born"]
+        )  # stable: both lists are oldest first
     return taken + [rng.choice(taken) for _ in range(n - len(taken))], remaining
 
 
 def loss_mask(
-    response_mask: torch.Tensor, probs: torch.Tensor, threshold: float, prob_mask: bool, all_sum: Callable = lambda x: x,
+    response_mask: torch.Tensor,
+    probs: torch.Tensor,
+    threshold: float,
+    prob_mask: bool,
+    all_sum: Callable = lambda x: x,
 ) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
@@ -328,7 +390,9 @@ def loss_mask(
     return masked if all_sum(masked.sum()) > 0 else response_mask
 
 
-def whiten(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x) -> torch.Tensor:
+def whiten(
+    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+) -> torch.Tensor:
     """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
     shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
@@ -390,8 +454,16 @@ def policy_loss(
 
 
 def grow_trees(
-    sampler, prompts: list[list[int]], branches: list[int], *, segment_tokens: int, max_new_tokens: int,
-    context: int, temperature: float, top_p: float, stop: list[str],
+    sampler,
+    prompts: list[list[int]],
+    branches: list[int],
+    *,
+    segment_tokens: int,
+    max_new_tokens: int,
+    context: int,
+    temperature: float,
+    top_p: float,
+    stop: list[str],
 ) -> tuple[list[Node], list[float]]:
     """One tree per prompt, grown level by level with one batched sampler call per level across all trees.
 
@@ -409,8 +481,13 @@ def grow_trees(
         started, last = time.time(), depth == len(branches) - 1
         generated = depth * segment_tokens  # every open node's path holds exactly `depth` full segments
         groups = sampler.sample(
-            [prompt + path for _, prompt, path in frontier], branch, temperature=temperature, top_p=top_p,
-            max_new_tokens=max_new_tokens - generated if last else segment_tokens, stop=stop, context=context,
+            [prompt + path for _, prompt, path in frontier],
+            branch,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens - generated if last else segment_tokens,
+            stop=stop,
+            context=context,
             progress=f"level {depth + 1}/{len(branches)}",
             generated=[len(path) for _, _, path in frontier],  # a stop string may begin in an ancestor's segment
         )
@@ -449,8 +526,15 @@ def grade_trees(trees: list[Node], answers: list[str], tokenizer, task: str) -> 
 
 
 def attach_targets(
-    samples: list[dict], reference, *, micro_batch_size: int, temperature: float, pad_id: int,
-    prob_threshold: float, prob_mask: bool, precision: Precision = FP32,
+    samples: list[dict],
+    reference,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    pad_id: int,
+    prob_threshold: float,
+    prob_mask: bool,
+    precision: Precision = FP32,
 ) -> None:
     """Set what the loss needs on every sample: "ref_logps" (the frozen reference model's log-probs; the old ones
     when there is no reference model, beta = 0), "loss_mask" (response tokens, with the probability mask only
@@ -461,21 +545,45 @@ def attach_targets(
     for s in edges:
         s["ref_logps"] = s["old_logps"]
     if reference is not None:
-        with models.on_device(reference):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
-            for s, logps in zip(edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id, precision)):
+        with models.on_device(
+            reference
+        ):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+            for s, logps in zip(
+                edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id, precision)
+            ):
                 s["ref_logps"] = logps
     lengths = [len(s["response_ids"]) for s in samples]
-    flat_probs = torch.cat([s["old_logps"] for s in samples] or [torch.zeros(0)]).exp()  # [tokens], p_t of every response token
-    flat_mask = loss_mask(torch.ones_like(flat_probs, dtype=torch.bool), flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
-    flat_advantages = torch.repeat_interleave(torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths, dtype=torch.long))
-    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum)  # over the whole iteration batch's masked tokens
+    flat_probs = torch.cat(
+        [s["old_logps"] for s in samples] or [torch.zeros(0)]
+    ).exp()  # [tokens], p_t of every response token
+    flat_mask = loss_mask(
+        torch.ones_like(flat_probs, dtype=torch.bool),
+        flat_probs,
+        prob_threshold,
+        prob_mask,
+        all_sum=distributed.all_sum,
+    )
+    flat_advantages = torch.repeat_interleave(
+        torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths, dtype=torch.long)
+    )
+    flat_advantages = whiten(
+        flat_advantages, flat_mask, all_sum=distributed.all_sum
+    )  # over the whole iteration batch's masked tokens
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"], s["advantages"] = mask, advantage
 
 
 def accumulate_gradients(
-    model, batch_samples: list[dict], *, micro_batch_size: int, temperature: float, clip_eps: float, beta: float, pad_id: int,
-    all_sum: Callable = lambda x: x, precision: Precision = FP32,
+    model,
+    batch_samples: list[dict],
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    clip_eps: float,
+    beta: float,
+    pad_id: int,
+    all_sum: Callable = lambda x: x,
+    precision: Precision = FP32,
 ) -> dict:
     """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
     Under torchrun each rank passes its share of the batch (possibly none) and `all_sum=distributed.all_sum`: the loss is
@@ -487,8 +595,15 @@ def accumulate_gradients(
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature, precision=precision)
         loss, micro = policy_loss(
-            logps, batch["old_logps"], batch["ref_logps"], batch["advantages"], batch["loss_mask"],
-            clip_eps, beta, batch_tokens, batch_sequences,
+            logps,
+            batch["old_logps"],
+            batch["ref_logps"],
+            batch["advantages"],
+            batch["loss_mask"],
+            clip_eps,
+            beta,
+            batch_tokens,
+            batch_sequences,
         )
         loss.backward()
         stats["loss"] += loss.item()
@@ -498,22 +613,39 @@ def accumulate_gradients(
     return stats
 
 
-def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, pad_id: int, iteration: int, streak: list[int],
-                  precision: Precision = FP32) -> list[dict]:
+def update_policy(
+    model,
+    optimizer,
+    scheduler,
+    samples: list[dict],
+    args: Args,
+    pad_id: int,
+    iteration: int,
+    streak: list[int],
+    precision: Precision = FP32,
+) -> list[dict]:
     """--epochs passes over the samples in shuffled batches of --batch-size, each accumulated in micro-batches
     and clipped into one optimizer step; then one scheduler step. Returns the stats of the steps taken.
     Under torchrun `samples` is this rank's share: every rank takes the steps the whole iteration's samples make,
     each with --batch-size / world size of its own (the last ones possibly none), and the gradients are summed."""
     model.train()
     model_stats, batch_size = [], args.batch_size // distributed.world_size()  # this rank's share of each batch
-    steps = math.ceil(int(distributed.all_sum(torch.tensor(len(samples)))) / args.batch_size)  # per epoch, the same on every rank
+    steps = math.ceil(
+        int(distributed.all_sum(torch.tensor(len(samples)))) / args.batch_size
+    )  # per epoch, the same on every rank
     for _ in range(args.epochs):
         order = torch.randperm(len(samples)).tolist()
         for start in range(0, steps * batch_size, batch_size):
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
-                model, [samples[i] for i in order[start : start + batch_size]], micro_batch_size=args.micro_batch_size,
-                temperature=args.temperature, clip_eps=args.clip_eps, beta=args.beta, pad_id=pad_id, all_sum=distributed.all_sum,
+                model,
+                [samples[i] for i in order[start : start + batch_size]],
+                micro_batch_size=args.micro_batch_size,
+                temperature=args.temperature,
+                clip_eps=args.clip_eps,
+                beta=args.beta,
+                pad_id=pad_id,
+                all_sum=distributed.all_sum,
                 precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
@@ -530,6 +662,7 @@ def update_policy(model, optimizer, scheduler, samples: list[dict], args: Args, 
         scheduler.step()
     return model_stats
 
+
 # ----------------------------------------------------------------------------------------------
 # Main loop: the algorithm box
 
@@ -540,31 +673,56 @@ def main(args: Args) -> dict:
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
         full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level without early leaves
-        return runs.dry_run(args, PAPER_SETTINGS, resolved={
-            "eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model), "branches": branches,
-            "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1],
-        })
+        return runs.dry_run(
+            args,
+            PAPER_SETTINGS,
+            resolved={
+                "eval_task": eval_task,
+                "model_id": models.ALIASES.get(args.model, args.model),
+                "branches": branches,
+                "nodes_per_full_tree": sum(full_tree),
+                "leaves_per_full_tree": full_tree[-1],
+            },
+        )
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint = runs.open_run(args, precision.line, device)
 
     model, tokenizer, reference = models.load_policy(
-        args.model, checkpoint, device, args.beta, reference_on_device=args.reference_on_device,
-        gradient_checkpointing=args.gradient_checkpointing, fsdp=args.fsdp,
+        args.model,
+        checkpoint,
+        device,
+        args.beta,
+        reference_on_device=args.reference_on_device,
+        gradient_checkpointing=args.gradient_checkpointing,
+        fsdp=args.fsdp,
     )
-    train_examples, eval_examples = ev.load_examples(args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer)
+    train_examples, eval_examples = ev.load_examples(
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+    )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     sampler = engines.make_sampler(
-        args.backend, model, tokenizer, str(checkpoint) if checkpoint else args.model, seed=args.seed, precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens, max_model_len=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.vllm_enforce_eager,
+        args.backend,
+        model,
+        tokenizer,
+        str(checkpoint) if checkpoint else args.model,
+        seed=args.seed,
+        precision=precision,
+        sampler_batch_tokens=args.sampler_batch_tokens,
+        max_model_len=args.context,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager,
     )
     # The schedule steps once per iteration (see the docstring). On the CPU: the buffer's log-probs stay there with
     # the new edges'; the optimizer moves its state to the parameters.
     state = checkpoints.load_trainer_state(checkpoint, "cpu") if checkpoint else None
-    optimizer, scheduler = checkpoints.make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, state)
-    start_iteration, buffer = (state["iteration"] + 1, state["buffer"]) if state else (1, [])  # buffer: edges waiting, oldest first
+    optimizer, scheduler = checkpoints.make_optimizer(
+        model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, state
+    )
+    start_iteration, buffer = (
+        (state["iteration"] + 1, state["buffer"]) if state else (1, [])
+    )  # buffer: edges waiting, oldest first
     log = runs.RunLog(run_dir, start_iteration, args)
 
     accuracy_before = accuracy_after = None
@@ -572,8 +730,13 @@ def main(args: Args) -> dict:
         log.write(0, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
         accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
     streak = [0]  # non-finite losses in a row
-    progress = tqdm.tqdm(range(start_iteration, args.iterations + 1), desc="iterations", initial=start_iteration - 1,
-                         total=args.iterations, disable=distributed.rank() > 0)
+    progress = tqdm.tqdm(
+        range(start_iteration, args.iterations + 1),
+        desc="iterations",
+        initial=start_iteration - 1,
+        total=args.iterations,
+        disable=distributed.rank() > 0,
+    )
     for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
@@ -582,8 +745,15 @@ def main(args: Args) -> dict:
         question_ids = distributed.shard([rng.randrange(len(train_examples)) for _ in range(args.questions)])
         questions = [train_examples[i] for i in question_ids]
         trees, level_seconds = grow_trees(
-            sampler, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
-            max_new_tokens=args.max_new_tokens, context=args.context, temperature=args.temperature, top_p=args.top_p, stop=stop,
+            sampler,
+            [q.prompt_ids for q in questions],
+            branches,
+            segment_tokens=args.segment_tokens,
+            max_new_tokens=args.max_new_tokens,
+            context=args.context,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            stop=stop,
         )
         rollout_seconds = time.time() - started
 
@@ -593,49 +763,90 @@ def main(args: Args) -> dict:
         # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
         #    Under torchrun every rank gets every rank's edges: the replay buffer is one, the same on all ranks.
         new_edges, nonzero_edges = tree_edges(trees, question_ids, iteration, args.advantage)
-        for edge, logps in zip(new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id, precision)):
+        for edge, logps in zip(
+            new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id, precision)
+        ):
             edge["old_logps"] = logps
         new_edges = distributed.gather(new_edges)
         saving = args.save_samples and iteration % args.save_samples == 0
-        saved_probs = node_probs(model, trees[: args.save_questions], args.micro_batch_size, args.temperature, pad_id, precision) if saving else {}
+        saved_probs = (
+            node_probs(model, trees[: args.save_questions], args.micro_batch_size, args.temperature, pad_id, precision)
+            if saving
+            else {}
+        )
 
         # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
         #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
         taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
-        samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)  # the buffer the checkpoint keeps
+        samples, buffer = fill_samples(
+            taken, buffer, args.samples_per_iteration, rng
+        )  # the buffer the checkpoint keeps
         rank_samples = distributed.shard(samples)
-        attach_targets(rank_samples, reference, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-                       pad_id=pad_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask, precision=precision)
+        attach_targets(
+            rank_samples,
+            reference,
+            micro_batch_size=args.micro_batch_size,
+            temperature=args.temperature,
+            pad_id=pad_id,
+            prob_threshold=args.prob_threshold,
+            prob_mask=args.prob_mask,
+            precision=precision,
+        )
 
         # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.
         sampler.sleep()
         started, lr = time.time(), scheduler.get_last_lr()[0]
-        model_stats = update_policy(model, optimizer, scheduler, rank_samples, args, pad_id, iteration, streak, precision)
+        model_stats = update_policy(
+            model, optimizer, scheduler, rank_samples, args, pad_id, iteration, streak, precision
+        )
         update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
         iteration_seconds = time.time() - iteration_started
         log.train_seconds += iteration_seconds
-        last = distributed.broadcast(iteration == args.iterations or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes))
+        last = distributed.broadcast(
+            iteration == args.iterations
+            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
+        )
 
         # 6. Log (over all ranks' trees), save samples, evaluate, checkpoint.
         metrics = iteration_metrics(
-            iteration, distributed.gather(trees), samples, buffer, distributed.gather([s["loss_mask"] for s in rank_samples]),
-            nonzero_edges=int(distributed.all_sum(torch.tensor(nonzero_edges))), model_stats=model_stats, lr=lr,
-            level_seconds=level_seconds, rollout_seconds=rollout_seconds, update_seconds=update_seconds,
-            iteration_seconds=iteration_seconds, train_seconds=log.train_seconds,
+            iteration,
+            distributed.gather(trees),
+            samples,
+            buffer,
+            distributed.gather([s["loss_mask"] for s in rank_samples]),
+            nonzero_edges=int(distributed.all_sum(torch.tensor(nonzero_edges))),
+            model_stats=model_stats,
+            lr=lr,
+            level_seconds=level_seconds,
+            rollout_seconds=rollout_seconds,
+            update_seconds=update_seconds,
+            iteration_seconds=iteration_seconds,
+            train_seconds=log.train_seconds,
         )
         log.write(iteration, metrics)
         progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         distributed.print0(progress_line(iteration, metrics, level_seconds), tqdm.tqdm.write)
         if saving and distributed.rank() == 0:  # rank 0's trees
-            runs.write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", sample_records(iteration, trees, questions, saved_probs, tokenizer, args))
+            runs.write_samples(
+                run_dir / "samples" / f"iter_{iteration}.jsonl",
+                sample_records(iteration, trees, questions, saved_probs, tokenizer, args),
+            )
         if iteration % args.eval_every == 0 or last:
-            log.write(iteration, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
+            log.write(
+                iteration, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
+            )
             accuracy_after = eval_metrics["eval/accuracy"]
         if iteration % args.save_every == 0 or last:
-            trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration, "buffer": buffer}
-            checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state)  # the buffer too: a resumed run trains on the same edges
+            trainer_state = {
+                **checkpoints.optimizer_checkpoint(model, optimizer, scheduler),
+                "iteration": iteration,
+                "buffer": buffer,
+            }
+            checkpoints.save_checkpoint(
+                run_dir, model, tokenizer, trainer_state
+            )  # the buffer too: a resumed run trains on the same edges
         distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
         if last:
             break
@@ -667,7 +878,9 @@ def validate(args: Args) -> list[int]:
     per_rank = {"--questions": args.questions, "--batch-size": args.batch_size}
     if args.fsdp:
         if args.samples_per_iteration == 0:
-            problems.append("--fsdp needs a fixed --samples-per-iteration (not 0): every rank must train an equal share")
+            problems.append(
+                "--fsdp needs a fixed --samples-per-iteration (not 0): every rank must train an equal share"
+            )
         per_rank["--samples-per-iteration"] = args.samples_per_iteration
     problems += distributed.world_size_problems(args, per_rank=per_rank)
     if problems:
@@ -683,7 +896,9 @@ def tree_size_problem(branches: list[int], args: Args) -> str | None:
     nodes_per_level = [args.questions * math.prod(branches[: d + 1]) for d in range(len(branches))]
     leaves = nodes_per_level[-1]
     budget = min(args.max_new_tokens, args.context)
-    tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(0, budget - (len(branches) - 1) * args.segment_tokens)
+    tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(
+        0, budget - (len(branches) - 1) * args.segment_tokens
+    )
     estimate = f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration (--questions {args.questions})"
     if leaves > MAX_LEAVES:
         return f"{estimate}: over the {MAX_LEAVES:,}-leaf limit; use fewer or smaller branches or fewer --questions"
@@ -692,22 +907,38 @@ def tree_size_problem(branches: list[int], args: Args) -> str | None:
     return None
 
 
-def node_probs(model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int,
-               precision: Precision = FP32) -> dict[int, list[float]]:
+def node_probs(
+    model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32
+) -> dict[int, list[float]]:
     """p_t of every token of every non-root node of `trees` (zero-advantage nodes too), keyed by id(node): what
     --save-samples shows, computed before the update."""
     nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
     logps = sample_logprobs(
-        model, [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes],
-        micro_batch_size, temperature, pad_id, precision,
+        model,
+        [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes],
+        micro_batch_size,
+        temperature,
+        pad_id,
+        precision,
     )
     return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
 
 
 def iteration_metrics(
-    iteration: int, trees: list[Node], samples: list[dict], buffer: list[dict], loss_masks: list[torch.Tensor], *, nonzero_edges: int,
-    model_stats: list[dict], lr: float, level_seconds: list[float], rollout_seconds: float, update_seconds: float,
-    iteration_seconds: float, train_seconds: float,
+    iteration: int,
+    trees: list[Node],
+    samples: list[dict],
+    buffer: list[dict],
+    loss_masks: list[torch.Tensor],
+    *,
+    nonzero_edges: int,
+    model_stats: list[dict],
+    lr: float,
+    level_seconds: list[float],
+    rollout_seconds: float,
+    update_seconds: float,
+    iteration_seconds: float,
+    train_seconds: float,
 ) -> dict:
     """The iteration's metrics: the trees (rewards, shape), the samples trained on and their loss masks, the buffer,
     the losses and times."""
@@ -738,7 +969,9 @@ def iteration_metrics(
         "time/train_seconds": train_seconds,
     }
     for depth in range(1, len(level_seconds)):  # one entry per tree level
-        metrics[f"tree/early_leaves_depth{depth}"] = sum(leaf.depth == depth and leaf.finish_reason == "stop" for leaf in leaves) / len(trees)
+        metrics[f"tree/early_leaves_depth{depth}"] = sum(
+            leaf.depth == depth and leaf.finish_reason == "stop" for leaf in leaves
+        ) / len(trees)
     for depth, seconds in enumerate(level_seconds, 1):
         metrics[f"time/level{depth}_seconds"] = seconds
     for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
@@ -756,14 +989,20 @@ def progress_line(iteration: int, metrics: dict, level_seconds: list[float]) -> 
     )
 
 
-def node_record(node: Node, advantage: float | None, probs: dict[int, list[float]], tokenizer, advantage_kind: str) -> dict:
+def node_record(
+    node: Node, advantage: float | None, probs: dict[int, list[float]], tokenizer, advantage_kind: str
+) -> dict:
     """A saved tree node and its subtree, as viewer.py reads them: tokens, p_t (`probs`, by id(node)), value,
     `advantage` (None for the root; its children's by `advantage_kind`, rloo or grpo), reward and finish reason."""
     ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
     return {
-        "token_ids": ids, "tokens": engines.token_pieces(tokenizer, ids),
-        "probs": probs[id(node)] if node.depth else [], "value": node.value, "advantage": advantage,
-        "reward": node.reward, "finish_reason": node.finish_reason,
+        "token_ids": ids,
+        "tokens": engines.token_pieces(tokenizer, ids),
+        "probs": probs[id(node)] if node.depth else [],
+        "value": node.value,
+        "advantage": advantage,
+        "reward": node.reward,
+        "finish_reason": node.finish_reason,
         "children": [
             node_record(child, child_advantage, probs, tokenizer, advantage_kind)
             for child, child_advantage in zip(node.children, edge_advantages(node, advantage_kind))
@@ -771,12 +1010,19 @@ def node_record(node: Node, advantage: float | None, probs: dict[int, list[float
     }
 
 
-def sample_records(iteration: int, trees: list[Node], questions: list, probs: dict[int, list[float]], tokenizer, args: Args) -> list[dict]:
+def sample_records(
+    iteration: int, trees: list[Node], questions: list, probs: dict[int, list[float]], tokenizer, args: Args
+) -> list[dict]:
     """The --save-samples records of the first --save-questions trees (written by write_samples)."""
     return [
         {
-            "algorithm": "spo_tree", "iteration": iteration, "question_index": i, "question": questions[i].question,
-            "reference": questions[i].answer, "prompt": questions[i].prompt, "prob_threshold": args.prob_threshold,
+            "algorithm": "spo_tree",
+            "iteration": iteration,
+            "question_index": i,
+            "question": questions[i].question,
+            "reference": questions[i].answer,
+            "prompt": questions[i].prompt,
+            "prob_threshold": args.prob_threshold,
             "tree": node_record(tree, None, probs, tokenizer, args.advantage),
         }
         for i, tree in enumerate(trees[: args.save_questions])

@@ -39,12 +39,48 @@ from plumbing import UsageError, files, ranges  # torch-free: the viewer starts 
 # ----------------------------------------------------------------------------------------------
 # Reading runs
 
-REPAIR = "the file is cut short or was not written by the training scripts: delete that line (or the file) and run again"
-RESPONSE_KEYS = ("question", "reference", "reward", "finish_reason", "token_ids", "tokens", "probs", "advantages", "loss_mask")
-PER_TOKEN_KEYS = ("tokens", "probs", "advantages", "loss_mask", "values")  # lists as long as token_ids (values may be null)
+REPAIR = (
+    "the file is cut short or was not written by the training scripts: delete that line (or the file) and run again"
+)
+RESPONSE_KEYS = (
+    "question",
+    "reference",
+    "reward",
+    "finish_reason",
+    "token_ids",
+    "tokens",
+    "probs",
+    "advantages",
+    "loss_mask",
+)
+PER_TOKEN_KEYS = (
+    "tokens",
+    "probs",
+    "advantages",
+    "loss_mask",
+    "values",
+)  # lists as long as token_ids (values may be null)
 NODE_KEYS = ("token_ids", "tokens", "value", "children")
-SETTINGS = ("model", "task", "seed", "questions", "group_size", "temperature", "max_new_tokens", "lr", "epochs", "beta",
-            "interval", "mc_samples", "tree", "segment_tokens", "advantage", "lam", "prob_mask", "prob_threshold")
+SETTINGS = (
+    "model",
+    "task",
+    "seed",
+    "questions",
+    "group_size",
+    "temperature",
+    "max_new_tokens",
+    "lr",
+    "epochs",
+    "beta",
+    "interval",
+    "mc_samples",
+    "tree",
+    "segment_tokens",
+    "advantage",
+    "lam",
+    "prob_mask",
+    "prob_threshold",
+)
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
@@ -85,7 +121,9 @@ def check_node(node: dict, where: str) -> None:
         raise UsageError(f"{where}: a tree node lacks one of {', '.join(NODE_KEYS)}; {REPAIR}")
     for key in ("tokens", "probs", "loss_mask"):
         if node.get(key) is not None and len(node[key]) != len(node["token_ids"]):
-            raise UsageError(f"{where}: a tree node's {key} has {len(node[key])} entries for {len(node['token_ids'])} tokens; {REPAIR}")
+            raise UsageError(
+                f"{where}: a tree node's {key} has {len(node[key])} entries for {len(node['token_ids'])} tokens; {REPAIR}"
+            )
     for child in node["children"]:
         check_node(child, where)
 
@@ -115,12 +153,16 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
         if match:
             saved[int(match[1])] = path
     if not saved:
-        raise UsageError(f"{run_dir} has no samples/iter_<k>.jsonl; "
-                         "train with --save-samples N to save the rollouts of every N-th iteration")
+        raise UsageError(
+            f"{run_dir} has no samples/iter_<k>.jsonl; "
+            "train with --save-samples N to save the rollouts of every N-th iteration"
+        )
     files = {k: path for k, path in saved.items() if iterations is None or k in iterations}
     if not files:
-        raise UsageError(f"{run_dir} has no samples for iterations {', '.join(map(str, iterations))}; "
-                         f"it has iterations {', '.join(map(str, sorted(saved)))}")
+        raise UsageError(
+            f"{run_dir} has no samples for iterations {', '.join(map(str, iterations))}; "
+            f"it has iterations {', '.join(map(str, sorted(saved)))}"
+        )
     args_path = run_dir / "args.json"
     try:
         args = json.loads(args_path.read_text()) if args_path.exists() else {}
@@ -148,16 +190,33 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
             if "tree" in record:
                 groups[index].update(tree=record["tree"], prob_threshold=record.get("prob_threshold"))
             else:
-                groups[index].setdefault("responses", []).append({
-                    key: record.get(key) for key in (
-                        "reward", "finish_reason", "token_ids", "tokens", "probs", "advantages", "loss_mask",
-                        "prob_threshold", "cutpoints", "cutpoint_values", "values")
-                })
+                groups[index].setdefault("responses", []).append(
+                    {
+                        key: record.get(key)
+                        for key in (
+                            "reward",
+                            "finish_reason",
+                            "token_ids",
+                            "tokens",
+                            "probs",
+                            "advantages",
+                            "loss_mask",
+                            "prob_threshold",
+                            "cutpoints",
+                            "cutpoint_values",
+                            "values",
+                        )
+                    }
+                )
         by_iteration[iteration] = list(groups.values())
     return {
-        "name": run_dir.name, "path": str(run_dir), "algorithm": algorithm or args.get("exp_name", "?"),
-        "prob_mask": args.get("prob_mask", True), "settings": {key: args[key] for key in SETTINGS if key in args},
-        "args": args, "iterations": finite(by_iteration),
+        "name": run_dir.name,
+        "path": str(run_dir),
+        "algorithm": algorithm or args.get("exp_name", "?"),
+        "prob_mask": args.get("prob_mask", True),
+        "settings": {key: args[key] for key in SETTINGS if key in args},
+        "args": args,
+        "iterations": finite(by_iteration),
     }
 
 
@@ -165,7 +224,9 @@ def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
     """metrics.jsonl as {key: {iteration: value}} (a later line for the same iteration wins)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        raise UsageError(f"{run_dir} has no metrics.jsonl; pass a run directory the training scripts wrote (runs/<run_name>)")
+        raise UsageError(
+            f"{run_dir} has no metrics.jsonl; pass a run directory the training scripts wrote (runs/<run_name>)"
+        )
     series: dict[str, dict[int, float]] = {}
     for number, row in read_jsonl(path):
         if not isinstance(row.get("iteration"), int):
@@ -530,8 +591,12 @@ def build_page(runs: list[dict]) -> str:
         if names.count(run["name"]) > 1:
             run["name"] = run["path"]
     title = "SPO viewer: " + ", ".join(run["name"] for run in runs)
-    return (PAGE.replace("__TITLE__", html.escape(title)).replace("__CSS__", PAGE_CSS)
-            .replace("__JS__", PAGE_JS).replace("__DATA__", page_json({"runs": runs})))
+    return (
+        PAGE.replace("__TITLE__", html.escape(title))
+        .replace("__CSS__", PAGE_CSS)
+        .replace("__JS__", PAGE_JS)
+        .replace("__DATA__", page_json({"runs": runs}))
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,8 +655,9 @@ def run_label(run_dir: Path) -> str:
 PLOT_FORMATS = (".png", ".pdf", ".svg")  # what --output of `curves` may end in (matplotlib writes each)
 
 
-def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: tuple[str, ...] = tuple(PANELS),
-                smooth: float = 0.0) -> list[str]:
+def plot_curves(
+    run_dirs: list[Path], output: Path, x: str = "iteration", keys: tuple[str, ...] = tuple(PANELS), smooth: float = 0.0
+) -> list[str]:
     """Write a grid of panels, one line per run; returns the keys plotted."""
     import matplotlib
 
@@ -603,13 +669,19 @@ def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: 
     positions = [x_positions(series, x, run_dir) for run_dir, series in runs]
     present = [key for key in keys if any(key in series for _, series in runs)]
     if not present:
-        raise UsageError(f"none of {', '.join(keys)} is in the metrics.jsonl of {', '.join(map(str, run_dirs))}; "
-                         "choose metrics that are there with --keys")
+        raise UsageError(
+            f"none of {', '.join(keys)} is in the metrics.jsonl of {', '.join(map(str, run_dirs))}; "
+            "choose metrics that are there with --keys"
+        )
     columns = min(3, len(present))
     rows = math.ceil(len(present) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.3 * columns, 3.0 * rows + 0.6), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(4.3 * columns, 3.0 * rows + 0.6), squeeze=False, layout="constrained"
+    )
     labels = [run_label(run_dir) for run_dir, _ in runs]
-    labels = [f"{label} ({run_dir.name})" if labels.count(label) > 1 else label for label, (run_dir, _) in zip(labels, runs)]
+    labels = [
+        f"{label} ({run_dir.name})" if labels.count(label) > 1 else label for label, (run_dir, _) in zip(labels, runs)
+    ]
     for ax, key in zip(axes.flat, present):
         for index, ((_, series), where) in enumerate(zip(runs, positions)):
             if key not in series:
@@ -623,13 +695,17 @@ def plot_curves(run_dirs: list[Path], output: Path, x: str = "iteration", keys: 
                 ys = ema(ys, smooth)
             ax.plot(xs, ys, color=color, marker=marker, markersize=3, linewidth=1.5)
         ax.set_title(PANELS.get(key, key), fontsize=10)
-        ax.set_xlabel({"iteration": "iteration", "seconds": "training seconds", "tokens": "generated tokens"}[x], fontsize=9)
+        ax.set_xlabel(
+            {"iteration": "iteration", "seconds": "training seconds", "tokens": "generated tokens"}[x], fontsize=9
+        )
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(present):]:
+    for ax in axes.flat[len(present) :]:
         ax.axis("off")
     # One legend entry per run, from proxies: matplotlib hides labels that start with "_" (a run on a local ./_data.jsonl task).
-    handles = [Line2D([], [], color=f"C{index % 10}", marker="o", markersize=3, linewidth=1.5) for index in range(len(runs))]
+    handles = [
+        Line2D([], [], color=f"C{index % 10}", marker="o", markersize=3, linewidth=1.5) for index in range(len(runs))
+    ]
     fig.legend(handles, labels, loc="outside upper center", ncol=min(4, len(labels)), fontsize=9, frameon=False)
     image = io.BytesIO()
     fig.savefig(image, dpi=110, format=output.suffix[1:].lower())
@@ -685,15 +761,19 @@ def main(command: Html | Curves) -> None:
         runs = [load_samples(run_dir, command.iterations, command.questions) for run_dir in command.runs]
         files.write_atomic(command.output, build_page(runs), "the page")
         iterations = sorted({k for run in runs for k in run["iterations"]})
-        print(f"wrote {command.output} ({command.output.stat().st_size / 1e6:.1f} MB): {len(runs)} run(s), "
-              f"iterations {', '.join(map(str, iterations))}; open it in a browser")
+        print(
+            f"wrote {command.output} ({command.output.stat().st_size / 1e6:.1f} MB): {len(runs)} run(s), "
+            f"iterations {', '.join(map(str, iterations))}; open it in a browser"
+        )
     else:
         plotted = plot_curves(list(command.runs), command.output, command.x, command.keys, command.smooth)
         print(f"wrote {command.output}: {', '.join(plotted)} for {len(command.runs)} run(s)")
 
 
 if __name__ == "__main__":
-    command = tyro.cli(Union[Annotated[Html, tyro.conf.subcommand("html")], Annotated[Curves, tyro.conf.subcommand("curves")]])
+    command = tyro.cli(
+        Union[Annotated[Html, tyro.conf.subcommand("html")], Annotated[Curves, tyro.conf.subcommand("curves")]]
+    )
     try:
         main(command)
     except UsageError as error:

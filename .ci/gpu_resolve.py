@@ -42,26 +42,45 @@ def main() -> None:
     if commands is None:
         sys.exit("gpu_resolve: README.md has no ```bash block after a <!-- gpu-install comment")
     wanted = {name: version for f in FILES for name, version in pins(ROOT / f).items()}
-    expected = [["pip", "install", f"torch=={wanted['torch']}"], ["pip", "install", "-r", FILES[0]],
-                ["pip", "install", "-r", FILES[1]]]  # each command starts with these words (flags may follow)
+    expected = [
+        ["pip", "install", f"torch=={wanted['torch']}"],
+        ["pip", "install", "-r", FILES[0]],
+        ["pip", "install", "-r", FILES[1]],
+    ]  # each command starts with these words (flags may follow)
     if len(commands) != len(expected) or any(c[: len(e)] != e for c, e in zip(commands, expected)):
         sys.exit(f"gpu_resolve: the README's GPU install should begin, in order: {expected}; it is {commands}")
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.json"
-        command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                   "--report", str(report)] + [a for f in FILES for a in ("-r", f)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+        ] + [a for f in FILES for a in ("-r", f)]
         resolved = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         if resolved.returncode != 0:
             errors = [line for line in resolved.stderr.splitlines() if not line.startswith("WARNING: Location")]
             sys.exit("gpu_resolve: the GPU install does not resolve:\n" + "\n".join(errors[-25:]))
-        installed = {normalize(item["metadata"]["name"]): item["metadata"]["version"]
-                     for item in json.loads(report.read_text())["install"]}
-    wrong = {name: (version, installed.get(normalize(name))) for name, version in wanted.items()
-             if installed.get(normalize(name), "").split("+")[0] != version}
+        installed = {
+            normalize(item["metadata"]["name"]): item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]
+        }
+    wrong = {
+        name: (version, installed.get(normalize(name)))
+        for name, version in wanted.items()
+        if installed.get(normalize(name), "").split("+")[0] != version
+    }
     if wrong:
         sys.exit(f"gpu_resolve: resolved versions differ from the pins (pin, resolved): {wrong}")
-    print("gpu_resolve: the GPU install resolves with every pin; " +
-          ", ".join(f"{name} {installed[name]}" for name in ("torch", "transformers", "vllm")))
+    print(
+        "gpu_resolve: the GPU install resolves with every pin; "
+        + ", ".join(f"{name} {installed[name]}" for name in ("torch", "transformers", "vllm"))
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ def run(command: list[str], what: str) -> str:
     start = time.monotonic()
     process = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail = "\n".join(process.stdout.splitlines()[-15:])
-    print(f"quickstart: {what} exited {process.returncode} after {time.monotonic() - start:.0f} s; last lines:\n{tail}", flush=True)
+    print(
+        f"quickstart: {what} exited {process.returncode} after {time.monotonic() - start:.0f} s; last lines:\n{tail}",
+        flush=True,
+    )
     if process.returncode != 0:
         sys.exit(f"quickstart: {what} failed")
     return process.stdout
@@ -47,8 +50,23 @@ def main() -> None:
     before, after, task, metrics, checkpoint = closing[-1]
     if not (ROOT / metrics).is_file() or not (ROOT / checkpoint / "config.json").is_file():
         sys.exit(f"quickstart: the closing line names {metrics} and {checkpoint}, which do not exist")
-    evaluation = run([sys.executable, "eval.py", "--model", checkpoint, "--task", task, "--limit", "8",
-                      "--max-new-tokens", "32", "--temperature", "0"], f"eval.py --model {checkpoint}")
+    evaluation = run(
+        [
+            sys.executable,
+            "eval.py",
+            "--model",
+            checkpoint,
+            "--task",
+            task,
+            "--limit",
+            "8",
+            "--max-new-tokens",
+            "32",
+            "--temperature",
+            "0",
+        ],
+        f"eval.py --model {checkpoint}",
+    )
     if not EVAL_LINE.search(evaluation):
         sys.exit("quickstart: eval.py printed no accuracy line for the checkpoint")
     print(f"quickstart: ok, accuracy {before} -> {after} on {task}; the checkpoint {checkpoint} loads in eval.py")

@@ -48,8 +48,21 @@ def make_fixtures(folder: Path) -> dict[str, str]:
     import spo_tree
 
     tiny = make_tiny_model(folder / "tiny")
-    paths = {name: folder / name.lower() for name in ("EMPTY", "ONLYCONFIG", "RUNDIR", "NOTOKENIZER", "TRUNCATED",
-                                                      "ARGSLIST", "ARGSNULL", "ARGSBADTYPE", "TREERUN", "NOMETRICS")}
+    paths = {
+        name: folder / name.lower()
+        for name in (
+            "EMPTY",
+            "ONLYCONFIG",
+            "RUNDIR",
+            "NOTOKENIZER",
+            "TRUNCATED",
+            "ARGSLIST",
+            "ARGSNULL",
+            "ARGSBADTYPE",
+            "TREERUN",
+            "NOMETRICS",
+        )
+    }
     for path in paths.values():
         path.mkdir()
     paths["TINY"] = tiny
@@ -110,13 +123,13 @@ CASES = [
     ("grpo_baseline.py --resume /no/such/run", "/no/such/run: not a directory"),
     ("grpo_baseline.py --resume ARGSLIST", "holds a JSON list, not a JSON object"),
     ("grpo_baseline.py --resume ARGSNULL", "holds a JSON NoneType"),
-    ("grpo_baseline.py --resume ARGSBADTYPE", "wrong type (lr = \"fast\")"),
+    ("grpo_baseline.py --resume ARGSBADTYPE", 'wrong type (lr = "fast")'),
     ("grpo_baseline.py --resume TREERUN", "resume a run with the script that started it"),
     ("grpo_baseline.py --resume EMPTY", "args.json does not exist"),
     # task files and models that are not what they claim
     ("grpo_baseline.py --model TINY --task DIRJSONL", "a directory, not a task file"),
     ("grpo_baseline.py --model TINY --task BINARY --output-dir RUNS", "is not UTF-8 text"),
-    ("grpo_baseline.py --model TINY --task NOANSWER --output-dir RUNS", "needs a string \"question\" and an \"answer\""),
+    ("grpo_baseline.py --model TINY --task NOANSWER --output-dir RUNS", 'needs a string "question" and an "answer"'),
     ("grpo_baseline.py --model TINY --task NOTJSON --output-dir RUNS", "line 2 is not valid JSON"),
     ("grpo_baseline.py --model EMPTY --task NOANSWER --output-dir RUNS", "has no config.json"),
     ("spo_chain.py --model ONLYCONFIG --task NOANSWER --output-dir RUNS", "has config.json but no weights"),
@@ -143,19 +156,34 @@ CASES = [
 
 def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeout: float = 300.0) -> dict:
     words = [fixtures.get(word, word) for word in command.split()]
-    words = [str(cwd / "out" / word) if word.startswith("OUT.") else str(cwd / "runs") if word == "RUNS" else word for word in words]
+    words = [
+        str(cwd / "out" / word) if word.startswith("OUT.") else str(cwd / "runs") if word == "RUNS" else word
+        for word in words
+    ]
     started = time.time()
-    process = subprocess.Popen([sys.executable, str(ROOT / words[0]), *words[1:]], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                               start_new_session=True)  # its own process group: a hung case is stopped with its children
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / words[0]), *words[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        start_new_session=True,
+    )  # its own process group: a hung case is stopped with its children
     try:
         _, stderr = process.communicate(timeout=timeout)
         result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
-        return {"command": command, "expected": text, "exit_code": None, "stderr_line": f"still running after {timeout:.0f} s",
-                "verdict": "hung", "seconds": round(time.time() - started, 1)}
+        return {
+            "command": command,
+            "expected": text,
+            "exit_code": None,
+            "stderr_line": f"still running after {timeout:.0f} s",
+            "verdict": "hung",
+            "seconds": round(time.time() - started, 1),
+        }
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     error_line = next((line for line in lines if line.startswith("error:")), lines[-1] if lines else "")
     if "Traceback" in result.stderr:
@@ -166,8 +194,14 @@ def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeo
         verdict = "unclear"
     else:
         verdict = "ok"
-    return {"command": command, "expected": text, "exit_code": result.returncode, "stderr_line": error_line[:300],
-            "verdict": verdict, "seconds": round(time.time() - started, 1)}
+    return {
+        "command": command,
+        "expected": text,
+        "exit_code": result.returncode,
+        "stderr_line": error_line[:300],
+        "verdict": verdict,
+        "seconds": round(time.time() - started, 1),
+    }
 
 
 def main(args: Args) -> list[dict]:
@@ -178,15 +212,29 @@ def main(args: Args) -> list[dict]:
             rows = list(pool.map(lambda case: run_case(*case, fixtures, Path(folder), args.timeout), cases))
     for row in rows:
         print(f"{row['verdict']:<9} exit {str(row['exit_code']):<4} {row['command']}\n          {row['stderr_line']}")
-    counts = {verdict: sum(r["verdict"] == verdict for r in rows) for verdict in ("ok", "traceback", "silent", "unclear", "hung")}
+    counts = {
+        verdict: sum(r["verdict"] == verdict for r in rows)
+        for verdict in ("ok", "traceback", "silent", "unclear", "hung")
+    }
     print(f"{len(rows)} cases: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()))
     if not args.only:
         from plumbing.precision import cpu_description
         from plumbing.runs import code_commit
 
-        files.write_atomic(ROOT / args.out, json.dumps({"measured": time.strftime("%Y-%m-%d"), "commit": code_commit(short=True),
-                                                       "machine": cpu_description(),
-                                                       "counts": counts, "cases": rows}, indent=1), "the probe's results")
+        files.write_atomic(
+            ROOT / args.out,
+            json.dumps(
+                {
+                    "measured": time.strftime("%Y-%m-%d"),
+                    "commit": code_commit(short=True),
+                    "machine": cpu_description(),
+                    "counts": counts,
+                    "cases": rows,
+                },
+                indent=1,
+            ),
+            "the probe's results",
+        )
         print(f"-> {args.out}")
     return rows
 

@@ -115,11 +115,14 @@ def grpo_credit(root: spo_tree.Node) -> list[float]:
     >>> [round(a, 4) for a in grpo_credit(root)]  # segment 2's responses both failed: -0.7071, whatever its value
     [1.4142, -0.7071, -0.7071, -0.7071]
     """
+
     def leaves(node: spo_tree.Node) -> list[spo_tree.Node]:
         return [node] if not node.children else [n for n, _ in spo_tree.walk(node) if not n.children]
 
     group = leaves(root)
-    advantages = grpo_baseline.group_advantages(torch.tensor([float(leaf.reward) for leaf in group]), len(group)).tolist()
+    advantages = grpo_baseline.group_advantages(
+        torch.tensor([float(leaf.reward) for leaf in group]), len(group)
+    ).tolist()
     advantage_of = {id(leaf): a for leaf, a in zip(group, advantages)}
     return [float(np.mean([advantage_of[id(leaf)] for leaf in leaves(node)])) for node, _ in spo_tree.walk(root)]
 
@@ -140,9 +143,16 @@ def edge_states(roots: list[spo_tree.Node], answers: list[str]) -> list[dict]:
         for child, advantage in zip(node.children, spo_tree.edge_advantages(node, "rloo")):
             child_path = path + tuple(child.tokens)
             end_reward = float(child.reward) if not child.children else None
-            edges.append({"question": question, "depth": child.depth, "segment_tokens": len(child.tokens),
-                          "estimates": {"spo_tree": advantage}, "parent": (prompt, path, answers[question], None),
-                          "child": (prompt, child_path, answers[question], end_reward)})
+            edges.append(
+                {
+                    "question": question,
+                    "depth": child.depth,
+                    "segment_tokens": len(child.tokens),
+                    "estimates": {"spo_tree": advantage},
+                    "parent": (prompt, path, answers[question], None),
+                    "child": (prompt, child_path, answers[question], end_reward),
+                }
+            )
             visit(child, question, prompt, child_path)
 
     for question, root in enumerate(roots):
@@ -164,15 +174,25 @@ Reward = Callable[[list[list[int]], list[bool], list[str]], list[float]]
 def graded_reward(tokenizer, task: str) -> Reward:
     """Training's reward: the response decoded once (special tokens skipped), graded by ev.grade against its
     answer; an unfinished response scores 0."""
+
     def reward(responses: list[list[int]], finished: list[bool], answers: list[str]) -> list[float]:
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
         return [score if done else 0.0 for score, done in zip(ev.grade(texts, answers, task), finished)]
+
     return reward
 
 
 def mc_rewards(
-    sampler, states: list[State], *, samples: int, reward: Reward, temperature: float, top_p: float,
-    max_new_tokens: int, context: int, stop: list[str],
+    sampler,
+    states: list[State],
+    *,
+    samples: int,
+    reward: Reward,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    context: int,
+    stop: list[str],
 ) -> tuple[list[list[float]], int]:
     """The reward of each of `samples` continuations of every state, and the tokens the continuations generated.
 
@@ -183,11 +203,21 @@ def mc_rewards(
     """
     unique = list(dict.fromkeys(states))
     open_states = [s for s in unique if s[3] is None]
-    groups = sampler.sample(
-        [list(prompt + prefix) for prompt, prefix, _, _ in open_states], samples, temperature=temperature, top_p=top_p,
-        max_new_tokens=[max_new_tokens - len(prefix) for _, prefix, _, _ in open_states], stop=stop, context=context,
-        progress="reference", generated=[len(prefix) for _, prefix, _, _ in open_states],
-    ) if open_states else []
+    groups = (
+        sampler.sample(
+            [list(prompt + prefix) for prompt, prefix, _, _ in open_states],
+            samples,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=[max_new_tokens - len(prefix) for _, prefix, _, _ in open_states],
+            stop=stop,
+            context=context,
+            progress="reference",
+            generated=[len(prefix) for _, prefix, _, _ in open_states],
+        )
+        if open_states
+        else []
+    )
     responses, finished, answers, tokens = [], [], [], 0
     for (_, prefix, answer, _), group in zip(open_states, groups):
         for continuation in group:
@@ -196,7 +226,9 @@ def mc_rewards(
             answers.append(answer)
             tokens += len(continuation.ids)
     scores = reward(responses, finished, answers) if responses else []
-    rewards_of = {state: [float(r) for r in scores[i * samples : (i + 1) * samples]] for i, state in enumerate(open_states)}
+    rewards_of = {
+        state: [float(r) for r in scores[i * samples : (i + 1) * samples]] for i, state in enumerate(open_states)
+    }
     rewards_of.update({state: [float(state[3])] * samples for state in unique if state[3] is not None})
     return [rewards_of[state] for state in states], tokens
 
@@ -209,12 +241,19 @@ def reference_advantage(before: Sequence[float], after: Sequence[float]) -> dict
     >>> reference["advantage"], round(reference["error"], 4), reference["halves"]
     (0.5, 0.2887, (0.5, 0.5))
     """
+
     def error(rewards: Sequence[float]) -> float:
         return float(np.std(rewards, ddof=1) / math.sqrt(len(rewards))) if len(rewards) > 1 else math.nan
 
     half = len(before) // 2
-    halves = tuple(float(np.mean(after[part]) - np.mean(before[part])) for part in (slice(0, half), slice(half, 2 * half)))
-    return {"advantage": float(np.mean(after) - np.mean(before)), "error": math.hypot(error(before), error(after)), "halves": halves}
+    halves = tuple(
+        float(np.mean(after[part]) - np.mean(before[part])) for part in (slice(0, half), slice(half, 2 * half))
+    )
+    return {
+        "advantage": float(np.mean(after) - np.mean(before)),
+        "error": math.hypot(error(before), error(after)),
+        "halves": halves,
+    }
 
 
 def spearman_brown(split_half_r: float | None) -> float | None:
@@ -253,11 +292,17 @@ def reference_noise(references: list[dict], groups: Sequence[int], resamples: in
     errors = [r["error"] for r in references if math.isfinite(r["error"])]
     spread = float(np.var([r["advantage"] for r in references], ddof=1)) if len(references) > 1 else 0.0
     from_errors = 1 - float(np.mean(np.square(errors))) / spread if errors and spread > 0 else None
-    return {"count": len(references), "mean_standard_error": float(np.mean(errors)) if errors else None,
-            "split_half_r": r, "split_half_r_ci": interval, "spearman_brown": spearman_brown(r),
-            "ceiling": ceiling(r), "ceiling_ci": [ceiling(bound) for bound in interval] if interval else None,
-            "reliability_from_errors": from_errors,
-            "ceiling_from_errors": math.sqrt(from_errors) if from_errors is not None and from_errors > 0 else None}
+    return {
+        "count": len(references),
+        "mean_standard_error": float(np.mean(errors)) if errors else None,
+        "split_half_r": r,
+        "split_half_r_ci": interval,
+        "spearman_brown": spearman_brown(r),
+        "ceiling": ceiling(r),
+        "ceiling_ci": [ceiling(bound) for bound in interval] if interval else None,
+        "reliability_from_errors": from_errors,
+        "ceiling_from_errors": math.sqrt(from_errors) if from_errors is not None and from_errors > 0 else None,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +350,9 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
     return pearson(ranks(x), ranks(y)) if len(x) >= 2 else None
 
 
-def sign_agreement(estimates: Sequence[float], reference: Sequence[float], threshold: float) -> tuple[float | None, int]:
+def sign_agreement(
+    estimates: Sequence[float], reference: Sequence[float], threshold: float
+) -> tuple[float | None, int]:
     """Fraction of the items with |reference| >= threshold whose estimate has the reference's sign (an estimate of
     exactly 0 agrees with neither), and how many such items there are.
 
@@ -319,12 +366,21 @@ def sign_agreement(estimates: Sequence[float], reference: Sequence[float], thres
 
 
 def bootstrap_interval(
-    statistic: Callable, estimates: Sequence[float], reference: Sequence[float], groups: Sequence[int], resamples: int, seed: int,
+    statistic: Callable,
+    estimates: Sequence[float],
+    reference: Sequence[float],
+    groups: Sequence[int],
+    resamples: int,
+    seed: int,
 ) -> tuple[float, float] | None:
     """95% percentile interval of statistic(estimates, reference) when the groups (questions) are resampled with
     replacement, each drawn group bringing all its items (an item's estimates may be a row: several estimators,
     paired); resamples where the statistic is undefined are left out. None when none is defined."""
-    estimates, reference, groups = np.asarray(estimates, dtype=float), np.asarray(reference, dtype=float), np.asarray(groups)
+    estimates, reference, groups = (
+        np.asarray(estimates, dtype=float),
+        np.asarray(reference, dtype=float),
+        np.asarray(groups),
+    )
     names = np.unique(groups)
     if len(names) == 0:
         return None
@@ -342,8 +398,15 @@ def bootstrap_interval(
     return float(low), float(high)
 
 
-def score(estimates: Sequence[float], reference: Sequence[float], groups: Sequence[int], *, sign_threshold: float,
-          resamples: int, seed: int) -> dict:
+def score(
+    estimates: Sequence[float],
+    reference: Sequence[float],
+    groups: Sequence[int],
+    *,
+    sign_threshold: float,
+    resamples: int,
+    seed: int,
+) -> dict:
     """One estimator's scores against the reference A*: count, Pearson and Spearman with 95% bootstrap intervals over
     groups, sign agreement where |A*| >= sign_threshold."""
     agreement, signed = sign_agreement(estimates, reference, sign_threshold)
@@ -401,8 +464,14 @@ def main(args: Args) -> dict:
 
     # 1. SPO-tree: one tree per question, graded; every edge with its estimates and its two states.
     step = time.time()
-    roots, _ = spo_tree.grow_trees(sampler, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens,
-                                   max_new_tokens=args.max_new_tokens, **sampling)
+    roots, _ = spo_tree.grow_trees(
+        sampler,
+        [q.prompt_ids for q in questions],
+        branches,
+        segment_tokens=args.segment_tokens,
+        max_new_tokens=args.max_new_tokens,
+        **sampling,
+    )
     spo_tree.grade_trees(roots, answers, tokenizer, args.task)
     edges = edge_states(roots, answers)
     leaves = [node for root in roots for node, _ in spo_tree.walk(root) if not node.children]
@@ -412,49 +481,82 @@ def main(args: Args) -> dict:
     # 2. Reference: K* continuations of the parent and the child state of every edge.
     step = time.time()
     states = [state for edge in edges for state in (edge["parent"], edge["child"])]
-    state_rewards, reference_tokens = mc_rewards(sampler, states, samples=args.reference_samples, reward=reward,
-                                                 max_new_tokens=args.max_new_tokens, **sampling)
+    state_rewards, reference_tokens = mc_rewards(
+        sampler, states, samples=args.reference_samples, reward=reward, max_new_tokens=args.max_new_tokens, **sampling
+    )
     for k, edge in enumerate(edges):
         edge["reference"] = reference_advantage(state_rewards[2 * k], state_rewards[2 * k + 1])
     seconds["reference"] = time.time() - step
 
     # 3. Scores: each estimator against A* on all edges and at each depth, and the reference's own noise there.
     depths = sorted({e["depth"] for e in edges})
-    subsets = {"all": edges} | ({f"depth {d}": [e for e in edges if e["depth"] == d] for d in depths} if len(depths) > 1 else {})
+    subsets = {"all": edges} | (
+        {f"depth {d}": [e for e in edges if e["depth"] == d] for d in depths} if len(depths) > 1 else {}
+    )
     scoring = dict(sign_threshold=args.sign_threshold, resamples=args.bootstrap, seed=args.seed)
     rows, noise, differences = [], {}, {}
     for subset, members in subsets.items():
         truth, groups = [e["reference"]["advantage"] for e in members], [e["question"] for e in members]
         noise[subset] = reference_noise([e["reference"] for e in members], groups, args.bootstrap, args.seed)
-        rows += [{"estimator": name, "edges": subset, **score([e["estimates"][name] for e in members], truth, groups, **scoring)}
-                 for name in ("spo_tree", "grpo")]
+        rows += [
+            {
+                "estimator": name,
+                "edges": subset,
+                **score([e["estimates"][name] for e in members], truth, groups, **scoring),
+            }
+            for name in ("spo_tree", "grpo")
+        ]
         both = np.array([[e["estimates"]["spo_tree"], e["estimates"]["grpo"]] for e in members])  # [edges, 2]
-        differences[subset] = {"pearson": pearson_difference(both, truth),
-                               "ci": bootstrap_interval(pearson_difference, both, truth, groups, args.bootstrap, args.seed)}
+        differences[subset] = {
+            "pearson": pearson_difference(both, truth),
+            "ci": bootstrap_interval(pearson_difference, both, truth, groups, args.bootstrap, args.seed),
+        }
 
     # 4. Results: JSON, PNG, table.
     seconds["total"] = time.time() - started
-    results = rounded({
-        "command": " ".join(["python"] + sys.argv), "settings": asdict(args), "seconds": seconds, "machine": {
-            "cpu": cpu_description(), "device": device, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-            "commit": runs.code_commit(short=True)},
-        "tree": {"edges": len(edges), "zero_advantage_edges": sum(e["estimates"]["spo_tree"] == 0 for e in edges),
-                 "leaves": len(leaves), "reward_mean": float(np.mean([leaf.reward for leaf in leaves])),
-                 "unfinished_leaves": sum(leaf.finish_reason != "stop" for leaf in leaves),
-                 "tokens_per_question": tree_tokens / len(questions)},
-        "reference": {"generated_tokens": reference_tokens, **noise},
-        "estimators": rows, "pearson_spo_tree_minus_grpo": differences,
-        "edge_records": [{key: e[key] for key in ("question", "depth", "segment_tokens", "estimates")} | {
-                          "reference": e["reference"]["advantage"], "reference_error": e["reference"]["error"],
-                          "reference_halves": e["reference"]["halves"]} for e in edges],
-    })
+    results = rounded(
+        {
+            "command": " ".join(["python"] + sys.argv),
+            "settings": asdict(args),
+            "seconds": seconds,
+            "machine": {
+                "cpu": cpu_description(),
+                "device": device,
+                "threads": torch.get_num_threads(),
+                "date": time.strftime("%Y-%m-%d"),
+                "commit": runs.code_commit(short=True),
+            },
+            "tree": {
+                "edges": len(edges),
+                "zero_advantage_edges": sum(e["estimates"]["spo_tree"] == 0 for e in edges),
+                "leaves": len(leaves),
+                "reward_mean": float(np.mean([leaf.reward for leaf in leaves])),
+                "unfinished_leaves": sum(leaf.finish_reason != "stop" for leaf in leaves),
+                "tokens_per_question": tree_tokens / len(questions),
+            },
+            "reference": {"generated_tokens": reference_tokens, **noise},
+            "estimators": rows,
+            "pearson_spo_tree_minus_grpo": differences,
+            "edge_records": [
+                {key: e[key] for key in ("question", "depth", "segment_tokens", "estimates")}
+                | {
+                    "reference": e["reference"]["advantage"],
+                    "reference_error": e["reference"]["error"],
+                    "reference_halves": e["reference"]["halves"],
+                }
+                for e in edges
+            ],
+        }
+    )
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=1))
     plot(results, output.with_suffix(".png"))
     print_table(results)
-    print(f"Q={args.questions} tree {args.tree} M={args.segment_tokens} K*={args.reference_samples}: {len(edges)} edges, "
-          f"leaf reward {results['tree']['reward_mean']:.3f}, {seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}")
+    print(
+        f"Q={args.questions} tree {args.tree} M={args.segment_tokens} K*={args.reference_samples}: {len(edges)} edges, "
+        f"leaf reward {results['tree']['reward_mean']:.3f}, {seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}"
+    )
     return results
 
 
@@ -466,7 +568,9 @@ def validate(args: Args) -> list[int]:
     """Every check that needs no model; returns the tree's branch factors."""
     problems = ranges.problems(args) + ev.task_problems(args.task)
     if args.reference_samples < 2:
-        problems.append(f"--reference-samples ({args.reference_samples}) must be at least 2 (its halves give the reference's noise)")
+        problems.append(
+            f"--reference-samples ({args.reference_samples}) must be at least 2 (its halves give the reference's noise)"
+        )
     try:
         branches = spo_tree.parse_tree(args.tree)
     except ValueError as error:
@@ -493,15 +597,19 @@ def print_table(results: dict) -> None:
     print(f"\n{'estimator':<10} {'edges':<8} {'n':>4} {'pearson [95% CI]':>22} {'spearman [95% CI]':>22} {'sign':>9}")
     for row in results["estimators"]:
         sign = "n/a" if row["sign_agreement"] is None else f"{row['sign_agreement']:.2f}/{row['sign_n']}"
-        print(f"{row['estimator']:<10} {row['edges']:<8} {row['n']:>4} {number(row['pearson'], row['pearson_ci']):>22} "
-              f"{number(row['spearman'], row['spearman_ci']):>22} {sign:>9}")
+        print(
+            f"{row['estimator']:<10} {row['edges']:<8} {row['n']:>4} {number(row['pearson'], row['pearson_ci']):>22} "
+            f"{number(row['spearman'], row['spearman_ci']):>22} {sign:>9}"
+        )
     for subset, difference in results["pearson_spo_tree_minus_grpo"].items():
         print(f"Pearson spo_tree - grpo on {subset} edges (paired): {number(difference['pearson'], difference['ci'])}")
     for subset in results["pearson_spo_tree_minus_grpo"]:
         noise = results["reference"][subset]
-        print(f"reference on {subset} edges: mean standard error {number(noise['mean_standard_error'])}, split-half r "
-              f"{number(noise['split_half_r'], noise['split_half_r_ci'])}, Spearman-Brown {number(noise['spearman_brown'])}, "
-              f"ceiling {number(noise['ceiling'])}; from the standard errors: reliability {number(noise['reliability_from_errors'])}")
+        print(
+            f"reference on {subset} edges: mean standard error {number(noise['mean_standard_error'])}, split-half r "
+            f"{number(noise['split_half_r'], noise['split_half_r_ci'])}, Spearman-Brown {number(noise['spearman_brown'])}, "
+            f"ceiling {number(noise['ceiling'])}; from the standard errors: reliability {number(noise['reliability_from_errors'])}"
+        )
 
 
 def plot(results: dict, path: Path) -> None:
@@ -517,20 +625,39 @@ def plot(results: dict, path: Path) -> None:
     x = np.arange(len(rows))
     for offset, key, color in ((-0.2, "pearson", "tab:blue"), (0.2, "spearman", "tab:orange")):
         heights = [row[key] if row[key] is not None else 0.0 for row in rows]
-        errors = [[max(0.0, h - row[f"{key}_ci"][0]) if row[f"{key}_ci"] else 0.0 for h, row in zip(heights, rows)],
-                  [max(0.0, row[f"{key}_ci"][1] - h) if row[f"{key}_ci"] else 0.0 for h, row in zip(heights, rows)]]
-        bars.bar(x + offset, heights, 0.4, yerr=errors, capsize=3, color=color, label=f"{key.capitalize()} (95% bootstrap CI)")
+        errors = [
+            [max(0.0, h - row[f"{key}_ci"][0]) if row[f"{key}_ci"] else 0.0 for h, row in zip(heights, rows)],
+            [max(0.0, row[f"{key}_ci"][1] - h) if row[f"{key}_ci"] else 0.0 for h, row in zip(heights, rows)],
+        ]
+        bars.bar(
+            x + offset,
+            heights,
+            0.4,
+            yerr=errors,
+            capsize=3,
+            color=color,
+            label=f"{key.capitalize()} (95% bootstrap CI)",
+        )
     for subset in dict.fromkeys(row["edges"] for row in rows):
         members = [i for i, row in enumerate(rows) if row["edges"] == subset]
         ceiling = results["reference"][subset]["ceiling"]
         if ceiling is not None:
-            bars.hlines(ceiling, min(members) - 0.45, max(members) + 0.45, colors="black", linestyles="--",
-                        label="ceiling: sqrt(split-half reliability of A*)" if subset == "all" else None)
+            bars.hlines(
+                ceiling,
+                min(members) - 0.45,
+                max(members) + 0.45,
+                colors="black",
+                linestyles="--",
+                label="ceiling: sqrt(split-half reliability of A*)" if subset == "all" else None,
+            )
     bars.axhline(0, color="gray", lw=0.8)
     bars.set_xticks(x, [f"{row['estimator']}\n{row['edges']} ({row['n']})" for row in rows], fontsize=8)
-    bars.set(ylabel="correlation with the Monte-Carlo A*", ylim=(-1.05, 1.05),
-             title=f"Segment advantages (Q={settings['questions']}, tree {settings['tree']}, M={settings['segment_tokens']}, "
-                   f"K*={settings['reference_samples']})")
+    bars.set(
+        ylabel="correlation with the Monte-Carlo A*",
+        ylim=(-1.05, 1.05),
+        title=f"Segment advantages (Q={settings['questions']}, tree {settings['tree']}, M={settings['segment_tokens']}, "
+        f"K*={settings['reference_samples']})",
+    )
     bars.legend(fontsize=8, loc="lower right")
     bars.grid(axis="y", alpha=0.3)
 
@@ -540,12 +667,18 @@ def plot(results: dict, path: Path) -> None:
         scatter.scatter(reference, [e["estimates"][name] for e in edges], s=16, alpha=0.6, marker=marker, label=name)
     scatter.axhline(0, color="gray", lw=0.8)
     scatter.axvline(0, color="gray", lw=0.8)
-    scatter.set(xlabel="reference A* = V*(child) - V*(parent)", ylabel="estimated advantage (raw scale)",
-                title="Estimates against A* on the same edges")
+    scatter.set(
+        xlabel="reference A* = V*(child) - V*(parent)",
+        ylabel="estimated advantage (raw scale)",
+        title="Estimates against A* on the same edges",
+    )
     scatter.legend(fontsize=8)
     scatter.grid(alpha=0.3)
-    fig.suptitle(f"{settings['model']} on {settings['task']}, temperature {settings['temperature']}, top_p {settings['top_p']}, "
-                 f"{settings['max_new_tokens']} new tokens", fontsize=10)
+    fig.suptitle(
+        f"{settings['model']} on {settings['task']}, temperature {settings['temperature']}, top_p {settings['top_p']}, "
+        f"{settings['max_new_tokens']} new tokens",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

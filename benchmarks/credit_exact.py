@@ -166,8 +166,16 @@ class Args:
     """torch CPU threads"""
 
 
-TINY = dict(horizon=4, prompts=["21", "13"], seeds=[0, 1, 2], budgets=[16, 64], pretrain_steps=300, tree_depth=2,
-            critic_batches=1, bootstrap=200)
+TINY = dict(
+    horizon=4,
+    prompts=["21", "13"],
+    seeds=[0, 1, 2],
+    budgets=[16, 64],
+    pretrain_steps=300,
+    tree_depth=2,
+    critic_batches=1,
+    bootstrap=200,
+)
 
 EOS, DIGITS = 0, 4  # token 0 ends a response; token d + 1 is the digit d
 VOCAB = DIGITS + 1
@@ -209,9 +217,17 @@ def make_policy(args: Args) -> tuple[LlamaForCausalLM, float]:
     """The tiny Llama (built from a config: no download), pre-trained on the corpus of every two-digit prompt; returns
     it in eval mode and its last pre-training loss."""
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 + args.horizon + 1,
-        pad_token_id=EOS, eos_token_id=EOS, bos_token_id=None, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 + args.horizon + 1,
+        pad_token_id=EOS,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(args.policy_seed)
     model = LlamaForCausalLM(config)
@@ -221,7 +237,9 @@ def make_policy(args: Args) -> tuple[LlamaForCausalLM, float]:
         rows = []
         for _ in range(args.pretrain_batch):
             prompt, target = parse_prompt(f"{rng.randint(0, 3)}{rng.randint(0, 3)}")
-            rows.append(prompt + [d + 1 for d in corpus_response(target, args.mistake_rate, rng)][: args.horizon - 1] + [EOS])
+            rows.append(
+                prompt + [d + 1 for d in corpus_response(target, args.mistake_rate, rng)][: args.horizon - 1] + [EOS]
+            )
         width = max(map(len, rows))
         input_ids = torch.tensor([row + [EOS] * (width - len(row)) for row in rows])  # [batch, width]
         attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])  # [batch, width]
@@ -309,15 +327,25 @@ def reward(exact: Exact, response: list[int], finish_reason: str) -> float:
 
 
 @torch.no_grad()
-def enumerate_exact(model, prompt: list[int], target: int, horizon: int, temperature: float, micro_batch_size: int) -> Exact:
+def enumerate_exact(
+    model, prompt: list[int], target: int, horizon: int, temperature: float, micro_batch_size: int
+) -> Exact:
     """The exact answer for one prompt: one forward pass per prefix (the prefixes of a length in batches, no padding),
     then the values from the horizon back to the prompt. Probabilities in float64 from logits / temperature."""
     probs, reach = [], [np.ones(1)]
     for k in range(horizon):
         index = np.arange(DIGITS**k)
-        digits = np.stack([index // DIGITS ** (k - 1 - j) % DIGITS for j in range(k)], axis=1) if k else np.zeros((1, 0), int)
-        input_ids = torch.cat([torch.tensor(prompt).expand(len(index), -1), torch.from_numpy(digits + 1)], dim=1)  # [4^k, P + k]
-        logits = torch.cat([model(input_ids=chunk.to(model.device)).logits[:, -1] for chunk in input_ids.split(micro_batch_size * 16)])
+        digits = (
+            np.stack([index // DIGITS ** (k - 1 - j) % DIGITS for j in range(k)], axis=1)
+            if k
+            else np.zeros((1, 0), int)
+        )
+        input_ids = torch.cat(
+            [torch.tensor(prompt).expand(len(index), -1), torch.from_numpy(digits + 1)], dim=1
+        )  # [4^k, P + k]
+        logits = torch.cat(
+            [model(input_ids=chunk.to(model.device)).logits[:, -1] for chunk in input_ids.split(micro_batch_size * 16)]
+        )
         probs.append(torch.softmax(logits.double() / temperature, dim=-1).cpu().numpy())  # [4^k, VOCAB]
         reach.append((reach[-1][:, None] * probs[-1][:, 1:]).reshape(-1))
     values = [np.zeros(DIGITS**horizon)]
@@ -352,7 +380,9 @@ def exact_gradient(model, exacts: list[Exact], temperature: float, micro_batch_s
         batch = collate([samples[i] for i in indices], EOS, model.device)
         logps = response_logprobs(model, batch, temperature, precision=FP32)  # [rows, R]
         log_probability = (logps * batch["response_mask"]).sum(-1)  # [rows], log P(y)
-        (torch.tensor([weights[i] for i in indices], dtype=logps.dtype, device=logps.device) @ log_probability).backward()
+        (
+            torch.tensor([weights[i] for i in indices], dtype=logps.dtype, device=logps.device) @ log_probability
+        ).backward()
     gradient = flat_gradient(model)
     model.zero_grad(set_to_none=True)
     return gradient
@@ -365,7 +395,9 @@ def expected_reward(exacts: list[Exact]) -> float:
 
 def flat_gradient(model) -> torch.Tensor:
     """Every parameter's .grad in one flat float64 vector (zeros where a parameter has none)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double().cpu() for p in model.parameters()])
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double().cpu() for p in model.parameters()]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,15 +415,29 @@ class ExactSampler:
         self.rng = np.random.default_rng(seed)
         self.tokens = 0  # every token sampled so far
 
-    def sample(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float, max_new_tokens: int | list[int],
-               stop=(), context: int | None = None, progress: str | None = None, generated: int | list[int] = 0) -> list[list[Completion]]:
+    def sample(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int | list[int],
+        stop=(),
+        context: int | None = None,
+        progress: str | None = None,
+        generated: int | list[int] = 0,
+    ) -> list[list[Completion]]:
         if temperature != self.temperature or top_p != 1.0 or stop:
             raise ValueError(f"the tables hold temperature {self.temperature}, top_p 1, no stop strings")
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         counts = generated if isinstance(generated, list) else [generated] * len(prompts)
         results = []
         for sequence, budget, count in zip(prompts, budgets, counts):
-            exact, prefix = self.tables[tuple(sequence[: len(sequence) - count])], list(sequence[len(sequence) - count :])
+            exact, prefix = (
+                self.tables[tuple(sequence[: len(sequence) - count])],
+                list(sequence[len(sequence) - count :]),
+            )
             limit = min(budget, context - len(sequence)) if context else budget
             if len(prefix) + limit > exact.horizon or EOS in prefix:
                 raise ValueError(f"cannot continue {prefix} by {limit} tokens within the horizon {exact.horizon}")
@@ -416,14 +462,24 @@ class ExactSampler:
             if not alive.any():
                 break
         self.tokens += int(lengths.sum())
-        return [Completion(ids=tokens[i, : lengths[i]].tolist(), finish_reason="stop" if finished[i] else "length") for i in range(n)]
+        return [
+            Completion(ids=tokens[i, : lengths[i]].tolist(), finish_reason="stop" if finished[i] else "length")
+            for i in range(n)
+        ]
 
 
-def draw_responses(sampler: ExactSampler, exacts: list[Exact], group_size: int) -> tuple[list[dict], list[Exact], list[float]]:
+def draw_responses(
+    sampler: ExactSampler, exacts: list[Exact], group_size: int
+) -> tuple[list[dict], list[Exact], list[float]]:
     """G responses per prompt, a prompt's responses together (GRPO's groups): the samples (prompt_ids, response_ids),
     each one's Exact and its reward."""
-    groups = sampler.sample([exact.prompt for exact in exacts], group_size, temperature=sampler.temperature, top_p=1.0,
-                            max_new_tokens=exacts[0].horizon)
+    groups = sampler.sample(
+        [exact.prompt for exact in exacts],
+        group_size,
+        temperature=sampler.temperature,
+        top_p=1.0,
+        max_new_tokens=exacts[0].horizon,
+    )
     samples, owners, rewards = [], [], []
     for exact, group in zip(exacts, groups):
         for completion in group:
@@ -440,11 +496,22 @@ def mc_state_values(sampler: ExactSampler, states: list[tuple[Exact, tuple[int, 
     unique = list(dict.fromkeys((id(exact), prefix) for exact, prefix in states))
     owner = {id(exact): exact for exact, _ in states}
     open_states = [(owner[key], prefix) for key, prefix in unique if EOS not in prefix]
-    groups = sampler.sample([exact.prompt + list(prefix) for exact, prefix in open_states], mc_samples, temperature=sampler.temperature,
-                            top_p=1.0, max_new_tokens=[exact.horizon - len(prefix) for exact, prefix in open_states],
-                            generated=[len(prefix) for _, prefix in open_states]) if open_states else []
-    values = {(id(exact), prefix): float(np.mean([reward(exact, list(prefix) + c.ids, c.finish_reason) for c in group]))
-              for (exact, prefix), group in zip(open_states, groups)}
+    groups = (
+        sampler.sample(
+            [exact.prompt + list(prefix) for exact, prefix in open_states],
+            mc_samples,
+            temperature=sampler.temperature,
+            top_p=1.0,
+            max_new_tokens=[exact.horizon - len(prefix) for exact, prefix in open_states],
+            generated=[len(prefix) for _, prefix in open_states],
+        )
+        if open_states
+        else []
+    )
+    values = {
+        (id(exact), prefix): float(np.mean([reward(exact, list(prefix) + c.ids, c.finish_reason) for c in group]))
+        for (exact, prefix), group in zip(open_states, groups)
+    }
     values.update({(key, prefix): reward(owner[key], list(prefix), "stop") for key, prefix in unique if EOS in prefix})
     return values
 
@@ -477,8 +544,16 @@ def loss_gradient(model, accumulate, samples: list[dict], args: Args) -> torch.T
     """The gradient of one batch's loss as the script computes it: accumulate(model, samples, **settings) is its
     accumulate_gradients, with beta 0 and fp32."""
     model.zero_grad(set_to_none=True)
-    accumulate(model, samples, micro_batch_size=args.micro_batch_size, temperature=args.temperature, clip_eps=args.clip_eps,
-               beta=0.0, pad_id=EOS, precision=FP32)
+    accumulate(
+        model,
+        samples,
+        micro_batch_size=args.micro_batch_size,
+        temperature=args.temperature,
+        clip_eps=args.clip_eps,
+        beta=0.0,
+        pad_id=EOS,
+        precision=FP32,
+    )
     gradient = flat_gradient(model)
     model.zero_grad(set_to_none=True)
     return gradient
@@ -486,7 +561,11 @@ def loss_gradient(model, accumulate, samples: list[dict], args: Args) -> torch.T
 
 def trained_estimates(samples: list[dict], advantages: list[list[float]]) -> list[float]:
     """Each token's advantage where the sample's loss mask keeps it, else 0, all responses in one list."""
-    return [a if kept else 0.0 for s, response in zip(samples, advantages) for a, kept in zip(response, s["loss_mask"].tolist())]
+    return [
+        a if kept else 0.0
+        for s, response in zip(samples, advantages)
+        for a, kept in zip(response, s["loss_mask"].tolist())
+    ]
 
 
 def truth_of(samples: list[dict], owners: list[Exact]) -> list[float]:
@@ -497,14 +576,24 @@ def run_grpo(model, sampler, exacts, group_size: int, args: Args) -> dict[str, R
     """grpo_baseline: group-normalised rewards on every token; the loss through attach_targets + accumulate_gradients."""
     samples, owners, rewards = draw_responses(sampler, exacts, group_size)
     advantages = grpo_baseline.group_advantages(torch.tensor(rewards), group_size)  # [N]
-    script_args = grpo_baseline.Args(temperature=args.temperature, micro_batch_size=args.micro_batch_size, prob_mask=False,
-                                     prob_threshold=args.prob_threshold, beta=0.0)
+    script_args = grpo_baseline.Args(
+        temperature=args.temperature,
+        micro_batch_size=args.micro_batch_size,
+        prob_mask=False,
+        prob_threshold=args.prob_threshold,
+        beta=0.0,
+    )
     grpo_baseline.attach_targets(samples, advantages, model, None, script_args, EOS, on_policy=False, precision=FP32)
     per_token = [[float(a)] * len(s["response_ids"]) for a, s in zip(advantages, samples)]
-    run = Run(sampler.tokens, trained_estimates(samples, per_token), truth_of(samples, owners), advantages.tolist(),
-              [r - exact.value([]) for r, exact in zip(rewards, owners)],
-              loss_gradient(model, grpo_baseline.accumulate_gradients, samples, args),
-              {"samples": samples, "rewards": rewards})
+    run = Run(
+        sampler.tokens,
+        trained_estimates(samples, per_token),
+        truth_of(samples, owners),
+        advantages.tolist(),
+        [r - exact.value([]) for r, exact in zip(rewards, owners)],
+        loss_gradient(model, grpo_baseline.accumulate_gradients, samples, args),
+        {"samples": samples, "rewards": rewards},
+    )
     return {"grpo": run}
 
 
@@ -529,27 +618,46 @@ def run_chain(model, sampler, exacts, group_size: int, args: Args, interval: int
         cutpoints = [list(range(-1, len(p) - 1)) for p in probs]
     else:
         cutpoints = [spo_chain.find_cutpoints(p, args.prob_threshold, interval) for p in probs]
-    states = [(exact, tuple(s["response_ids"][: c + 1])) for s, exact, cuts in zip(samples, owners, cutpoints) for c in cuts]
+    states = [
+        (exact, tuple(s["response_ids"][: c + 1])) for s, exact, cuts in zip(samples, owners, cutpoints) for c in cuts
+    ]
     estimated = mc_state_values(sampler, states, args.mc_samples)
-    values = [[estimated[(id(exact), tuple(s["response_ids"][: c + 1]))] for c in cuts] for s, exact, cuts in zip(samples, owners, cutpoints)]
+    values = [
+        [estimated[(id(exact), tuple(s["response_ids"][: c + 1]))] for c in cuts]
+        for s, exact, cuts in zip(samples, owners, cutpoints)
+    ]
     flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # [all response tokens], p_t
     truth, segment_estimates, segment_truth = truth_of(samples, owners), [], []
-    raw = [spo_chain.chain_advantages(p, cuts, v, r, args.prob_threshold, prob_mask=False)
-           for p, cuts, v, r in zip(probs, cutpoints, values, rewards)]
+    raw = [
+        spo_chain.chain_advantages(p, cuts, v, r, args.prob_threshold, prob_mask=False)
+        for p, cuts, v, r in zip(probs, cutpoints, values, rewards)
+    ]
     for s, exact, cuts, advantages in zip(samples, owners, cutpoints, raw):
         for first, last in chain_segments(cuts, len(advantages)):
             segment_estimates.append(advantages[last])
             segment_truth.append(exact.value(s["response_ids"][: last + 1]) - exact.value(s["response_ids"][:first]))
     name = "mc_token" if interval is None else f"spo_chain_int{interval}"
     runs = {}
-    for prob_mask in ((False,) if interval is None else (True, False)):
-        advantages = [spo_chain.chain_advantages(p, cuts, v, r, args.prob_threshold, prob_mask)
-                      for p, cuts, v, r in zip(probs, cutpoints, values, rewards)]
+    for prob_mask in (False,) if interval is None else (True, False):
+        advantages = [
+            spo_chain.chain_advantages(p, cuts, v, r, args.prob_threshold, prob_mask)
+            for p, cuts, v, r in zip(probs, cutpoints, values, rewards)
+        ]
         spo_chain.attach_advantages(samples, advantages, flat_probs, args.prob_threshold, prob_mask)
         runs[name + ("" if prob_mask or interval is None else "_nomask")] = Run(
-            sampler.tokens, trained_estimates(samples, advantages), truth, segment_estimates, segment_truth,
+            sampler.tokens,
+            trained_estimates(samples, advantages),
+            truth,
+            segment_estimates,
+            segment_truth,
             loss_gradient(model, spo_chain.accumulate_gradients, samples, args),
-            {"samples": [dict(s) for s in samples], "rewards": rewards, "probs": probs, "cutpoints": cutpoints, "values": values},
+            {
+                "samples": [dict(s) for s in samples],
+                "rewards": rewards,
+                "probs": probs,
+                "cutpoints": cutpoints,
+                "values": values,
+            },
         )
     return runs
 
@@ -559,23 +667,40 @@ def run_exact_advantage(model, sampler, exacts, group_size: int, args: Args) -> 
     samples, owners, _ = draw_responses(sampler, exacts, group_size)
     probs = attach_old_logprobs(model, samples, args)
     advantages = [exact.advantages(s["response_ids"]) for s, exact in zip(samples, owners)]
-    spo_chain.attach_advantages(samples, advantages, torch.tensor([p for ps in probs for p in ps]), args.prob_threshold, False)
-    return {"exact_advantage": Run(sampler.tokens, [], [], [], [], loss_gradient(model, spo_chain.accumulate_gradients, samples, args))}
+    spo_chain.attach_advantages(
+        samples, advantages, torch.tensor([p for ps in probs for p in ps]), args.prob_threshold, False
+    )
+    return {
+        "exact_advantage": Run(
+            sampler.tokens, [], [], [], [], loss_gradient(model, spo_chain.accumulate_gradients, samples, args)
+        )
+    }
 
 
 def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
     """spo_tree: one tree per prompt grown by grow_trees (tree_depth levels of `branch` children, M tokens per segment),
     leaves graded by the reward, tree_segments' edges as samples; the loss through attach_targets + accumulate_gradients,
     with the probability mask and without (the same trees)."""
-    roots, _ = spo_tree.grow_trees(sampler, [exact.prompt for exact in exacts], [branch] * args.tree_depth,
-                                   segment_tokens=args.segment_tokens, max_new_tokens=args.horizon, context=2 + args.horizon,
-                                   temperature=args.temperature, top_p=1.0, stop=[])
+    roots, _ = spo_tree.grow_trees(
+        sampler,
+        [exact.prompt for exact in exacts],
+        [branch] * args.tree_depth,
+        segment_tokens=args.segment_tokens,
+        max_new_tokens=args.horizon,
+        context=2 + args.horizon,
+        temperature=args.temperature,
+        top_p=1.0,
+        stop=[],
+    )
     for exact, root in zip(exacts, roots):
         for node, before in spo_tree.walk(root):
             if not node.children:
                 node.reward = reward(exact, before + node.tokens, node.finish_reason)
-    samples = [{"prompt_ids": query, "response_ids": segment, "advantage": advantage}
-               for root in roots for query, segment, advantage in spo_tree.tree_segments(root, "rloo")]  # backs the values up
+    samples = [
+        {"prompt_ids": query, "response_ids": segment, "advantage": advantage}
+        for root in roots
+        for query, segment, advantage in spo_tree.tree_segments(root, "rloo")
+    ]  # backs the values up
     # Every edge (zero ones too: the estimator gives them 0) beside its truth, per token and as a segment, in
     # tree_segments' order (depth-first pre-order), so the non-zero ones line up with the samples.
     edges = []  # (Exact, ids before the segment, segment ids, edge advantage)
@@ -587,31 +712,62 @@ def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
 
     for exact, root in zip(exacts, roots):
         visit(exact, root, [])
-    truth = [a for exact, before, segment, _ in edges for a in exact.advantages(before + segment)[len(before):]]
+    truth = [a for exact, before, segment, _ in edges for a in exact.advantages(before + segment)[len(before) :]]
     segment_truth = [exact.value(before + segment) - exact.value(before) for exact, before, segment, _ in edges]
     segment_estimates = [advantage for *_, advantage in edges]
     attach_old_logprobs(model, samples, args)
     runs = {}
     for prob_mask in (True, False):
-        spo_tree.attach_targets(samples, None, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-                                pad_id=EOS, prob_threshold=args.prob_threshold, prob_mask=prob_mask, precision=FP32)
+        spo_tree.attach_targets(
+            samples,
+            None,
+            micro_batch_size=args.micro_batch_size,
+            temperature=args.temperature,
+            pad_id=EOS,
+            prob_threshold=args.prob_threshold,
+            prob_mask=prob_mask,
+            precision=FP32,
+        )
         estimates, trained = [], iter(samples)
         for *_, segment, advantage in edges:
-            kept = next(trained)["loss_mask"].tolist() if advantage != 0 else [False] * len(segment)  # a zero edge is not trained
+            kept = (
+                next(trained)["loss_mask"].tolist() if advantage != 0 else [False] * len(segment)
+            )  # a zero edge is not trained
             estimates += [advantage if keep else 0.0 for keep in kept]
         runs["spo_tree" + ("" if prob_mask else "_nomask")] = Run(
-            sampler.tokens, estimates, truth, segment_estimates, segment_truth,
+            sampler.tokens,
+            estimates,
+            truth,
+            segment_estimates,
+            segment_truth,
             loss_gradient(model, spo_tree.accumulate_gradients, samples, args) if samples else None,
             {"samples": [dict(s) for s in samples], "roots": roots},
         )
     # Reference: the same trees' edges with their exact advantage V(child) - V(parent), through the same loss.
-    exact_edges = [{"prompt_ids": exact.prompt + before, "response_ids": segment, "advantage": value}
-                   for (exact, before, segment, _), value in zip(edges, segment_truth) if value != 0]
+    exact_edges = [
+        {"prompt_ids": exact.prompt + before, "response_ids": segment, "advantage": value}
+        for (exact, before, segment, _), value in zip(edges, segment_truth)
+        if value != 0
+    ]
     attach_old_logprobs(model, exact_edges, args)
-    spo_tree.attach_targets(exact_edges, None, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-                            pad_id=EOS, prob_threshold=args.prob_threshold, prob_mask=True, precision=FP32)
-    runs["spo_tree_exact_edges"] = Run(sampler.tokens, [], [], [], [], loss_gradient(model, spo_tree.accumulate_gradients, exact_edges, args)
-                                       if exact_edges else None)
+    spo_tree.attach_targets(
+        exact_edges,
+        None,
+        micro_batch_size=args.micro_batch_size,
+        temperature=args.temperature,
+        pad_id=EOS,
+        prob_threshold=args.prob_threshold,
+        prob_mask=True,
+        precision=FP32,
+    )
+    runs["spo_tree_exact_edges"] = Run(
+        sampler.tokens,
+        [],
+        [],
+        [],
+        [],
+        loss_gradient(model, spo_tree.accumulate_gradients, exact_edges, args) if exact_edges else None,
+    )
     return runs
 
 
@@ -624,10 +780,19 @@ def train_critic(model, critic, sampler, exacts, group_size: int, lam: float, ar
     critic.train()
     for _ in range(args.critic_batches):
         samples, _, rewards = draw_responses(sampler, exacts, group_size)
-        ppo_baseline.add_old_logprobs_and_values(samples, model, None, critic, micro_batch_size=args.micro_batch_size,
-                                                 temperature=args.temperature, pad_id=EOS, precision=FP32)
-        ppo_baseline.add_advantages_and_returns(samples, torch.tensor(rewards), gamma=1.0, lam=lam, prob_threshold=args.prob_threshold,
-                                                prob_mask=False)
+        ppo_baseline.add_old_logprobs_and_values(
+            samples,
+            model,
+            None,
+            critic,
+            micro_batch_size=args.micro_batch_size,
+            temperature=args.temperature,
+            pad_id=EOS,
+            precision=FP32,
+        )
+        ppo_baseline.add_advantages_and_returns(
+            samples, torch.tensor(rewards), gamma=1.0, lam=lam, prob_threshold=args.prob_threshold, prob_mask=False
+        )
         for _ in range(args.critic_epochs):
             order = torch.randperm(len(samples), generator=generator).tolist()
             for start in range(0, len(order), args.critic_batch_size):
@@ -637,8 +802,14 @@ def train_critic(model, critic, sampler, exacts, group_size: int, lam: float, ar
                 for indices in micro_batches(step, args.micro_batch_size):
                     batch = collate([step[i] for i in indices], EOS, model.device)
                     values = ppo_baseline.response_values(critic, batch)  # [rows, R]
-                    loss, _ = ppo_baseline.value_loss(values, batch["old_values"], batch["returns"], batch["response_mask"],
-                                                      args.value_clip_eps, tokens)
+                    loss, _ = ppo_baseline.value_loss(
+                        values,
+                        batch["old_values"],
+                        batch["returns"],
+                        batch["response_mask"],
+                        args.value_clip_eps,
+                        tokens,
+                    )
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
                 optimizer.step()
@@ -651,18 +822,49 @@ def run_ppo(model, sampler, exacts, group_size: int, args: Args, lam: float) -> 
     critic = ppo_baseline.make_critic(model, FP32)
     train_critic(model, critic, sampler, exacts, group_size, lam, args)
     samples, owners, rewards = draw_responses(sampler, exacts, group_size)
-    ppo_baseline.add_old_logprobs_and_values(samples, model, None, critic, micro_batch_size=args.micro_batch_size,
-                                             temperature=args.temperature, pad_id=EOS, precision=FP32)
-    gae = ppo_baseline.add_advantages_and_returns(samples, torch.tensor(rewards), gamma=1.0, lam=lam,
-                                                  prob_threshold=args.prob_threshold, prob_mask=False)  # [N, T]
+    ppo_baseline.add_old_logprobs_and_values(
+        samples,
+        model,
+        None,
+        critic,
+        micro_batch_size=args.micro_batch_size,
+        temperature=args.temperature,
+        pad_id=EOS,
+        precision=FP32,
+    )
+    gae = ppo_baseline.add_advantages_and_returns(
+        samples, torch.tensor(rewards), gamma=1.0, lam=lam, prob_threshold=args.prob_threshold, prob_mask=False
+    )  # [N, T]
     advantages = [gae[i, : len(s["response_ids"])].tolist() for i, s in enumerate(samples)]
     estimates, truth = trained_estimates(samples, advantages), truth_of(samples, owners)
-    values_error = float(np.mean([(v - exact.value(s["response_ids"][:t])) ** 2 for s, exact in zip(samples, owners)
-                                  for t, v in enumerate(s["old_values"].tolist())]))
-    gradient = loss_gradient(model, lambda model, samples, **settings: ppo_baseline.accumulate_gradients(
-        model, critic, samples, value_clip_eps=args.value_clip_eps, **settings), samples, args)  # the critic's part is not read
-    return {f"ppo_lam{lam:g}": Run(sampler.tokens, estimates, truth, estimates, truth, gradient,
-                                   {"samples": samples, "rewards": rewards, "critic_value_mse": values_error})}
+    values_error = float(
+        np.mean(
+            [
+                (v - exact.value(s["response_ids"][:t])) ** 2
+                for s, exact in zip(samples, owners)
+                for t, v in enumerate(s["old_values"].tolist())
+            ]
+        )
+    )
+    gradient = loss_gradient(
+        model,
+        lambda model, samples, **settings: ppo_baseline.accumulate_gradients(
+            model, critic, samples, value_clip_eps=args.value_clip_eps, **settings
+        ),
+        samples,
+        args,
+    )  # the critic's part is not read
+    return {
+        f"ppo_lam{lam:g}": Run(
+            sampler.tokens,
+            estimates,
+            truth,
+            estimates,
+            truth,
+            gradient,
+            {"samples": samples, "rewards": rewards, "critic_value_mse": values_error},
+        )
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,7 +893,10 @@ def pilot_costs(exacts: list[Exact], args: Args, seed: int = 10**6, repeats: int
     largest budget. GRPO's, exact_advantage's and PPO's are G times the exact expected response length (PPO: times its
     critic's batches + 1). SPO-chain's and the per-token MC's grow more slowly than G, since identical cutpoint states
     are estimated once: they are drawn (p_t from the tables here; the runs take them from the model), as are the trees."""
-    sampler, mean_length = ExactSampler(exacts, args.temperature, seed), float(np.mean([e.expected_length() for e in exacts]))
+    sampler, mean_length = (
+        ExactSampler(exacts, args.temperature, seed),
+        float(np.mean([e.expected_length() for e in exacts])),
+    )
     costs: dict[str, object] = {"grpo": mean_length, "exact_advantage": mean_length}
     costs.update({f"ppo_lam{lam:g}": (args.critic_batches + 1) * mean_length for lam in args.lams})
 
@@ -711,15 +916,30 @@ def pilot_costs(exacts: list[Exact], args: Args, seed: int = 10**6, repeats: int
         states = []
         for s, exact in zip(samples, owners):
             probs = exact.token_probs(s["response_ids"])
-            cuts = list(range(-1, len(probs) - 1)) if interval is None else spo_chain.find_cutpoints(probs, args.prob_threshold, interval)
+            cuts = (
+                list(range(-1, len(probs) - 1))
+                if interval is None
+                else spo_chain.find_cutpoints(probs, args.prob_threshold, interval)
+            )
             states += [(exact, tuple(s["response_ids"][: c + 1])) for c in cuts]
         mc_state_values(sampler, states, args.mc_samples)
 
     for name, interval in [(f"spo_chain_int{i}", i) for i in args.intervals] + [("mc_token", None)]:
         costs[name] = measured(lambda size, interval=interval: chain_draw(size, interval), SIZES)
-    costs["spo_tree"] = measured(lambda branch: spo_tree.grow_trees(
-        sampler, [e.prompt for e in exacts], [branch] * args.tree_depth, segment_tokens=args.segment_tokens, max_new_tokens=args.horizon,
-        context=2 + args.horizon, temperature=args.temperature, top_p=1.0, stop=[]), range(2, 100))
+    costs["spo_tree"] = measured(
+        lambda branch: spo_tree.grow_trees(
+            sampler,
+            [e.prompt for e in exacts],
+            [branch] * args.tree_depth,
+            segment_tokens=args.segment_tokens,
+            max_new_tokens=args.horizon,
+            context=2 + args.horizon,
+            temperature=args.temperature,
+            top_p=1.0,
+            stop=[],
+        ),
+        range(2, 100),
+    )
     return costs
 
 
@@ -740,7 +960,15 @@ def size_for(cost, budget: int, smallest: int) -> int | None:
 # ----------------------------------------------------------------------------------------------
 # Scores and the paired bootstrap
 
-METRICS = ("token_pearson", "token_mse", "token_sign", "segment_pearson", "segment_mse", "segment_sign", "gradient_cosine")
+METRICS = (
+    "token_pearson",
+    "token_mse",
+    "token_sign",
+    "segment_pearson",
+    "segment_mse",
+    "segment_sign",
+    "gradient_cosine",
+)
 LOWER_IS_BETTER = {"token_mse", "segment_mse"}
 REFERENCES = {"exact_advantage", "spo_tree_exact_edges"}  # not ranked: they read the answer
 
@@ -753,11 +981,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
 def score(run: Run, exact_grad: torch.Tensor, sign_threshold: float) -> dict:
     """One run's measures (None where undefined, e.g. a correlation with a constant side)."""
     out = {"tokens": run.tokens}
-    for unit, estimates, truth in (("token", run.token_estimates, run.token_truth), ("segment", run.segment_estimates, run.segment_truth)):
+    for unit, estimates, truth in (
+        ("token", run.token_estimates, run.token_truth),
+        ("segment", run.segment_estimates, run.segment_truth),
+    ):
         out[f"{unit}_pearson"] = pearson(estimates, truth)
         out[f"{unit}_mse"] = float(np.mean((np.asarray(estimates) - np.asarray(truth)) ** 2)) if estimates else None
         out[f"{unit}_sign"] = sign_agreement(estimates, truth, sign_threshold)[0]
-    out["gradient_cosine"] = None if run.gradient is None else cosine(-run.gradient, exact_grad)  # the loss is minimised
+    out["gradient_cosine"] = (
+        None if run.gradient is None else cosine(-run.gradient, exact_grad)
+    )  # the loss is minimised
     return out
 
 
@@ -772,7 +1005,9 @@ def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int, seed: int) -> 
     if not both.any():
         return None
     difference = (a - b)[both]
-    draws = np.random.default_rng(seed).integers(len(difference), size=(resamples, len(difference)))  # [resamples, seeds]
+    draws = np.random.default_rng(seed).integers(
+        len(difference), size=(resamples, len(difference))
+    )  # [resamples, seeds]
     low, high = np.percentile(difference[draws].mean(1), [2.5, 97.5])
     return [float(difference.mean()), float(low), float(high)]
 
@@ -781,10 +1016,16 @@ def summarise(per_seed: dict[str, list[dict]], resamples: int, seed: int) -> dic
     """Per estimator and measure: the mean over seeds with its 95% bootstrap interval, and the paired difference from
     the measure's best estimator (the references, which read the answer, are not ranked); per measure, the paired
     difference of every two ranked estimators ("a - b": [mean, low, high]). Rows are in seed order."""
-    out = {name: {"size": rows[0]["size"], "tokens": float(np.mean([r["tokens"] for r in rows]))} for name, rows in per_seed.items()}
+    out = {
+        name: {"size": rows[0]["size"], "tokens": float(np.mean([r["tokens"] for r in rows]))}
+        for name, rows in per_seed.items()
+    }
     best, pairwise = {}, {}
     for metric in METRICS:
-        columns = {name: np.array([np.nan if r[metric] is None else r[metric] for r in rows], dtype=float) for name, rows in per_seed.items()}
+        columns = {
+            name: np.array([np.nan if r[metric] is None else r[metric] for r in rows], dtype=float)
+            for name, rows in per_seed.items()
+        }
         means = {name: float(np.nanmean(c)) if np.isfinite(c).any() else None for name, c in columns.items()}
         ranked = [name for name in columns if name not in REFERENCES and means[name] is not None]
         best[metric] = (min if metric in LOWER_IS_BETTER else max)(ranked, key=means.get) if ranked else None
@@ -793,10 +1034,15 @@ def summarise(per_seed: dict[str, list[dict]], resamples: int, seed: int) -> dic
             entry = {"mean": means[name], "n": int(np.isfinite(column).sum()), "ci": interval[1:] if interval else None}
             if best[metric] is not None and name != best[metric]:
                 difference = paired_interval(column, columns[best[metric]], resamples, seed)
-                entry["minus_best"], entry["minus_best_ci"] = (difference[0], difference[1:]) if difference else (None, None)
+                entry["minus_best"], entry["minus_best_ci"] = (
+                    (difference[0], difference[1:]) if difference else (None, None)
+                )
             out[name][metric] = entry
-        pairwise[metric] = {f"{a} - {b}": paired_interval(columns[a], columns[b], resamples, seed)
-                            for i, a in enumerate(ranked) for b in ranked[i + 1 :]}
+        pairwise[metric] = {
+            f"{a} - {b}": paired_interval(columns[a], columns[b], resamples, seed)
+            for i, a in enumerate(ranked)
+            for b in ranked[i + 1 :]
+        }
     return {"estimators": out, "best": best, "pairwise": pairwise}
 
 
@@ -812,28 +1058,54 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(20, 9), layout="constrained")
-    titles = {"token_pearson": "Pearson with A*, per token", "token_mse": "MSE with A*, per token",
-              "token_sign": "sign agreement, per token (|A*| >= 0.25)", "segment_pearson": "Pearson with the segment's A*",
-              "segment_mse": "MSE with the segment's A*", "segment_sign": "sign agreement, per segment",
-              "gradient_cosine": "cosine(-grad loss, exact grad J)"}
+    titles = {
+        "token_pearson": "Pearson with A*, per token",
+        "token_mse": "MSE with A*, per token",
+        "token_sign": "sign agreement, per token (|A*| >= 0.25)",
+        "segment_pearson": "Pearson with the segment's A*",
+        "segment_mse": "MSE with the segment's A*",
+        "segment_sign": "sign agreement, per segment",
+        "gradient_cosine": "cosine(-grad loss, exact grad J)",
+    }
     names = list(dict.fromkeys(name for level in results["budgets"] for name in level["estimators"]))
-    palette = {"grpo": "tab:blue", "spo_chain_int1": "tab:red", "spo_chain_int5": "tab:orange", "spo_tree": "tab:green",
-               "ppo_lam1": "tab:purple", "ppo_lam0.96": "tab:brown", "mc_token": "tab:gray", "exact_advantage": "black",
-               "spo_tree_exact_edges": "tab:olive"}
+    palette = {
+        "grpo": "tab:blue",
+        "spo_chain_int1": "tab:red",
+        "spo_chain_int5": "tab:orange",
+        "spo_tree": "tab:green",
+        "ppo_lam1": "tab:purple",
+        "ppo_lam0.96": "tab:brown",
+        "mc_token": "tab:gray",
+        "exact_advantage": "black",
+        "spo_tree_exact_edges": "tab:olive",
+    }
     for axis, metric in zip(axes.flat, METRICS):
         for name in names:
-            points = [(level["estimators"][name]["tokens"], level["estimators"][name][metric]) for level in results["budgets"]
-                      if name in level["estimators"] and level["estimators"][name][metric]["mean"] is not None]
+            points = [
+                (level["estimators"][name]["tokens"], level["estimators"][name][metric])
+                for level in results["budgets"]
+                if name in level["estimators"] and level["estimators"][name][metric]["mean"] is not None
+            ]
             if not points:
                 continue
             x = [p[0] for p in points]
             y = [p[1]["mean"] for p in points]
-            errors = [[max(0.0, p[1]["mean"] - p[1]["ci"][0]) if p[1]["ci"] else 0 for p in points],
-                      [max(0.0, p[1]["ci"][1] - p[1]["mean"]) if p[1]["ci"] else 0 for p in points]]
+            errors = [
+                [max(0.0, p[1]["mean"] - p[1]["ci"][0]) if p[1]["ci"] else 0 for p in points],
+                [max(0.0, p[1]["ci"][1] - p[1]["mean"]) if p[1]["ci"] else 0 for p in points],
+            ]
             variant = name.endswith("_nomask")  # the same draws as its masked row: dotted, same colour
-            axis.errorbar(x, y, yerr=errors, marker="x" if variant else "o", ms=4, capsize=2, label=name,
-                          color=palette.get(name.removesuffix("_nomask"), None),
-                          linestyle=":" if variant else "--" if name in REFERENCES or name == "mc_token" else "-")
+            axis.errorbar(
+                x,
+                y,
+                yerr=errors,
+                marker="x" if variant else "o",
+                ms=4,
+                capsize=2,
+                label=name,
+                color=palette.get(name.removesuffix("_nomask"), None),
+                linestyle=":" if variant else "--" if name in REFERENCES or name == "mc_token" else "-",
+            )
         axis.set_xscale("log")
         if metric.endswith("mse"):
             axis.set_yscale("log")
@@ -843,22 +1115,32 @@ def plot(results: dict, path: Path) -> None:
     axes.flat[-1].axis("off")
     axes.flat[-1].legend(handles, labels, loc="center", fontsize=10)
     settings = results["settings"]
-    fig.suptitle(f"Credit assignment against the exact answer: tiny Llama, digits that sum to the prompt's target, horizon {settings['horizon']}, "
-                 f"temperature {settings['temperature']}, {len(settings['seeds'])} seeds (mean, 95% bootstrap CI)", fontsize=11)
+    fig.suptitle(
+        f"Credit assignment against the exact answer: tiny Llama, digits that sum to the prompt's target, horizon {settings['horizon']}, "
+        f"temperature {settings['temperature']}, {len(settings['seeds'])} seeds (mean, 95% bootstrap CI)",
+        fontsize=11,
+    )
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
 def print_table(results: dict) -> None:
     for level in results["budgets"]:
-        print(f"\nbudget {level['budget']} tokens per prompt (best: " + ", ".join(f"{m} {b}" for m, b in level["best"].items()) + ")")
+        print(
+            f"\nbudget {level['budget']} tokens per prompt (best: "
+            + ", ".join(f"{m} {b}" for m, b in level["best"].items())
+            + ")"
+        )
         print(f"{'estimator':<22}{'size':>5}{'tokens':>8}" + "".join(f"{m:>17}" for m in METRICS))
         for name, row in level["estimators"].items():
             cells = []
             for metric in METRICS:
                 entry = row[metric]
-                mark = "" if "minus_best_ci" not in entry or entry["minus_best_ci"] is None else (
-                    "*" if entry["minus_best_ci"][0] > 0 or entry["minus_best_ci"][1] < 0 else "~")
+                mark = (
+                    ""
+                    if "minus_best_ci" not in entry or entry["minus_best_ci"] is None
+                    else ("*" if entry["minus_best_ci"][0] > 0 or entry["minus_best_ci"][1] < 0 else "~")
+                )
                 cells.append("n/a" if entry["mean"] is None else f"{entry['mean']:.3f}{mark}")
             print(f"{name:<22}{row['size']:>5}{row['tokens']:>8.0f}" + "".join(f"{c:>17}" for c in cells))
     print("(* differs from the best with a paired 95% interval excluding 0; ~ not distinguished)")
@@ -873,11 +1155,17 @@ def validate(args: Args) -> None:
     if not args.prompts:
         problems.append("--prompts needs at least one value")
     if not 2 <= args.horizon <= 9:
-        problems.append(f"--horizon {args.horizon}: 2 to 9 (the enumeration holds 4^horizon unfinished responses per prompt)")
+        problems.append(
+            f"--horizon {args.horizon}: 2 to 9 (the enumeration holds 4^horizon unfinished responses per prompt)"
+        )
     if (args.tree_depth - 1) * args.segment_tokens >= args.horizon:
-        problems.append("the levels above SPO-tree's last ((--tree-depth - 1) x --segment-tokens) must be shorter than --horizon")
+        problems.append(
+            "the levels above SPO-tree's last ((--tree-depth - 1) x --segment-tokens) must be shorter than --horizon"
+        )
     if args.hidden_size % 4:
-        problems.append(f"--hidden-size ({args.hidden_size}) must be a multiple of 4 (the tiny Llama's attention heads)")
+        problems.append(
+            f"--hidden-size ({args.hidden_size}) must be a multiple of 4 (the tiny Llama's attention heads)"
+        )
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -885,14 +1173,29 @@ def validate(args: Args) -> None:
 def machine() -> dict:
     """Where and from what code the run was made: the CPU, the commit, and whether the code this benchmark imports
     differed from that commit (uncommitted changes)."""
+
     def git(*command: str) -> str:
         return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    imported = ["grpo_baseline.py", "ppo_baseline.py", "spo_chain.py", "spo_tree.py", "plumbing", "benchmarks/credit_assignment.py"]
-    return {"cpu": cpu_description(), "processor": platform.processor(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "commit": runs.code_commit(short=True), "imported_code_modified": bool(git("status", "--porcelain", "--", *imported)),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    imported = [
+        "grpo_baseline.py",
+        "ppo_baseline.py",
+        "spo_chain.py",
+        "spo_tree.py",
+        "plumbing",
+        "benchmarks/credit_assignment.py",
+    ]
+    return {
+        "cpu": cpu_description(),
+        "processor": platform.processor(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "commit": runs.code_commit(short=True),
+        "imported_code_modified": bool(git("status", "--porcelain", "--", *imported)),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -910,13 +1213,19 @@ def main(args: Args) -> dict:
     model, pretrain_loss = make_policy(args)
     seconds["pretrain"] = time.time() - started
     step = time.time()
-    exacts = [enumerate_exact(model, *parse_prompt(text), args.horizon, args.temperature, args.micro_batch_size) for text in args.prompts]
+    exacts = [
+        enumerate_exact(model, *parse_prompt(text), args.horizon, args.temperature, args.micro_batch_size)
+        for text in args.prompts
+    ]
     exact_grad = exact_gradient(model, exacts, args.temperature, args.micro_batch_size)
     seconds["exact"] = time.time() - step
 
     # 2. Sizes: for each budget, each family's largest size whose pilot cost fits.
     costs = pilot_costs(exacts, args)
-    plan = {budget: {name: size_for(costs[name], budget, smallest) for name, (_, smallest) in families(args).items()} for budget in args.budgets}
+    plan = {
+        budget: {name: size_for(costs[name], budget, smallest) for name, (_, smallest) in families(args).items()}
+        for budget in args.budgets
+    }
 
     # 3. Every seed draws every family afresh at every budget; scores against the exact answer.
     step = time.time()
@@ -935,7 +1244,9 @@ def main(args: Args) -> dict:
                 seconds[f"family/{family}"] = seconds.get(f"family/{family}", 0.0) + time.time() - family_started
                 for name, result in results.items():
                     result.tokens = result.tokens / len(exacts)
-                    per_seed[budget].setdefault(name, []).append({"seed": seed, "size": size, **score(result, exact_grad, args.sign_threshold)})
+                    per_seed[budget].setdefault(name, []).append(
+                        {"seed": seed, "size": size, **score(result, exact_grad, args.sign_threshold)}
+                    )
                     if "critic_value_mse" in result.record:
                         critic_errors[budget].setdefault(name, []).append(result.record["critic_value_mse"])
         print(f"seed {seed} done, {time.time() - started:.0f}s", flush=True)
@@ -949,25 +1260,44 @@ def main(args: Args) -> dict:
         level["per_seed"] = per_seed[budget]
         budgets.append(level)
     seconds["total"] = time.time() - started
-    results = rounded({
-        "command": " ".join(["python"] + sys.argv), "settings": asdict(args), "machine": machine(), "seconds": seconds,
-        "policy": {
-            "pretrain_loss": pretrain_loss, "parameters": sum(p.numel() for p in model.parameters()),
-            "expected_reward": expected_reward(exacts), "exact_gradient_norm": float(exact_grad.norm()),
-            "prompts": [{"prompt": text, "target": exact.target, "value": float(exact.values[0][0]),
-                         "expected_length": exact.expected_length(), "low_probability_share": exact.low_probability_share(args.prob_threshold),
-                         "responses_enumerated": int(sum(DIGITS**k for k in range(args.horizon)) + DIGITS**args.horizon)}
-                        for text, exact in zip(args.prompts, exacts)],
-        },
-        "pilot_costs": {name: ({str(b): c for b, c in cost.items()} if isinstance(cost, dict) else cost) for name, cost in costs.items()},
-        "budgets": budgets,
-    })
+    results = rounded(
+        {
+            "command": " ".join(["python"] + sys.argv),
+            "settings": asdict(args),
+            "machine": machine(),
+            "seconds": seconds,
+            "policy": {
+                "pretrain_loss": pretrain_loss,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "expected_reward": expected_reward(exacts),
+                "exact_gradient_norm": float(exact_grad.norm()),
+                "prompts": [
+                    {
+                        "prompt": text,
+                        "target": exact.target,
+                        "value": float(exact.values[0][0]),
+                        "expected_length": exact.expected_length(),
+                        "low_probability_share": exact.low_probability_share(args.prob_threshold),
+                        "responses_enumerated": int(sum(DIGITS**k for k in range(args.horizon)) + DIGITS**args.horizon),
+                    }
+                    for text, exact in zip(args.prompts, exacts)
+                ],
+            },
+            "pilot_costs": {
+                name: ({str(b): c for b, c in cost.items()} if isinstance(cost, dict) else cost)
+                for name, cost in costs.items()
+            },
+            "budgets": budgets,
+        }
+    )
     output = Path(args.out)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=1))
     plot(results, output.with_suffix(".png"))
     print_table(results)
-    print(f"J = {results['policy']['expected_reward']:.3f}, {len(args.seeds)} seeds, {seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}")
+    print(
+        f"J = {results['policy']['expected_reward']:.3f}, {len(args.seeds)} seeds, {seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}"
+    )
     return results
 
 

@@ -27,17 +27,50 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "distributed.json"
-SETTINGS = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "--backend", "hf",
-            "--iterations", "3", "--questions", "8", "--group-size", "4", "--max-new-tokens", "64", "--batch-size", "32",
-            "--micro-batch-size", "8", "--no-eval-before", "--eval-every", "1000", "--eval-limit", "4", "--precision", "fp32"]
+SETTINGS = [
+    "--model",
+    "smollm2-135m",
+    "--task",
+    "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",
+    "--backend",
+    "hf",
+    "--iterations",
+    "3",
+    "--questions",
+    "8",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "64",
+    "--batch-size",
+    "32",
+    "--micro-batch-size",
+    "8",
+    "--no-eval-before",
+    "--eval-every",
+    "1000",
+    "--eval-limit",
+    "4",
+    "--precision",
+    "fp32",
+]
 
 
 def time_collectives(distributed) -> list[float]:
     """Spy on the helpers of plumbing.distributed that run collectives: their wall time (waiting for other ranks
     included) adds up in the returned [seconds], once where one calls another (sum_over_ranks through all_sum)."""
     seconds, depth = [0.0], [0]
-    for name in ("all_sum", "gather", "broadcast", "barrier", "all_reduce_gradients", "gather_parameters", "full_state_dict",
-                 "optimizer_state"):
+    for name in (
+        "all_sum",
+        "gather",
+        "broadcast",
+        "barrier",
+        "all_reduce_gradients",
+        "gather_parameters",
+        "full_state_dict",
+        "optimizer_state",
+    ):
+
         def timed(*args, _real=getattr(distributed, name), **kwargs):
             started, depth[0] = time.perf_counter(), depth[0] + 1
             try:
@@ -46,6 +79,7 @@ def time_collectives(distributed) -> list[float]:
                 depth[0] -= 1
                 if depth[0] == 0:
                     seconds[0] += time.perf_counter() - started
+
         setattr(distributed, name, timed)
     return seconds
 
@@ -72,18 +106,27 @@ def worker(output_dir: str, report: str) -> None:
         all_reduce.append(time.perf_counter() - started)
     if distributed.rank() == 0:
         metrics = [json.loads(line) for line in Path(summary["run_dir"], "metrics.jsonl").read_text().splitlines()]
-        Path(report).write_text(json.dumps({
-            "metrics": [m for m in metrics if "time/iteration_seconds" in m], "collective_seconds_per_rank": seconds,
-            "gradient_all_reduce_seconds": statistics.median(all_reduce),
-            "gradient_megabytes": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-        }))
+        Path(report).write_text(
+            json.dumps(
+                {
+                    "metrics": [m for m in metrics if "time/iteration_seconds" in m],
+                    "collective_seconds_per_rank": seconds,
+                    "gradient_all_reduce_seconds": statistics.median(all_reduce),
+                    "gradient_megabytes": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+                }
+            )
+        )
 
 
 def measure(world: int, scratch: Path) -> dict:
     cores = os.cpu_count() or 1
     report = scratch / f"world{world}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // world))}
-    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    launcher = (
+        [sys.executable]
+        if world == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    )
     command = launcher + [__file__, "--worker", str(scratch / f"runs{world}"), str(report)]
     print(f"{world} process(es): {' '.join(command)}", flush=True)
     subprocess.run(command, env=env, check=True)
@@ -92,7 +135,8 @@ def measure(world: int, scratch: Path) -> dict:
     timed = iterations[1:]  # iteration 1 warms up
     train = sum(m["time/iteration_seconds"] for m in iterations)
     return {
-        "processes": world, "threads_per_process": max(1, cores // world),
+        "processes": world,
+        "threads_per_process": max(1, cores // world),
         "first_iteration_seconds": iterations[0]["time/iteration_seconds"],
         "iteration_seconds": statistics.median(m["time/iteration_seconds"] for m in timed),
         "rollout_seconds": statistics.median(m["time/rollout_seconds"] for m in timed),
@@ -116,10 +160,12 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
     for run in runs:
-        print(f"{run['processes']} process(es) x {run['threads_per_process']} thread(s): {run['iteration_seconds']:.1f} s/iteration "
-              f"(rollout {run['rollout_seconds']:.1f}, update {run['update_seconds']:.1f}); collectives "
-              f"{max(run['collective_seconds_per_rank']):.1f} s of the run (<= {100 * run['collective_share_of_training_upper_bound']:.0f}% of "
-              f"training); gradient all-reduce alone {run['gradient_all_reduce_seconds']:.2f} s per step ({run['gradient_megabytes']:.0f} MB)")
+        print(
+            f"{run['processes']} process(es) x {run['threads_per_process']} thread(s): {run['iteration_seconds']:.1f} s/iteration "
+            f"(rollout {run['rollout_seconds']:.1f}, update {run['update_seconds']:.1f}); collectives "
+            f"{max(run['collective_seconds_per_rank']):.1f} s of the run (<= {100 * run['collective_share_of_training_upper_bound']:.0f}% of "
+            f"training); gradient all-reduce alone {run['gradient_all_reduce_seconds']:.2f} s per step ({run['gradient_megabytes']:.0f} MB)"
+        )
     print(f"-> {RESULTS}")
 
 

@@ -56,8 +56,16 @@ import spo_tree  # noqa: E402
 from conftest import make_tokenizer  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-1.5B's config (its config.json), for the update at the real shape
-QWEN_1_5B = dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+QWEN_1_5B = dict(
+    vocab_size=151_936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass
@@ -90,21 +98,40 @@ def peak_gb(device: str) -> float | None:
 
 
 def environment(device: str) -> dict:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True) if device == "cuda" else None
-    return {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "nvidia_smi": smi.stdout.strip() if smi else None,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "real_bf16": gpu_has_bf16() if device == "cuda" else None,
-            "vllm_preflight": gpu.describe(), "vllm_problems": gpu.vllm_preflight()}
+    smi = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        if device == "cuda"
+        else None
+    )
+    return {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "nvidia_smi": smi.stdout.strip() if smi else None,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "real_bf16": gpu_has_bf16() if device == "cuda" else None,
+        "vllm_preflight": gpu.describe(),
+        "vllm_problems": gpu.vllm_preflight(),
+    }
 
 
 def build_model(directory: Path, alphabet: str, hidden: int, layers: int) -> Path:
     """A random Llama with a character tokenizer."""
     tokenizer = make_tokenizer(alphabet)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
@@ -123,10 +150,24 @@ def build_task(path: Path) -> Path:
 def run_script(module, model: Path, task: Path, out: Path, device: str, **specific) -> dict:
     toy = device == "cpu"
     settings = dict(
-        model=str(model), task=str(task), backend="hf", iterations=2, questions=4 if toy else 8,
-        max_new_tokens=16 if toy else 128, context=64 if toy else 512, batch_size=8 if toy else 32,
-        micro_batch_size=4 if toy else 16, epochs=1, lr=1e-5, eval_every=1000, eval_limit=4 if toy else 32,
-        eval_samples=1, eval_temperature=0.0, save_every=1000, output_dir=str(out), seed=1,
+        model=str(model),
+        task=str(task),
+        backend="hf",
+        iterations=2,
+        questions=4 if toy else 8,
+        max_new_tokens=16 if toy else 128,
+        context=64 if toy else 512,
+        batch_size=8 if toy else 32,
+        micro_batch_size=4 if toy else 16,
+        epochs=1,
+        lr=1e-5,
+        eval_every=1000,
+        eval_limit=4 if toy else 32,
+        eval_samples=1,
+        eval_temperature=0.0,
+        save_every=1000,
+        output_dir=str(out),
+        seed=1,
     )
     settings.update(specific)
     if device == "cuda":
@@ -135,15 +176,30 @@ def run_script(module, model: Path, task: Path, out: Path, device: str, **specif
     lines = files.read_log(Path(summary["run_dir"]) / "metrics.jsonl")
     train = [m for m in lines if "charts/reward" in m]
     start = files.read_log(Path(summary["run_dir"]) / "starts.jsonl")[0]
-    return {"iterations": len(train), "finite_metrics": all(isinstance(v, (int, float)) and math.isfinite(v) for m in lines for v in m.values()),
-            "seconds_per_iteration": [round(m["time/iteration_seconds"], 2) for m in train], "peak_gpu_gb": peak_gb(device),
-            "memory": start.get("memory", {}).get("line")}
+    return {
+        "iterations": len(train),
+        "finite_metrics": all(isinstance(v, (int, float)) and math.isfinite(v) for m in lines for v in m.values()),
+        "seconds_per_iteration": [round(m["time/iteration_seconds"], 2) for m in train],
+        "peak_gpu_gb": peak_gb(device),
+        "memory": start.get("memory", {}).get("line"),
+    }
 
 
 def real_shape_update(device: str, context: int) -> dict:
     """Forward and backward of one micro-batch at the policy's real shape, as the update runs it."""
-    config = dict(QWEN_1_5B) if device == "cuda" else dict(QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    config = (
+        dict(QWEN_1_5B)
+        if device == "cuda"
+        else dict(
+            QWEN_1_5B,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+        )
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**config)).to(device)  # fp32 master weights, as training holds them
     precision = choose_precision("auto", device)
@@ -153,8 +209,13 @@ def real_shape_update(device: str, context: int) -> dict:
         model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
         model.train()
         # distinct prompts: every row pays for its prompt, the update's worst case
-        samples = [{"prompt_ids": torch.randint(10, config["vocab_size"], (prompt,)).tolist(),
-                    "response_ids": torch.randint(10, config["vocab_size"], (response,)).tolist()} for _ in range(rows)]
+        samples = [
+            {
+                "prompt_ids": torch.randint(10, config["vocab_size"], (prompt,)).tolist(),
+                "response_ids": torch.randint(10, config["vocab_size"], (response,)).tolist(),
+            }
+            for _ in range(rows)
+        ]
         batch = collate(samples, 0, device)
         model.zero_grad(set_to_none=True)
         synchronize(device)
@@ -167,13 +228,21 @@ def real_shape_update(device: str, context: int) -> dict:
         # plumbing/memory.py's estimate of the same: weights, gradients, autocast's bf16 copies and the pass
         shape, element = model_shape(model.config), 2 if device in precision.bf16 else 0
         estimate = (8 + element) * shape.params + memory.pass_bytes(shape, rows * context, checkpointing)
-        results[f"rows{rows}{'_gc' if checkpointing else ''}"] = {"seconds": round(time.time() - started, 2), "peak_gpu_gb": peak_gb(device),
-                                                                  "estimated_gb": round(estimate / 1e9, 2)}
+        results[f"rows{rows}{'_gc' if checkpointing else ''}"] = {
+            "seconds": round(time.time() - started, 2),
+            "peak_gpu_gb": peak_gb(device),
+            "estimated_gb": round(estimate / 1e9, 2),
+        }
     model.activation_checkpointing_disable()
     model.eval()
     with torch.no_grad():  # the old-log-prob and reference passes
-        samples = [{"prompt_ids": samples[0]["prompt_ids"], "response_ids": torch.randint(10, config["vocab_size"], (response,)).tolist()}
-                   for _ in range(16)]
+        samples = [
+            {
+                "prompt_ids": samples[0]["prompt_ids"],
+                "response_ids": torch.randint(10, config["vocab_size"], (response,)).tolist(),
+            }
+            for _ in range(16)
+        ]
         batch = collate(samples, 0, device)
         synchronize(device)
         started = time.time()
@@ -192,10 +261,15 @@ def sampler_rows(model_dir: Path, device: str) -> dict:
     for prompts_used, n in ((30, 1), (30, 8)):  # 30 and 240 rows
         synchronize(device)
         started = time.time()
-        groups = sampler.sample(prompts[:prompts_used], n, temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+        groups = sampler.sample(
+            prompts[:prompts_used], n, temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, ignore_eos=True
+        )
         synchronize(device)
         tokens = sum(len(c.ids) for group in groups for c in group)
-        results[f"rows{prompts_used * n}"] = {"tokens": tokens, "tokens_per_second": round(tokens / (time.time() - started))}
+        results[f"rows{prompts_used * n}"] = {
+            "tokens": tokens,
+            "tokens_per_second": round(tokens / (time.time() - started)),
+        }
     return results
 
 
@@ -205,8 +279,19 @@ def reference_round_trip(model_dir: Path, device: str) -> dict:
     (the scripts before --reference-on-device), parked in pinned CPU memory (models.park once, then on_device: copied
     in without blocking, dropped after), resident (nothing moves). Then the small model's reference log-probs,
     resident and parked: equal, and the parked one back on the CPU, pinned, after its pass."""
-    config = dict(QWEN_1_5B) if device == "cuda" else dict(QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    config = (
+        dict(QWEN_1_5B)
+        if device == "cuda"
+        else dict(
+            QWEN_1_5B,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+        )
+    )
 
     def empty_model(where: str) -> torch.nn.Module:
         with torch.device("meta"):
@@ -221,15 +306,19 @@ def reference_round_trip(model_dir: Path, device: str) -> dict:
         return round(time.time() - started, 3)
 
     reference = empty_model("cpu")
-    results = {"gigabytes": round(sum(p.numel() * p.element_size() for p in reference.parameters()) / 1e9, 3),
-               "pageable": seconds(lambda: reference.to(device).to("cpu"))}
+    results = {
+        "gigabytes": round(sum(p.numel() * p.element_size() for p in reference.parameters()) / 1e9, 3),
+        "pageable": seconds(lambda: reference.to(device).to("cpu")),
+    }
     results["pin_once"] = seconds(lambda: models.park(reference, device))
 
     def visit(model):
         with models.on_device(model):
             pass
 
-    results["pinned"] = [seconds(lambda: visit(reference)) for _ in range(3)]  # the first visit also grows torch's cache
+    results["pinned"] = [
+        seconds(lambda: visit(reference)) for _ in range(3)
+    ]  # the first visit also grows torch's cache
     resident = empty_model(device)
     results["resident"] = seconds(lambda: visit(resident))
     reference = resident = None  # noqa: F841 (7 GB each at the real shape: freed before the next part)
@@ -244,12 +333,15 @@ def reference_round_trip(model_dir: Path, device: str) -> dict:
         with models.on_device(small):
             logps[on_device] = torch.cat(sample_logprobs(small, samples, 8, 0.6, 0, precision))
     results["logprobs_equal_resident_and_parked"] = torch.equal(logps[True], logps[False])
-    results["parked_after_its_pass"] = sorted({f"{t.device.type}{', pinned' if t.is_pinned() else ''}" for t in [*small.parameters(), *small.buffers()]})
+    results["parked_after_its_pass"] = sorted(
+        {f"{t.device.type}{', pinned' if t.is_pinned() else ''}" for t in [*small.parameters(), *small.buffers()]}
+    )
     return results
 
 
-def paper_tree_edges(vocab: int, questions: int, branches: list[int], segment: int, prompt: int, context: int,
-                     generator: torch.Generator) -> list[dict]:
+def paper_tree_edges(
+    vocab: int, questions: int, branches: list[int], segment: int, prompt: int, context: int, generator: torch.Generator
+) -> list[dict]:
     """The edges of `questions` full trees (every node expanded: the most edges and tokens a tree can have), random
     tokens: SPO-tree's samples, each a node's query (the prompt + its ancestors' segments) and its segment, inner
     segments of `segment` tokens, the last level's to the context's end."""
@@ -278,12 +370,23 @@ def spo_tree_old_logprob_pass(model_dir: Path, device: str) -> dict:
     toy = device == "cpu"
     model, _ = models.load_model(str(model_dir), dtype=torch.float32, device=device)  # fp32 master weights, as training
     precision = choose_precision("auto", device)
-    questions, branches, segment, prompt, context, trained = (2, [3, 3], 4, 8, 32, 8) if toy else (8, [6, 6, 6], 600, 200, 2048, 128)
+    questions, branches, segment, prompt, context, trained = (
+        (2, [3, 3], 4, 8, 32, 8) if toy else (8, [6, 6, 6], 600, 200, 2048, 128)
+    )
     generator = torch.Generator().manual_seed(0)
     edges = paper_tree_edges(model.config.vocab_size, questions, branches, segment, prompt, context, generator)
-    cached = lambda micro: len(micro) * (max(len(edges[i]["prompt_ids"]) for i in micro) + max(len(edges[i]["response_ids"]) for i in micro))  # noqa: E731
-    per_position, once = training.no_grad_pass_bytes(model_shape(model.config), 2 if device in precision.bf16 else 4, context)
-    results = {"edges": len(edges), "response_tokens": sum(len(e["response_ids"]) for e in edges), "precision": precision.line}
+    cached = lambda micro: (
+        len(micro)
+        * (max(len(edges[i]["prompt_ids"]) for i in micro) + max(len(edges[i]["response_ids"]) for i in micro))
+    )  # noqa: E731
+    per_position, once = training.no_grad_pass_bytes(
+        model_shape(model.config), 2 if device in precision.bf16 else 4, context
+    )
+    results = {
+        "edges": len(edges),
+        "response_tokens": sum(len(e["response_ids"]) for e in edges),
+        "precision": precision.line,
+    }
     logps = {}
     for name, sized in (("micro_batch_8", False), ("sized_to_memory", True)):
         if device == "cuda":
@@ -292,38 +395,58 @@ def spo_tree_old_logprob_pass(model_dir: Path, device: str) -> dict:
         before = torch.cuda.memory_allocated() if device == "cuda" else 0
         budget = training.no_grad_batch_tokens(model, edges, precision) if sized else None  # what sample_logprobs finds
         split = training.no_grad_batches(model, edges, 8, precision, budget) if sized else micro_batches(edges, 8)
-        with contextlib.nullcontext() if sized else mock.patch.object(training, "no_grad_batch_tokens", return_value=None):
+        with (
+            contextlib.nullcontext()
+            if sized
+            else mock.patch.object(training, "no_grad_batch_tokens", return_value=None)
+        ):
             synchronize(device)
             started = time.time()
             logps[name] = sample_logprobs(model, edges, 8, 0.6, 0, precision, batch_tokens=budget)
             synchronize(device)
-        results[name] = {"seconds": round(time.time() - started, 2), "budget_positions": budget, "passes": len(split),
-                         "largest_pass_positions": max(map(cached, split)),
-                         "peak_gpu_gb_above_start": round((torch.cuda.max_memory_allocated() - before) / 1e9, 2) if device == "cuda" else None,
-                         "estimated_gb": round((max(map(cached, split)) * per_position + once) / 1e9, 2)}
+        results[name] = {
+            "seconds": round(time.time() - started, 2),
+            "budget_positions": budget,
+            "passes": len(split),
+            "largest_pass_positions": max(map(cached, split)),
+            "peak_gpu_gb_above_start": round((torch.cuda.max_memory_allocated() - before) / 1e9, 2)
+            if device == "cuda"
+            else None,
+            "estimated_gb": round((max(map(cached, split)) * per_position + once) / 1e9, 2),
+        }
     # bf16 kernels may round differently for other batch shapes; fp32 differs by a few ulps (tests/test_logprobs.py)
     results["logprob_max_difference"] = max(float((a - b).abs().max()) for a, b in zip(*logps.values()))
 
     # the update: the edges trained, with their old log-probs, in one optimizer step
     picked = torch.randperm(len(edges), generator=generator)[:trained].tolist()
-    samples = [{**edges[i], "old_logps": logps["sized_to_memory"][i], "ref_logps": logps["sized_to_memory"][i],
-                "advantages": torch.full((len(edges[i]["response_ids"]),), 1.0 if k % 2 else -1.0),
-                "loss_mask": torch.ones(len(edges[i]["response_ids"]), dtype=torch.bool)} for k, i in enumerate(picked)]
+    samples = [
+        {
+            **edges[i],
+            "old_logps": logps["sized_to_memory"][i],
+            "ref_logps": logps["sized_to_memory"][i],
+            "advantages": torch.full((len(edges[i]["response_ids"]),), 1.0 if k % 2 else -1.0),
+            "loss_mask": torch.ones(len(edges[i]["response_ids"]), dtype=torch.bool),
+        }
+        for k, i in enumerate(picked)
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     model.train()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     synchronize(device)
     started = time.time()
-    spo_tree.accumulate_gradients(model, samples, micro_batch_size=8, temperature=0.6, clip_eps=0.2, beta=1e-4, pad_id=0,
-                                  precision=precision)
+    spo_tree.accumulate_gradients(
+        model, samples, micro_batch_size=8, temperature=0.6, clip_eps=0.2, beta=1e-4, pad_id=0, precision=precision
+    )
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     synchronize(device)
     update = time.time() - started
     results["update"] = {"seconds": round(update, 2), "edges": len(samples), "peak_gpu_gb": peak_gb(device)}
     for name in ("micro_batch_8", "sized_to_memory"):  # of the pass + the update (the rollout not counted)
-        results[name]["share_of_pass_and_update"] = round(results[name]["seconds"] / (results[name]["seconds"] + update), 3)
+        results[name]["share_of_pass_and_update"] = round(
+            results[name]["seconds"] / (results[name]["seconds"] + update), 3
+        )
     return results
 
 
@@ -335,14 +458,19 @@ def vllm_sampler(model_dir: Path, device: str) -> dict:
         return {"skipped": "vllm is not installed here (its wheel is too large to carry; run where it is installed)"}
     model, tokenizer = models.load_model(str(model_dir), device=device)
     prompts = [ev.encode_prompt(f"Problem: what is {i} + 1?\n", tokenizer) for i in range(8)]
-    engine = engines.VLLMSampler(str(model_dir), seed=0, max_model_len=512, gpu_memory_utilization=0.3, enforce_eager=True)
+    engine = engines.VLLMSampler(
+        str(model_dir), seed=0, max_model_len=512, gpu_memory_utilization=0.3, enforce_eager=True
+    )
     greedy = engine.sample(prompts, 1, temperature=0, top_p=1.0, max_new_tokens=32)
     engine.sleep()
     engine.wake_up()
     engine.load_weights(model)
     reference = engines.HFSampler(model, tokenizer).sample(prompts, 1, temperature=0, top_p=1.0, max_new_tokens=32)
     same = sum(g[0].ids == r[0].ids for g, r in zip(greedy, reference))
-    return {"greedy_equal_to_hf": f"{same} of {len(prompts)}", "sampled_after_wake": len(engine.sample(prompts, 2, temperature=1.0, top_p=1.0, max_new_tokens=8))}
+    return {
+        "greedy_equal_to_hf": f"{same} of {len(prompts)}",
+        "sampled_after_wake": len(engine.sample(prompts, 2, temperature=1.0, top_p=1.0, max_new_tokens=8)),
+    }
 
 
 def vllm_script(model: Path, task: Path, out: Path, device: str) -> dict:
@@ -351,8 +479,19 @@ def vllm_script(model: Path, task: Path, out: Path, device: str) -> dict:
         import vllm  # noqa: F401
     except ImportError:
         return {"skipped": "vllm is not installed here"}
-    return run_script(spo_tree, model, task, out, device, backend="vllm", micro_batch_size="auto", tree="6,6", segment_tokens=30,
-                      samples_per_iteration=64, vllm_enforce_eager=True)
+    return run_script(
+        spo_tree,
+        model,
+        task,
+        out,
+        device,
+        backend="vllm",
+        micro_batch_size="auto",
+        tree="6,6",
+        segment_tokens=30,
+        samples_per_iteration=64,
+        vllm_enforce_eager=True,
+    )
 
 
 def main(args: Args) -> dict:
@@ -368,12 +507,24 @@ def main(args: Args) -> dict:
         for module, name, specific in [
             (grpo_baseline, "grpo", dict(group_size=4 if args.device == "cpu" else 8)),
             (spo_chain, "spo_chain", dict(group_size=4 if args.device == "cpu" else 8, mc_samples=9)),
-            (spo_tree, "spo_tree", dict(tree="3,3" if args.device == "cpu" else "6,6", segment_tokens=4 if args.device == "cpu" else 30,
-                                        samples_per_iteration=16 if args.device == "cpu" else 64, reference_on_device=False)),
+            (
+                spo_tree,
+                "spo_tree",
+                dict(
+                    tree="3,3" if args.device == "cpu" else "6,6",
+                    segment_tokens=4 if args.device == "cpu" else 30,
+                    samples_per_iteration=16 if args.device == "cpu" else 64,
+                    reference_on_device=False,
+                ),
+            ),
             (ppo_baseline, "ppo", dict(group_size=4 if args.device == "cpu" else 8)),
         ]:
-            timed(f"script_{name}", results, run_script, module, model, task, tmp / "runs" / name, args.device, **specific)
-        timed("real_shape_update", results, real_shape_update, args.device, 64 if args.device == "cpu" else args.context)
+            timed(
+                f"script_{name}", results, run_script, module, model, task, tmp / "runs" / name, args.device, **specific
+            )
+        timed(
+            "real_shape_update", results, real_shape_update, args.device, 64 if args.device == "cpu" else args.context
+        )
         timed("spo_tree_old_logprob_pass", results, spo_tree_old_logprob_pass, printable, args.device)
         timed("hf_sampler", results, sampler_rows, printable, args.device)
         timed("reference_round_trip", results, reference_round_trip, printable, args.device)

@@ -42,9 +42,33 @@ ALGORITHMS = {
     "grpo": ["grpo_baseline.py", "--questions", "8", "--group-size", "8", "--epochs", "1"],
     "spo_chain": ["spo_chain.py", "--questions", "4", "--group-size", "4", "--mc-samples", "4", "--epochs", "1"],
     # SmolLM2 at temperature 0.6 has ~50 low-probability tokens per 100: int5 makes ~10 cutpoints per response.
-    "spo_chain_int20": ["spo_chain.py", "--questions", "4", "--group-size", "4", "--mc-samples", "4", "--epochs", "1", "--interval", "20"],
+    "spo_chain_int20": [
+        "spo_chain.py",
+        "--questions",
+        "4",
+        "--group-size",
+        "4",
+        "--mc-samples",
+        "4",
+        "--epochs",
+        "1",
+        "--interval",
+        "20",
+    ],
     # --samples-per-iteration 0: every edge the buffer offers, once (4 small trees give far fewer than the paper's 512).
-    "spo_tree": ["spo_tree.py", "--questions", "4", "--tree", "4,4", "--segment-tokens", "24", "--epochs", "1", "--samples-per-iteration", "0"],
+    "spo_tree": [
+        "spo_tree.py",
+        "--questions",
+        "4",
+        "--tree",
+        "4,4",
+        "--segment-tokens",
+        "24",
+        "--epochs",
+        "1",
+        "--samples-per-iteration",
+        "0",
+    ],
     "ppo": ["ppo_baseline.py", "--questions", "8", "--group-size", "8", "--epochs", "1"],
 }
 
@@ -83,16 +107,62 @@ class Args:
 def command(args: Args, algorithm: str, seed: int, eval_before: bool = True) -> list[str]:
     script, *specific = ALGORITHMS[algorithm]
     return [
-        sys.executable, script, *specific, *([] if eval_before else ["--no-eval-before"]), "--model", args.model, "--task", args.task, "--seed", str(seed), "--lr", str(args.lr),
-        "--max-minutes", str(args.minutes), "--iterations", "1000", "--warmup-ratio", "0", "--max-new-tokens", str(args.max_new_tokens),
-        "--context", "512", "--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size),
-        "--eval-every", "1000", "--eval-samples", "1", "--eval-temperature", "0", "--save-every", "1000", "--backend", "hf",
-        "--save-samples", "2", "--save-questions", "2",  # rollouts for viewer.py
-        "--exp-name", algorithm, "--output-dir", f"{args.output_dir}/seed{seed}/{algorithm}",
+        sys.executable,
+        script,
+        *specific,
+        *([] if eval_before else ["--no-eval-before"]),
+        "--model",
+        args.model,
+        "--task",
+        args.task,
+        "--seed",
+        str(seed),
+        "--lr",
+        str(args.lr),
+        "--max-minutes",
+        str(args.minutes),
+        "--iterations",
+        "1000",
+        "--warmup-ratio",
+        "0",
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--context",
+        "512",
+        "--batch-size",
+        str(args.batch_size),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--eval-every",
+        "1000",
+        "--eval-samples",
+        "1",
+        "--eval-temperature",
+        "0",
+        "--save-every",
+        "1000",
+        "--backend",
+        "hf",
+        "--save-samples",
+        "2",
+        "--save-questions",
+        "2",  # rollouts for viewer.py
+        "--exp-name",
+        algorithm,
+        "--output-dir",
+        f"{args.output_dir}/seed{seed}/{algorithm}",
     ]
 
 
-SHARED_SETTINGS = ("minutes", "model", "task", "lr", "max_new_tokens", "batch_size", "micro_batch_size")  # equal across merged seeds
+SHARED_SETTINGS = (
+    "minutes",
+    "model",
+    "task",
+    "lr",
+    "max_new_tokens",
+    "batch_size",
+    "micro_batch_size",
+)  # equal across merged seeds
 
 
 def earlier_runs(args: Args) -> list[dict]:
@@ -105,17 +175,23 @@ def earlier_runs(args: Args) -> list[dict]:
         earlier = files.read_json(results, "--results file")
     except run_files.UsageError as error:
         raise SystemExit(f"error: --keep-other-seeds: {error}") from None
-    differ = [f"--{key.replace('_', '-')} {earlier['args'][key]} there, {getattr(args, key)} here"
-              for key in SHARED_SETTINGS if earlier["args"][key] != getattr(args, key)]
+    differ = [
+        f"--{key.replace('_', '-')} {earlier['args'][key]} there, {getattr(args, key)} here"
+        for key in SHARED_SETTINGS
+        if earlier["args"][key] != getattr(args, key)
+    ]
     if differ:
-        raise SystemExit(f"error: --keep-other-seeds: {results} was measured with other settings ({'; '.join(differ)}); "
-                         "use the same settings or write to another --results")
+        raise SystemExit(
+            f"error: --keep-other-seeds: {results} was measured with other settings ({'; '.join(differ)}); "
+            "use the same settings or write to another --results"
+        )
     return [run for run in earlier["runs"] if run["seed"] not in args.seeds]
 
 
 def finished_run(directory: Path, cmd: list[str] | None = None) -> Path | None:
     """The newest finished run in `directory`; with `cmd`, only one started with that command line (a run made with
     other settings is not this benchmark's run and is never reused under this command)."""
+
     def same_command(run_dir: Path) -> bool:
         try:
             argv = files.read_log(run_dir / "starts.jsonl")[0]["argv"]
@@ -146,31 +222,60 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
         print(f"== {algorithm} seed {seed}: {' '.join(cmd[1:])}", flush=True)
         started, load = time.time(), os.getloadavg()[0]
         with open(directory / "log.txt", "w") as log:
-            result = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            result = subprocess.run(
+                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+            )
         if result.returncode != 0:
-            raise SystemExit(f"error: {algorithm} seed {seed} failed (exit {result.returncode}): {last_line(directory / 'log.txt')} "
-                             f"(whole log: {directory / 'log.txt'})")
+            raise SystemExit(
+                f"error: {algorithm} seed {seed} failed (exit {result.returncode}): {last_line(directory / 'log.txt')} "
+                f"(whole log: {directory / 'log.txt'})"
+            )
         run_dir = finished_run(directory)
-        (run_dir / "benchmark.json").write_text(json.dumps({"wall_seconds": time.time() - started, "load_before": load,
-                                                            "load_after": os.getloadavg()[0], "commit": run_files.code_commit(short=True),
-                                                            "cpu": cpu_description()}))
+        (run_dir / "benchmark.json").write_text(
+            json.dumps(
+                {
+                    "wall_seconds": time.time() - started,
+                    "load_before": load,
+                    "load_after": os.getloadavg()[0],
+                    "commit": run_files.code_commit(short=True),
+                    "cpu": cpu_description(),
+                }
+            )
+        )
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     evals = [m for m in lines if "eval/accuracy" in m]
     tokens, curve = 0, []
     for m in train:
         tokens += m["charts/generated_tokens"]
-        curve.append({"iteration": m["iteration"], "seconds": m["time/train_seconds"], "tokens": tokens, "reward": m["charts/reward"]})
+        curve.append(
+            {
+                "iteration": m["iteration"],
+                "seconds": m["time/train_seconds"],
+                "tokens": tokens,
+                "reward": m["charts/reward"],
+            }
+        )
     bench = json.loads((run_dir / "benchmark.json").read_text()) if (run_dir / "benchmark.json").exists() else {}
-    starts = run_dir / "starts.jsonl"  # each start records the precision it chose (--precision auto: bf16 only on fast-bf16 hardware)
+    starts = (
+        run_dir / "starts.jsonl"
+    )  # each start records the precision it chose (--precision auto: bf16 only on fast-bf16 hardware)
     precision = json.loads(starts.read_text().splitlines()[0]).get("precision") if starts.exists() else None
     return {
-        "algorithm": algorithm, "seed": seed, "run_dir": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir), "command": " ".join(["python"] + cmd[1:]),
+        "algorithm": algorithm,
+        "seed": seed,
+        "run_dir": str(run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir),
+        "command": " ".join(["python"] + cmd[1:]),
         "accuracy_before": evals[0]["eval/accuracy"] if evals[0]["iteration"] == 0 else base_accuracy,
         "accuracy_after": evals[-1]["eval/accuracy"],
-        "iterations": len(train), "train_seconds": train[-1]["time/train_seconds"], "generated_tokens": tokens,
-        "tokens_per_iteration": tokens / len(train), "seconds_per_iteration": train[-1]["time/train_seconds"] / len(train),
-        "curve": curve, "precision": precision, **bench,
+        "iterations": len(train),
+        "train_seconds": train[-1]["time/train_seconds"],
+        "generated_tokens": tokens,
+        "tokens_per_iteration": tokens / len(train),
+        "seconds_per_iteration": train[-1]["time/train_seconds"] / len(train),
+        "curve": curve,
+        "precision": precision,
+        **bench,
     }
 
 
@@ -203,19 +308,40 @@ def plot(runs: list[dict], path: Path) -> None:
     for r in runs:
         label = f"{r['algorithm']} (seed {r['seed']})"
         style = dict(color=colors[r["algorithm"]], alpha=0.85, linestyle="-" if r["seed"] == runs[0]["seed"] else "--")
-        axes[0].plot([p["seconds"] for p in r["curve"]], [p["reward"] for p in r["curve"]], marker="o", ms=3, label=label, **style)
-        axes[1].plot([p["tokens"] for p in r["curve"]], [p["reward"] for p in r["curve"]], marker="o", ms=3, label=label, **style)
+        axes[0].plot(
+            [p["seconds"] for p in r["curve"]],
+            [p["reward"] for p in r["curve"]],
+            marker="o",
+            ms=3,
+            label=label,
+            **style,
+        )
+        axes[1].plot(
+            [p["tokens"] for p in r["curve"]], [p["reward"] for p in r["curve"]], marker="o", ms=3, label=label, **style
+        )
     names = list(dict.fromkeys(r["algorithm"] for r in runs))
     for i, name in enumerate(names):
         mine = [r for r in runs if r["algorithm"] == name]
         axes[2].scatter([i - 0.12] * len(mine), [r["accuracy_before"] for r in mine], color="gray", zorder=3)
         axes[2].scatter([i + 0.12] * len(mine), [r["accuracy_after"] for r in mine], color=colors[name], zorder=3)
         for r in mine:
-            axes[2].plot([i - 0.12, i + 0.12], [r["accuracy_before"], r["accuracy_after"]], color=colors[name], alpha=0.5)
-    axes[0].set(xlabel="training seconds (CPU)", ylabel="training reward (mean over responses / leaves)", title="reward vs wall-clock")
-    axes[1].set(xlabel="generated tokens (responses + MC / tree)", ylabel="training reward", title="reward vs generated tokens")
-    axes[2].set(xticks=range(len(names)), xticklabels=names, ylabel="greedy held-out accuracy",
-                title="before (gray) -> after the budget")
+            axes[2].plot(
+                [i - 0.12, i + 0.12], [r["accuracy_before"], r["accuracy_after"]], color=colors[name], alpha=0.5
+            )
+    axes[0].set(
+        xlabel="training seconds (CPU)",
+        ylabel="training reward (mean over responses / leaves)",
+        title="reward vs wall-clock",
+    )
+    axes[1].set(
+        xlabel="generated tokens (responses + MC / tree)", ylabel="training reward", title="reward vs generated tokens"
+    )
+    axes[2].set(
+        xticks=range(len(names)),
+        xticklabels=names,
+        ylabel="greedy held-out accuracy",
+        title="before (gray) -> after the budget",
+    )
     axes[0].legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -229,9 +355,13 @@ def main(args: Args) -> None:
         raise SystemExit(f"error: unknown algorithm(s) {unknown}: choose from {list(ALGORITHMS)}")
     results = Path(args.results)
     # checked before an hour of runs, not after them
-    problems = ([f"--results {results} is a directory: give a .json file path"] if results.is_dir() else
-                [f"--results {results}: give a .json file path"] if results.suffix != ".json" else
-                run_files.directory_problems(str(results.parent), "--results' folder"))
+    problems = (
+        [f"--results {results} is a directory: give a .json file path"]
+        if results.is_dir()
+        else [f"--results {results}: give a .json file path"]
+        if results.suffix != ".json"
+        else run_files.directory_problems(str(results.parent), "--results' folder")
+    )
     if not args.algorithms:
         problems.append("--algorithms needs at least one value")
     if problems:
@@ -244,13 +374,21 @@ def main(args: Args) -> None:
             base_accuracy = runs[-1]["accuracy_before"]
     runs.sort(key=lambda run: run["seed"])  # stable: each seed's algorithms keep their order
     table = summarize(runs)
-    files.write_atomic(results, json.dumps({"args": asdict(args), "cpu_count": os.cpu_count(), "summary": table, "runs": runs}, indent=1), "the results")
+    files.write_atomic(
+        results,
+        json.dumps({"args": asdict(args), "cpu_count": os.cpu_count(), "summary": table, "runs": runs}, indent=1),
+        "the results",
+    )
     plot(runs, results.with_suffix(".png"))
-    print(f"\n{'algorithm':<10} {'accuracy before -> after (per seed)':<40} {'iters':>6} {'s/iter':>7} {'tokens/iter':>12}")
+    print(
+        f"\n{'algorithm':<10} {'accuracy before -> after (per seed)':<40} {'iters':>6} {'s/iter':>7} {'tokens/iter':>12}"
+    )
     for name, row in table.items():
         pairs = ", ".join(f"{b:.3f}->{a:.3f}" for b, a in zip(row["accuracy_before"], row["accuracy_after"]))
-        print(f"{name:<10} {pairs:<40} {'/'.join(map(str, row['iterations'])):>6} {row['seconds_per_iteration']:>7.1f} "
-              f"{row['tokens_per_iteration']:>12.0f}")
+        print(
+            f"{name:<10} {pairs:<40} {'/'.join(map(str, row['iterations'])):>6} {row['seconds_per_iteration']:>7.1f} "
+            f"{row['tokens_per_iteration']:>12.0f}"
+        )
     print(f"-> {results} and {results.with_suffix('.png')}")
 
 

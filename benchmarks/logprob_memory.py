@@ -57,10 +57,18 @@ def full_logits_logprobs(model, batch: dict, temperature: float) -> torch.Tensor
     """The reference: the model's full [rows, R, vocab] logits, then log-softmax at the sampled ids."""
     response_len = batch["response_mask"].shape[1]
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions,
-        use_cache=False, logits_to_keep=response_len + 1,
-    ).logits[:, :-1].float() / temperature  # [rows, R, vocab]
+    logits = (
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=response_len + 1,
+        )
+        .logits[:, :-1]
+        .float()
+        / temperature
+    )  # [rows, R, vocab]
     targets = batch["input_ids"][:, -response_len:]  # [rows, R]
     return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
 
@@ -78,7 +86,10 @@ def measure(args: Args) -> dict:
     model.train()
     vocab = model.config.vocab_size
     samples = [
-        {"prompt_ids": torch.randint(0, vocab, (args.prompt_tokens,)).tolist(), "response_ids": torch.randint(0, vocab, (args.response_tokens,)).tolist()}
+        {
+            "prompt_ids": torch.randint(0, vocab, (args.prompt_tokens,)).tolist(),
+            "response_ids": torch.randint(0, vocab, (args.response_tokens,)).tolist(),
+        }
         for _ in range(args.rows)
     ]
     batch = grpo_baseline.collate(samples, 0, "cpu")
@@ -96,8 +107,14 @@ def measure(args: Args) -> dict:
         logps = logprobs(model, batch, 0.7)  # [rows, R]
         (weights * logps).sum().backward()
         seconds, peak = time.perf_counter() - started, peak_rss_kb()
-    return {"variant": args.variant, "base_gb": base / 2**20, "peak_above_base_gb": (peak - base) / 2**20, "seconds": seconds,
-            "logprob_sum": logps.sum().item(), "vocab_size": vocab}
+    return {
+        "variant": args.variant,
+        "base_gb": base / 2**20,
+        "peak_above_base_gb": (peak - base) / 2**20,
+        "seconds": seconds,
+        "logprob_sum": logps.sum().item(),
+        "vocab_size": vocab,
+    }
 
 
 def main(args: Args) -> None:
@@ -106,17 +123,38 @@ def main(args: Args) -> None:
         return
     results = []
     for variant in VARIANTS:
-        command = [sys.executable, __file__, "--variant", variant, "--model", args.model, "--rows", str(args.rows),
-                   "--prompt-tokens", str(args.prompt_tokens), "--response-tokens", str(args.response_tokens)]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        command = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            "--model",
+            args.model,
+            "--rows",
+            str(args.rows),
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--response-tokens",
+            str(args.response_tokens),
+        ]
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
         if done.returncode:
             raise SystemExit(f"variant {variant} failed:\n{done.stderr[-2000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"{variant:22s} peak above base {r['peak_above_base_gb']:.2f} GB  {r['seconds']:.1f} s  (base {r['base_gb']:.2f} GB)")
+        print(
+            f"{variant:22s} peak above base {r['peak_above_base_gb']:.2f} GB  {r['seconds']:.1f} s  (base {r['base_gb']:.2f} GB)"
+        )
     logits_gb = args.rows * args.response_tokens * results[0]["vocab_size"] * 4 / 2**30
-    record = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": asdict(args),
-              "one_fp32_logits_tensor_gb": logits_gb, "torch": torch.__version__, "results": results}
+    record = {
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "settings": asdict(args),
+        "one_fp32_logits_tensor_gb": logits_gb,
+        "torch": torch.__version__,
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"one fp32 [rows, R, vocab] logits tensor: {logits_gb:.2f} GB -> {args.out}")

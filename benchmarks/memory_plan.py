@@ -25,15 +25,36 @@ import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
 
-SCRIPTS = [("spo_tree.py", spo_tree), ("spo_chain.py", spo_chain), ("grpo_baseline.py", grpo_baseline), ("ppo_baseline.py", ppo_baseline)]
+SCRIPTS = [
+    ("spo_tree.py", spo_tree),
+    ("spo_chain.py", spo_chain),
+    ("grpo_baseline.py", grpo_baseline),
+    ("ppo_baseline.py", ppo_baseline),
+]
 # The paper's models, from their config.json (no download here).
 SHAPES = {
-    "deepseek-r1-distill-qwen-1.5b": memory.model_shape(Qwen2Config(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        vocab_size=151936, tie_word_embeddings=False)),
-    "rho-1b-sft-gsm8k": memory.model_shape(LlamaConfig(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-        vocab_size=32000, tie_word_embeddings=False)),
+    "deepseek-r1-distill-qwen-1.5b": memory.model_shape(
+        Qwen2Config(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+        )
+    ),
+    "rho-1b-sft-gsm8k": memory.model_shape(
+        LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            tie_word_embeddings=False,
+        )
+    ),
 }
 GPUS_GIB = (24, 40, 80, 141)
 IN_USE_GIB = 0.5  # the CUDA context before the run loads anything
@@ -45,13 +66,23 @@ def cell(script: str, module, run: str, total_gib: int) -> str:
     paper = module.PAPER_SETTINGS[run]
     settings = {**{f: getattr(module.Args, f) for f in ("context", "batch_size", "beta")}, **paper}
     try:
-        plan = memory.plan(SHAPES[paper["model"]], total=total_gib * memory.GiB, free=int((total_gib - IN_USE_GIB) * memory.GiB),
-                           context=settings["context"], batch_per_rank=settings["batch_size"], backend="vllm",
-                           beta=settings["beta"], requested={}, critic=module is ppo_baseline)
+        plan = memory.plan(
+            SHAPES[paper["model"]],
+            total=total_gib * memory.GiB,
+            free=int((total_gib - IN_USE_GIB) * memory.GiB),
+            context=settings["context"],
+            batch_per_rank=settings["batch_size"],
+            backend="vllm",
+            beta=settings["beta"],
+            requested={},
+            critic=module is ppo_baseline,
+        )
     except UsageError:
         return "does not fit"
-    return (f"mb {plan.micro_batch_size}{', ckpt' if plan.gradient_checkpointing else ''}"
-            f"{', ref CPU' if not plan.reference_on_device else ''}; {plan.peak_gb:.0f} GiB; vLLM {plan.vllm_gpu_memory_utilization:.2f}")
+    return (
+        f"mb {plan.micro_batch_size}{', ckpt' if plan.gradient_checkpointing else ''}"
+        f"{', ref CPU' if not plan.reference_on_device else ''}; {plan.peak_gb:.0f} GiB; vLLM {plan.vllm_gpu_memory_utilization:.2f}"
+    )
 
 
 def table() -> str:
@@ -61,7 +92,10 @@ def table() -> str:
         for run, paper in module.PAPER_SETTINGS.items():
             cells = tuple(cell(script, module, run, g) for g in GPUS_GIB)
             rows.setdefault((paper["model"], cells), []).append(f"`{script}` {run}")
-    lines = ["| runs | model | " + " | ".join(f"{g} GiB" for g in GPUS_GIB) + " |", "|---|---|" + "---|" * len(GPUS_GIB)]
+    lines = [
+        "| runs | model | " + " | ".join(f"{g} GiB" for g in GPUS_GIB) + " |",
+        "|---|---|" + "---|" * len(GPUS_GIB),
+    ]
     lines += [f"| {', '.join(runs)} | {model} | " + " | ".join(cells) + " |" for (model, cells), runs in rows.items()]
     return "\n".join(lines)
 
@@ -78,10 +112,13 @@ def tree_iteration() -> str:
     trained = paper["samples_per_iteration"] * paper["epochs"] * (context - segment * (len(branches) - 1))
     params = SHAPES[paper["model"]].params
     flops = 2 * params * tokens + 2 * params * trained + 6 * params * trained  # old log-probs, reference, update
-    return textwrap.fill(f"One SPO-tree long-CoT iteration samples at most {edges:,} edges ({tokens / 1e6:.1f}M tokens); the old-log-prob "
-            f"pass reads them all, the reference and the update read {paper['samples_per_iteration']} edges "
-            f"(at most {trained / 1e6:.2f}M tokens): {flops / 1e15:.0f} PFLOP, {flops / (0.4 * 989e12):.0f} s on an H200 at 40 % "
-            "of its bf16 peak (computed), plus the rollout (not measured).", 118)
+    return textwrap.fill(
+        f"One SPO-tree long-CoT iteration samples at most {edges:,} edges ({tokens / 1e6:.1f}M tokens); the old-log-prob "
+        f"pass reads them all, the reference and the update read {paper['samples_per_iteration']} edges "
+        f"(at most {trained / 1e6:.2f}M tokens): {flops / 1e15:.0f} PFLOP, {flops / (0.4 * 989e12):.0f} s on an H200 at 40 % "
+        "of its bf16 peak (computed), plus the rollout (not measured).",
+        118,
+    )
 
 
 def main() -> None:

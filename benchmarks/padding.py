@@ -30,12 +30,22 @@ from plumbing import engines, models, training  # noqa: E402
 from plumbing.precision import FP32, choose_precision  # noqa: E402
 import grpo_baseline as grpo  # noqa: E402
 
-TASK, QUESTIONS, GROUP, NEW_TOKENS, BATCH, MICRO = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", 8, 8, 128, 32, 16
+TASK, QUESTIONS, GROUP, NEW_TOKENS, BATCH, MICRO = (
+    "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",
+    8,
+    8,
+    128,
+    32,
+    16,
+)
 
 
 def in_arrival_order(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
     """Consecutive samples."""
-    return [list(range(start, min(start + micro_batch_size, len(samples)))) for start in range(0, len(samples), micro_batch_size)]
+    return [
+        list(range(start, min(start + micro_batch_size, len(samples))))
+        for start in range(0, len(samples), micro_batch_size)
+    ]
 
 
 def by_length(samples: list[dict], micro_batch_size: int) -> list[list[int]]:
@@ -48,8 +58,12 @@ def collate_per_row(samples: list[dict], pad_id: int, device, collate=training.c
     """The scripts' collate (plumbing.training) with every row running its own prompt, even when rows share it."""
     batch = collate(samples, pad_id, device)
     prompt_len = batch["prompt_ids"].shape[1]
-    batch.update(prompt_ids=batch["input_ids"][:, :prompt_len], prompt_mask=batch["attention_mask"][:, :prompt_len],
-                 prompt_positions=batch["positions"][:, :prompt_len], prompt_of_row=torch.arange(len(samples), device=device))
+    batch.update(
+        prompt_ids=batch["input_ids"][:, :prompt_len],
+        prompt_mask=batch["attention_mask"][:, :prompt_len],
+        prompt_positions=batch["positions"][:, :prompt_len],
+        prompt_of_row=torch.arange(len(samples), device=device),
+    )
     return batch
 
 
@@ -93,25 +107,51 @@ def main() -> None:
     precision = choose_precision("auto", "cpu")
     print(precision.line)
     examples = ev.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
-    groups = engines.HFSampler(model, tokenizer, seed=0).sample([e.prompt_ids for e in examples], GROUP, temperature=0.7, top_p=1.0,
-                                                          max_new_tokens=NEW_TOKENS, progress="rollouts")
-    rewards = torch.rand(len(examples) * GROUP, generator=torch.Generator().manual_seed(0)).round()  # any advantages will do
+    groups = engines.HFSampler(model, tokenizer, seed=0).sample(
+        [e.prompt_ids for e in examples],
+        GROUP,
+        temperature=0.7,
+        top_p=1.0,
+        max_new_tokens=NEW_TOKENS,
+        progress="rollouts",
+    )
+    rewards = torch.rand(
+        len(examples) * GROUP, generator=torch.Generator().manual_seed(0)
+    ).round()  # any advantages will do
     advantages = grpo.group_advantages(rewards, GROUP)
-    samples = [{"prompt_ids": e.prompt_ids, "response_ids": c.ids, "advantages": torch.full((len(c.ids),), float(a)),
-                "loss_mask": torch.ones(len(c.ids), dtype=torch.bool)}
-               for (e, g), a_group in zip(zip(examples, groups), advantages.view(len(examples), GROUP)) for c, a in zip(g, a_group)]
+    samples = [
+        {
+            "prompt_ids": e.prompt_ids,
+            "response_ids": c.ids,
+            "advantages": torch.full((len(c.ids),), float(a)),
+            "loss_mask": torch.ones(len(c.ids), dtype=torch.bool),
+        }
+        for (e, g), a_group in zip(zip(examples, groups), advantages.view(len(examples), GROUP))
+        for c, a in zip(g, a_group)
+    ]
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [[samples[i] for i in order[start : start + BATCH]] for start in range(0, len(order), BATCH)]
-    result = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "precision": precision.line, "model": "smollm2-135m", "task": TASK,
-              "samples": len(samples), "batch_size": BATCH, "micro_batch_size": MICRO,
-              "prompt_tokens": statistics.mean(len(s["prompt_ids"]) for s in samples),
-              "response_tokens": statistics.mean(len(s["response_ids"]) for s in samples), "ways": {}, "max_grad_difference": 0.0}
+    result = {
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "precision": precision.line,
+        "model": "smollm2-135m",
+        "task": TASK,
+        "samples": len(samples),
+        "batch_size": BATCH,
+        "micro_batch_size": MICRO,
+        "prompt_tokens": statistics.mean(len(s["prompt_ids"]) for s in samples),
+        "response_tokens": statistics.mean(len(s["response_ids"]) for s in samples),
+        "ways": {},
+        "max_grad_difference": 0.0,
+    }
     for way, (split, collate) in WAYS.items():
         counts = [positions(b, split(b, MICRO), shared=collate is training.collate) for b in batches]
         computed, tokens = sum(c for c, _ in counts), sum(t for _, t in counts)
         result["ways"][way] = {"positions": computed, "padding": 1 - tokens / computed, "seconds": []}
     model.train()
-    timed_update(model, batches[0], "micro_batches", tokenizer.pad_token_id, precision)  # warm-up: first-call allocations are not timed
+    timed_update(
+        model, batches[0], "micro_batches", tokenizer.pad_token_id, precision
+    )  # warm-up: first-call allocations are not timed
     names = list(WAYS)
     for index, batch in enumerate(batches):
         grads = {}
@@ -119,15 +159,22 @@ def main() -> None:
             seconds, grads[way] = timed_update(model, batch, way, tokenizer.pad_token_id, precision)
             result["ways"][way]["seconds"].append(seconds)
         for way in names[1:]:
-            difference = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-12) for a, b in zip(grads[way], grads[names[0]]))
+            difference = max(
+                (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+                for a, b in zip(grads[way], grads[names[0]])
+            )
             result["max_grad_difference"] = max(result["max_grad_difference"], difference)
     output = Path(__file__).parent / "results" / "padding.json"
     output.write_text(json.dumps(result, indent=1))
-    print(f"\n{len(samples)} samples, prompts {result['prompt_tokens']:.0f} and responses {result['response_tokens']:.0f} tokens on "
-          f"average, batches of {BATCH}, micro-batches of {MICRO}:")
+    print(
+        f"\n{len(samples)} samples, prompts {result['prompt_tokens']:.0f} and responses {result['response_tokens']:.0f} tokens on "
+        f"average, batches of {BATCH}, micro-batches of {MICRO}:"
+    )
     for way, figures in result["ways"].items():
-        print(f"  {way:14s} {figures['positions']:6d} positions ({figures['padding']:.1%} padding), "
-              f"forward/backward of a batch {statistics.mean(figures['seconds']):.1f} s")
+        print(
+            f"  {way:14s} {figures['positions']:6d} positions ({figures['padding']:.1%} padding), "
+            f"forward/backward of a batch {statistics.mean(figures['seconds']):.1f} s"
+        )
     print(f"largest gradient difference {result['max_grad_difference']:.1e} of the largest entry -> {output}")
 
 

@@ -51,7 +51,9 @@ def model_flops(model, prompts: list[list[int]], k: int, new_tokens: int) -> flo
     generated token once; 2 per linear weight, and 4 x layers x attention width x positions attended."""
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     config = model.config
-    attention = 4 * config.num_hidden_layers * config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    attention = (
+        4 * config.num_hidden_layers * config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    )
     total = 0.0
     for prompt in prompts:
         total += sum(2 * linear + attention * (i + 1) for i in range(len(prompt)))
@@ -61,12 +63,16 @@ def model_flops(model, prompts: list[list[int]], k: int, new_tokens: int) -> flo
 
 def long_prefixes(tokenizer, count: int, length: int) -> list[list[int]]:
     """Prompt + the start of a worked solution, cut to `length` tokens: a state mid-response."""
-    examples = ev.load_task("rg:chain_sum:min_terms=5,max_terms=6,max_digits=3", "train", limit=count * 4, tokenizer=tokenizer)
+    examples = ev.load_task(
+        "rg:chain_sum:min_terms=5,max_terms=6,max_digits=3", "train", limit=count * 4, tokenizer=tokenizer
+    )
     prefixes = []
     for i in range(count):
         ids = []
         for example in examples[i * 4 : (i + 1) * 4]:  # several problems in a row make a long prefix
-            ids += example.prompt_ids + tokenizer(f"Let me add the numbers one by one: {example.question}\n")["input_ids"]
+            ids += (
+                example.prompt_ids + tokenizer(f"Let me add the numbers one by one: {example.question}\n")["input_ids"]
+            )
         prefixes.append(ids[:length])
     return prefixes
 
@@ -74,7 +80,9 @@ def long_prefixes(tokenizer, count: int, length: int) -> list[list[int]]:
 def run_hf_sampler(model, tokenizer, prompts, k, new_tokens, precision) -> tuple[float, int]:
     sampler = engines.HFSampler(model, tokenizer, seed=0, precision=precision)
     started = time.perf_counter()
-    groups = sampler.sample(prompts, k, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=new_tokens, ignore_eos=True)
+    groups = sampler.sample(
+        prompts, k, temperature=TEMPERATURE, top_p=TOP_P, max_new_tokens=new_tokens, ignore_eos=True
+    )
     return time.perf_counter() - started, sum(len(c.ids) for g in groups for c in g)
 
 
@@ -86,21 +94,41 @@ def run_generate(model, tokenizer, prompts, k, new_tokens, precision) -> tuple[f
     torch.manual_seed(0)
     started = time.perf_counter()
     with torch.no_grad(), precision.autocast("cpu"):
-        out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P,
-                             top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=k, pad_token_id=pad)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_p=TOP_P,
+            top_k=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            num_return_sequences=k,
+            pad_token_id=pad,
+        )
     return time.perf_counter() - started, out[:, width:].numel()
 
 
 def measure(model, tokenizer, prompts, k, new_tokens, peak: float, precision) -> dict:
     flops = model_flops(model, prompts, k, new_tokens)
-    result = {"prompts": len(prompts), "k": k, "prompt_tokens": statistics.mean(len(p) for p in prompts),
-              "new_tokens": new_tokens, "useful_gflop": flops / 1e9}
+    result = {
+        "prompts": len(prompts),
+        "k": k,
+        "prompt_tokens": statistics.mean(len(p) for p in prompts),
+        "new_tokens": new_tokens,
+        "useful_gflop": flops / 1e9,
+    }
     for name, fn in (("hf_sampler", run_hf_sampler), ("generate", run_generate)):
         runs = [fn(model, tokenizer, prompts, k, new_tokens, precision) for _ in range(REPEATS)]
         assert all(tokens == len(prompts) * k * new_tokens for _, tokens in runs), "unequal output lengths"
         seconds = statistics.median(s for s, _ in runs)
-        result[name] = {"seconds": seconds, "runs_seconds": [s for s, _ in runs], "tokens_per_second": runs[0][1] / seconds,
-                        "model_gflops": flops / seconds / 1e9, "fraction_of_matmul_peak": flops / seconds / peak}
+        result[name] = {
+            "seconds": seconds,
+            "runs_seconds": [s for s, _ in runs],
+            "tokens_per_second": runs[0][1] / seconds,
+            "model_gflops": flops / seconds / 1e9,
+            "fraction_of_matmul_peak": flops / seconds / peak,
+        }
     result["speedup"] = result["generate"]["seconds"] / result["hf_sampler"]["seconds"]
     return result
 
@@ -114,20 +142,35 @@ def bf16_over_fp32_generate(precisions: dict) -> dict:
     """
     if "skipped" in precisions.get("bf16", {"skipped": True}):
         return {}
-    return {name: case["generate"]["seconds"] / precisions["bf16"][name]["hf_sampler"]["seconds"]
-            for name, case in precisions["fp32"].items()}
+    return {
+        name: case["generate"]["seconds"] / precisions["bf16"][name]["hf_sampler"]["seconds"]
+        for name, case in precisions["fp32"].items()
+    }
 
 
 def main(out: Path = Path(__file__).parent / "results" / "sampler.json") -> None:
     """Measure both cases in fp32 (and bf16 where the CPU has fast bf16) and write the results JSON to `out`."""
     model, tokenizer = models.load_model("smollm2-135m")
-    short = [e.prompt_ids for e in ev.load_task("rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "train", limit=4, tokenizer=tokenizer)]
+    short = [
+        e.prompt_ids
+        for e in ev.load_task(
+            "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "train", limit=4, tokenizer=tokenizer
+        )
+    ]
     long = long_prefixes(tokenizer, 4, 256)
     fast, why = fast_bf16("cpu")
     peaks = {"fp32": matmul_peak(torch.float32)}
     peaks["bf16"] = matmul_peak(torch.bfloat16) if fast else matmul_peak(torch.bfloat16, size=512, repeats=3)
-    results = {"model": "smollm2-135m", "device": "cpu", "cpu": cpu_description(), "threads": torch.get_num_threads(), "fast_bf16": fast, "why": why,
-               "matmul_peak_gflops": {k: v / 1e9 for k, v in peaks.items()}, "precisions": {}}
+    results = {
+        "model": "smollm2-135m",
+        "device": "cpu",
+        "cpu": cpu_description(),
+        "threads": torch.get_num_threads(),
+        "fast_bf16": fast,
+        "why": why,
+        "matmul_peak_gflops": {k: v / 1e9 for k, v in peaks.items()},
+        "precisions": {},
+    }
     for precision in ("fp32", "bf16"):
         if precision == "bf16" and not fast:
             results["precisions"]["bf16"] = {"skipped": f"{why} (bf16 matmul here: {peaks['bf16'] / 1e9:.1f} GFLOP/s)"}
@@ -148,9 +191,11 @@ def main(out: Path = Path(__file__).parent / "results" / "sampler.json") -> None
                 print(f"{precision}: skipped, {case}")
                 continue
             ours, theirs = case["hf_sampler"], case["generate"]
-            print(f"{precision} {name}: HFSampler {ours['seconds']:.1f} s ({ours['tokens_per_second']:.0f} tok/s, "
-                  f"{ours['model_gflops']:.1f} GFLOP/s = {ours['fraction_of_matmul_peak']:.0%} of peak), generate {theirs['seconds']:.1f} s "
-                  f"({theirs['tokens_per_second']:.0f} tok/s, {theirs['fraction_of_matmul_peak']:.0%}), speedup {case['speedup']:.2f}x")
+            print(
+                f"{precision} {name}: HFSampler {ours['seconds']:.1f} s ({ours['tokens_per_second']:.0f} tok/s, "
+                f"{ours['model_gflops']:.1f} GFLOP/s = {ours['fraction_of_matmul_peak']:.0%} of peak), generate {theirs['seconds']:.1f} s "
+                f"({theirs['tokens_per_second']:.0f} tok/s, {theirs['fraction_of_matmul_peak']:.0%}), speedup {case['speedup']:.2f}x"
+            )
     for name, speedup in results["hf_sampler_bf16_over_generate_fp32"].items():
         print(f"{name}: HFSampler in bf16 against generate in fp32 (what a user would write): {speedup:.2f}x")
     print(f"-> {output}")

@@ -96,11 +96,33 @@ TIME_TARGET = 0.8  # ours / TRL seconds per step, at most
 MEMORY_TARGET = 0.5  # ours / TRL peak resident memory, at most
 NEVER = 1_000_000  # --eval-every / --save-every that never trigger (the last iteration still does)
 TRL_SETTINGS_RECORDED = (  # GRPOConfig fields written to the results (the full config has ~200)
-    "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
-    "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "learning_rate", "beta",
-    "num_iterations", "epsilon", "loss_type", "scale_rewards", "mask_truncated_completions", "optim", "weight_decay",
-    "max_grad_norm", "lr_scheduler_type", "warmup_steps", "bf16", "use_cpu", "gradient_checkpointing",
-    "shuffle_dataset", "max_steps", "seed",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "generation_batch_size",
+    "steps_per_generation",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "learning_rate",
+    "beta",
+    "num_iterations",
+    "epsilon",
+    "loss_type",
+    "scale_rewards",
+    "mask_truncated_completions",
+    "optim",
+    "weight_decay",
+    "max_grad_norm",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "bf16",
+    "use_cpu",
+    "gradient_checkpointing",
+    "shuffle_dataset",
+    "max_steps",
+    "seed",
 )
 
 
@@ -239,14 +261,17 @@ def summarise(runs: list[dict], steps: int) -> dict:
         "generated_tokens": ratio(ours["generated_tokens_per_step"], trl["generated_tokens_per_step"]),
     }
     summary["targets"] = {
-        f"time_at_most_{TIME_TARGET}x": summary["ratio"]["wall"] is not None and summary["ratio"]["wall"] <= TIME_TARGET,
-        f"memory_at_most_{MEMORY_TARGET}x": summary["ratio"]["memory"] is not None and summary["ratio"]["memory"] <= MEMORY_TARGET,
+        f"time_at_most_{TIME_TARGET}x": summary["ratio"]["wall"] is not None
+        and summary["ratio"]["wall"] <= TIME_TARGET,
+        f"memory_at_most_{MEMORY_TARGET}x": summary["ratio"]["memory"] is not None
+        and summary["ratio"]["memory"] <= MEMORY_TARGET,
     }
     return summary
 
 
 def format_table(summary: dict) -> str:
     """The printed summary: one row per side, then the ratios and whether the targets are met."""
+
     def number(value, digits=2):
         return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -254,15 +279,21 @@ def format_table(summary: dict) -> str:
     for side in ("ours", "trl"):
         s = summary[side]
         rewards = " ".join(number(r, 3) for r in s["reward_per_step"])
-        lines.append(f"{side:<6}{number(s['wall_seconds_per_step'], 1):>13}{number(s['cpu_seconds_per_step'], 1):>12}"
-                     f"{number(s['peak_rss_gb']):>13}{number(s['generated_tokens_per_step'], 0):>13}  {rewards}")
+        lines.append(
+            f"{side:<6}{number(s['wall_seconds_per_step'], 1):>13}{number(s['cpu_seconds_per_step'], 1):>12}"
+            f"{number(s['peak_rss_gb']):>13}{number(s['generated_tokens_per_step'], 0):>13}  {rewards}"
+        )
     r, t = summary["ratio"], summary["targets"]
     verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
-    lines.append(f"ours/TRL: time {number(r['wall'])}x (target <= {TIME_TARGET}x: {verdict(t[f'time_at_most_{TIME_TARGET}x'])}), "
-                 f"CPU {number(r['cpu'])}x, memory {number(r['memory'])}x (target <= {MEMORY_TARGET}x: "
-                 f"{verdict(t[f'memory_at_most_{MEMORY_TARGET}x'])}), generated tokens {number(r['generated_tokens'])}x")
-    lines.append(f"medians over {summary['median_over']} (step 1 includes warm-up); all steps: ours "
-                 f"{number(summary['ours']['wall_seconds_per_step_all_steps'], 1)} s, TRL {number(summary['trl']['wall_seconds_per_step_all_steps'], 1)} s")
+    lines.append(
+        f"ours/TRL: time {number(r['wall'])}x (target <= {TIME_TARGET}x: {verdict(t[f'time_at_most_{TIME_TARGET}x'])}), "
+        f"CPU {number(r['cpu'])}x, memory {number(r['memory'])}x (target <= {MEMORY_TARGET}x: "
+        f"{verdict(t[f'memory_at_most_{MEMORY_TARGET}x'])}), generated tokens {number(r['generated_tokens'])}x"
+    )
+    lines.append(
+        f"medians over {summary['median_over']} (step 1 includes warm-up); all steps: ours "
+        f"{number(summary['ours']['wall_seconds_per_step_all_steps'], 1)} s, TRL {number(summary['trl']['wall_seconds_per_step_all_steps'], 1)} s"
+    )
     return "\n".join(lines)
 
 
@@ -297,15 +328,20 @@ def mismatches(stop_strings: list[str], precision: str = "fp32") -> list[str]:
         "TRL's default is adamw_torch_fused)",
         "schedule: both linear decay from lr to 0 over --steps steps, no warmup (grpo_baseline.py --warmup-ratio 0, "
         "it has no constant schedule; TRL lr_scheduler_type='linear', warmup_steps 0)",
-        ("precision: fp32 on both (TRL bf16=False; TRL's default is bf16)" if precision == "fp32" else
-         "precision: bf16 autocast over fp32 weights on both (grpo_baseline.py --precision bf16, TRL bf16=True)")
+        (
+            "precision: fp32 on both (TRL bf16=False; TRL's default is bf16)"
+            if precision == "fp32"
+            else "precision: bf16 autocast over fp32 weights on both (grpo_baseline.py --precision bf16, TRL bf16=True)"
+        )
         + "; gradient checkpointing as --gradient-checkpointing "
         "on both (TRL's default is on)",
         "evaluation/checkpoint: grpo_baseline.py evaluates 1 question before and after training and saves a checkpoint "
         "at the end (outside the per-step times, inside 'overall' memory); TRL neither",
     ]
     if stop_strings:
-        found.append(f"stop strings: grpo_baseline.py also stops at {stop_strings} (model without chat template); TRL at EOS only")
+        found.append(
+            f"stop strings: grpo_baseline.py also stops at {stop_strings} (model without chat template); TRL at EOS only"
+        )
     return found
 
 
@@ -330,12 +366,14 @@ def run_trl(args: Args) -> None:
     for example in {id(q): q for step in step_questions for q in step}.values():
         trl_ids = tokenizer(text=[example.prompt])["input_ids"][0]  # what TRL does with a standard prompt
         if list(trl_ids) != example.prompt_ids:
-            raise SystemExit(f"TRL would tokenize the prompt to other ids than grpo_baseline.py ({list(trl_ids)[:8]}... vs "
-                             f"{example.prompt_ids[:8]}...): the two sides would not train on the same prompts")
+            raise SystemExit(
+                f"TRL would tokenize the prompt to other ids than grpo_baseline.py ({list(trl_ids)[:8]}... vs "
+                f"{example.prompt_ids[:8]}...): the two sides would not train on the same prompts"
+            )
     # Row order = step order; shuffle_dataset=False and one generation per step make step k train on rows of step k.
-    dataset = datasets.Dataset.from_list([
-        {"prompt": q.prompt, "answer": q.answer, "question": q.question} for step in step_questions for q in step
-    ])
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": q.prompt, "answer": q.answer, "question": q.question} for step in step_questions for q in step]
+    )
     eos = models.eos_ids(model, tokenizer)
     seen_questions = []
 
@@ -364,8 +402,12 @@ def run_trl(args: Args) -> None:
             self.wall, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args_, state, control, **kwargs):
-            entry = {"event": "step_end", "step": state.global_step, "wall_seconds": time.perf_counter() - self.wall,
-                     "cpu_seconds_in_process": time.process_time() - self.cpu}
+            entry = {
+                "event": "step_end",
+                "step": state.global_step,
+                "wall_seconds": time.perf_counter() - self.wall,
+                "cpu_seconds_in_process": time.process_time() - self.cpu,
+            }
             self.steps.append(entry)
             self.record(entry)
 
@@ -376,35 +418,84 @@ def run_trl(args: Args) -> None:
     if batch % args.micro_batch_size:
         raise SystemExit(f"--micro-batch-size ({args.micro_batch_size}) must divide questions x group size ({batch})")
     config = GRPOConfig(
-        output_dir=str(Path(args.child_out).with_suffix(".trainer")), max_steps=args.steps, seed=args.seed,
-        per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=batch // args.micro_batch_size,
-        num_generations=args.group_size, max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, top_p=1.0, top_k=0, learning_rate=args.lr, beta=0.0, num_iterations=1, epsilon=0.2,
-        loss_type="dapo", scale_rewards="group", mask_truncated_completions=False,
-        optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=0,
-        bf16=args.precision == "bf16", fp16=False, use_cpu=True, use_vllm=False, gradient_checkpointing=args.gradient_checkpointing,
-        shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        output_dir=str(Path(args.child_out).with_suffix(".trainer")),
+        max_steps=args.steps,
+        seed=args.seed,
+        per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=batch // args.micro_batch_size,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=args.lr,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        optim="adamw_torch",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        bf16=args.precision == "bf16",
+        fp16=False,
+        use_cpu=True,
+        use_vllm=False,
+        gradient_checkpointing=args.gradient_checkpointing,
+        shuffle_dataset=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
     )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=[graded_answer], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[graded_answer],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     trainer.train()
 
     logs = {entry["step"]: entry for entry in timer.logs if "reward" in entry}
     steps = []
     for entry in timer.steps:
         log = logs.get(entry["step"], {})
-        steps.append({**entry, "reward": log.get("reward"), "truncation_rate": log.get("completions/clipped_ratio"),
-                      "generated_tokens": log["completions/mean_length"] * batch if "completions/mean_length" in log else None,
-                      "trl_step_time": log.get("step_time")})
-    write_json(Path(args.child_out), {
-        "steps": steps, "logs": timer.logs, "questions_per_step": seen_questions,
-        "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
-        "torch_threads": torch.get_num_threads(), "cpu": cpu_description(), "stop_strings": ev.stop_strings(tokenizer),
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                     "datasets": datasets.__version__},
-        "config": {k: v for k, v in config.to_dict().items() if k in TRL_SETTINGS_RECORDED},
-    })
+        steps.append(
+            {
+                **entry,
+                "reward": log.get("reward"),
+                "truncation_rate": log.get("completions/clipped_ratio"),
+                "generated_tokens": log["completions/mean_length"] * batch
+                if "completions/mean_length" in log
+                else None,
+                "trl_step_time": log.get("step_time"),
+            }
+        )
+    write_json(
+        Path(args.child_out),
+        {
+            "steps": steps,
+            "logs": timer.logs,
+            "questions_per_step": seen_questions,
+            "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+            "torch_threads": torch.get_num_threads(),
+            "cpu": cpu_description(),
+            "stop_strings": ev.stop_strings(tokenizer),
+            "versions": {
+                "trl": trl.__version__,
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "datasets": datasets.__version__,
+            },
+            "config": {k: v for k, v in config.to_dict().items() if k in TRL_SETTINGS_RECORDED},
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,12 +558,18 @@ def watch(command: list[str], env: dict, log_path: Path, record_files, poll_seco
             raise
     if process.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise SystemExit(f"{' '.join(command[:3])} ... failed with exit code {process.returncode}; last lines of {log_path}:\n{tail}")
+        raise SystemExit(
+            f"{' '.join(command[:3])} ... failed with exit code {process.returncode}; last lines of {log_path}:\n{tail}"
+        )
     exit_cpu, exit_hwm = usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # ru_maxrss in KiB on Linux
     if lines_now() > seen:  # records written after the last poll
         marks.append({"lines": lines_now(), "wall": time.perf_counter() - started, "cpu": exit_cpu, "hwm": exit_hwm})
-    totals = {"wall_seconds": time.perf_counter() - started, "cpu_seconds": exit_cpu, "peak_rss_overall_gb": max(peak_hwm, exit_hwm) / 2**30,
-              "peak_tree_rss_gb": peak_tree / 2**30}
+    totals = {
+        "wall_seconds": time.perf_counter() - started,
+        "cpu_seconds": exit_cpu,
+        "peak_rss_overall_gb": max(peak_hwm, exit_hwm) / 2**30,
+        "peak_tree_rss_gb": peak_tree / 2**30,
+    }
     return marks, totals
 
 
@@ -480,18 +577,68 @@ def run_ours(args: Args, work: Path, round_index: int, env: dict) -> dict:
     """One grpo_baseline.py run of --steps iterations; per-step records from its metrics.jsonl."""
     output_dir = work / f"ours_r{round_index}"
     command = [
-        sys.executable, str(REPO / "grpo_baseline.py"), "--model", args.model, "--task", args.task, "--seed", str(args.seed),
-        "--exp-name", f"trl_side_by_side_r{round_index}", "--output-dir", str(output_dir), "--backend", "hf",
-        "--iterations", str(args.steps), "--questions", str(args.questions), "--group-size", str(args.group_size),
-        "--batch-size", str(args.questions * args.group_size), "--micro-batch-size", str(args.micro_batch_size),
-        "--epochs", "1", "--beta", "0", "--lr", str(args.lr), "--warmup-ratio", "0", "--temperature", str(args.temperature),
-        "--top-p", "1.0", "--max-new-tokens", str(args.max_new_tokens),
-        "--eval-every", str(NEVER), "--eval-limit", "1", "--eval-samples", "1", "--save-every", str(NEVER),
-        "--save-samples", str(args.steps), "--save-questions", str(args.questions),  # the last step's questions, for the prompt check
-        "--gradient-checkpointing", str(bool(args.gradient_checkpointing)),
-        "--precision", args.precision,  # TRL's bf16 flag follows it (its bf16 default is turned off for fp32)
+        sys.executable,
+        str(REPO / "grpo_baseline.py"),
+        "--model",
+        args.model,
+        "--task",
+        args.task,
+        "--seed",
+        str(args.seed),
+        "--exp-name",
+        f"trl_side_by_side_r{round_index}",
+        "--output-dir",
+        str(output_dir),
+        "--backend",
+        "hf",
+        "--iterations",
+        str(args.steps),
+        "--questions",
+        str(args.questions),
+        "--group-size",
+        str(args.group_size),
+        "--batch-size",
+        str(args.questions * args.group_size),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--epochs",
+        "1",
+        "--beta",
+        "0",
+        "--lr",
+        str(args.lr),
+        "--warmup-ratio",
+        "0",
+        "--temperature",
+        str(args.temperature),
+        "--top-p",
+        "1.0",
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--eval-every",
+        str(NEVER),
+        "--eval-limit",
+        "1",
+        "--eval-samples",
+        "1",
+        "--save-every",
+        str(NEVER),
+        "--save-samples",
+        str(args.steps),
+        "--save-questions",
+        str(args.questions),  # the last step's questions, for the prompt check
+        "--gradient-checkpointing",
+        str(bool(args.gradient_checkpointing)),
+        "--precision",
+        args.precision,  # TRL's bf16 flag follows it (its bf16 default is turned off for fp32)
     ]
-    marks, totals = watch(command, env, work / f"ours_r{round_index}.log", lambda: list(output_dir.glob("*/metrics.jsonl")), args.poll_seconds)
+    marks, totals = watch(
+        command,
+        env,
+        work / f"ours_r{round_index}.log",
+        lambda: list(output_dir.glob("*/metrics.jsonl")),
+        args.poll_seconds,
+    )
     run_dir = next(output_dir.glob("*/metrics.jsonl")).parent
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_lines = [i for i, r in enumerate(records) if "charts/reward" in r]
@@ -501,14 +648,37 @@ def run_ours(args: Args, work: Path, round_index: int, env: dict) -> dict:
         r = records[line]
         wall_seconds = r.get("time/iteration_seconds", r["time/rollout_seconds"] + r["time/update_seconds"])
         tokens = r.get("charts/generated_tokens", r["charts/response_tokens"] * args.questions * args.group_size)
-        steps.append({"step": k, "wall_seconds": wall_seconds, "cpu_seconds": cpu_seconds, "wall_seconds_polled": wall,
-                      "wall_source": "time/iteration_seconds" if "time/iteration_seconds" in r else "time/rollout_seconds + time/update_seconds",
-                      "rollout_seconds": r["time/rollout_seconds"], "update_seconds": r["time/update_seconds"],
-                      "generated_tokens": tokens, "reward": r["charts/reward"], "truncation_rate": r["charts/truncation_rate"]})
+        steps.append(
+            {
+                "step": k,
+                "wall_seconds": wall_seconds,
+                "cpu_seconds": cpu_seconds,
+                "wall_seconds_polled": wall,
+                "wall_source": "time/iteration_seconds"
+                if "time/iteration_seconds" in r
+                else "time/rollout_seconds + time/update_seconds",
+                "rollout_seconds": r["time/rollout_seconds"],
+                "update_seconds": r["time/update_seconds"],
+                "generated_tokens": tokens,
+                "reward": r["charts/reward"],
+                "truncation_rate": r["charts/truncation_rate"],
+            }
+        )
     samples = run_dir / "samples" / f"iter_{args.steps}.jsonl"
-    last_questions = [json.loads(line)["question"] for line in samples.read_text().splitlines()][:: args.group_size] if samples.exists() else None
-    return {"side": "ours", "round": round_index, "steps": steps, "command": command[1:],
-            "peak_rss_train_gb": first_seen(marks, train_lines[-1])["hwm"] / 2**30, **totals, "last_step_questions": last_questions}
+    last_questions = (
+        [json.loads(line)["question"] for line in samples.read_text().splitlines()][:: args.group_size]
+        if samples.exists()
+        else None
+    )
+    return {
+        "side": "ours",
+        "round": round_index,
+        "steps": steps,
+        "command": command[1:],
+        "peak_rss_train_gb": first_seen(marks, train_lines[-1])["hwm"] / 2**30,
+        **totals,
+        "last_step_questions": last_questions,
+    }
 
 
 def run_trl_child(args: Args, work: Path, round_index: int, env: dict) -> dict:
@@ -519,17 +689,27 @@ def run_trl_child(args: Args, work: Path, round_index: int, env: dict) -> dict:
         if name in ("side", "child_out", "out", "rounds", "threads", "poll_seconds"):
             continue
         flag = "--" + name.replace("_", "-")
-        command += ([flag] if value else [f"--no-{name.replace('_', '-')}"]) if isinstance(value, bool) else [flag, str(value)]
+        command += (
+            ([flag] if value else [f"--no-{name.replace('_', '-')}"]) if isinstance(value, bool) else [flag, str(value)]
+        )
     progress = child_out.with_suffix(".progress.jsonl")
     marks, totals = watch(command, env, work / f"trl_r{round_index}.log", lambda: [progress], args.poll_seconds)
     child = json.loads(child_out.read_text())
     step_lines = list(range(1, len(child["steps"]) + 1))  # line 0 is train_begin, line k is the end of step k
     cpu, wall_polled = intervals(marks, step_lines, "cpu"), intervals(marks, step_lines, "wall")
     steps = [{**s, "cpu_seconds": c, "wall_seconds_polled": w} for s, c, w in zip(child["steps"], cpu, wall_polled)]
-    return {"side": "trl", "round": round_index, "steps": steps, "command": command[1:],
-            "peak_rss_train_gb": first_seen(marks, step_lines[-1])["hwm"] / 2**30, **totals,
-            "ru_maxrss_gb": child["ru_maxrss_gb"], "last_step_questions": child["questions_per_step"][-1],
-            "questions_per_step": child["questions_per_step"], "child": {k: child[k] for k in ("torch_threads", "cpu", "stop_strings", "versions", "config")}}
+    return {
+        "side": "trl",
+        "round": round_index,
+        "steps": steps,
+        "command": command[1:],
+        "peak_rss_train_gb": first_seen(marks, step_lines[-1])["hwm"] / 2**30,
+        **totals,
+        "ru_maxrss_gb": child["ru_maxrss_gb"],
+        "last_step_questions": child["questions_per_step"][-1],
+        "questions_per_step": child["questions_per_step"],
+        "child": {k: child[k] for k in ("torch_threads", "cpu", "stop_strings", "versions", "config")},
+    }
 
 
 def main(args: Args) -> None:
@@ -538,9 +718,13 @@ def main(args: Args) -> None:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None or importlib.util.find_spec("psutil") is None:
-        raise SystemExit("this benchmark needs TRL and psutil: pip install -r requirements-bench.txt (see the docstring)")
+        raise SystemExit(
+            "this benchmark needs TRL and psutil: pip install -r requirements-bench.txt (see the docstring)"
+        )
     if args.steps < 1 or args.rounds < 1 or (args.questions * args.group_size) % args.micro_batch_size:
-        raise SystemExit("--steps and --rounds must be positive and --micro-batch-size must divide questions x group size")
+        raise SystemExit(
+            "--steps and --rounds must be positive and --micro-batch-size must divide questions x group size"
+        )
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "PYTHONUNBUFFERED": "1"}
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -560,8 +744,14 @@ def main(args: Args) -> None:
     same_prompts = all(r["last_step_questions"] == trl_run["last_step_questions"] for r in runs)
     result = {
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"platform": platform.platform(), "cpu": trl_run["child"]["cpu"], "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"), "torch_threads_trl_child": trl_run["child"]["torch_threads"]},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": trl_run["child"]["cpu"],
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
+            "torch_threads_trl_child": trl_run["child"]["torch_threads"],
+        },
         "versions": trl_run["child"]["versions"],  # both sides run with this interpreter
         "settings": {k: v for k, v in asdict(args).items() if k not in ("side", "child_out")},
         "trl_config": trl_run["child"]["config"],
@@ -570,7 +760,7 @@ def main(args: Args) -> None:
         "measurement": {
             "wall_seconds": "ours: grpo_baseline.py time/iteration_seconds; TRL: TrainerCallback on_step_begin -> on_step_end",
             "cpu_seconds": "both: user+system CPU of the training process, polled, between consecutive per-step records "
-                           "(TRL's in-process time.process_time() is cpu_seconds_in_process)",
+            "(TRL's in-process time.process_time() is cpu_seconds_in_process)",
             "peak_rss_gb": "VmHWM of the training process when its last step's record appeared (overall: at exit)",
         },
         "summary": summary,
@@ -579,7 +769,9 @@ def main(args: Args) -> None:
     write_json(out, result)
     print(format_table(summary))
     if not same_prompts:
-        print("WARNING: the two sides did not train on the same questions at the last step (see runs[*].last_step_questions)")
+        print(
+            "WARNING: the two sides did not train on the same questions at the last step (see runs[*].last_step_questions)"
+        )
     print(f"-> {out}")
 
 

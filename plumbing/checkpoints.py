@@ -77,9 +77,11 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, module
         shutil.rmtree(staging, ignore_errors=True)
         kept = trained_iterations(run_dir)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"cannot write the checkpoint of iteration {trainer_state.get('iteration')} to {staging} ({reason}); "
-                         + (f"{final} still holds iteration {kept}" if kept else "no earlier checkpoint exists")
-                         + ": free space (or fix the folder's permissions) and --resume") from None
+        raise UsageError(
+            f"cannot write the checkpoint of iteration {trainer_state.get('iteration')} to {staging} ({reason}); "
+            + (f"{final} still holds iteration {kept}" if kept else "no earlier checkpoint exists")
+            + ": free space (or fix the folder's permissions) and --resume"
+        ) from None
     if final.exists():
         final.rename(previous)
     staging.rename(final)
@@ -90,7 +92,10 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, module
 def optimizer_checkpoint(model, optimizer, scheduler, prefix: str = "") -> dict:
     """The trainer_state entries of one optimizer and its schedule ({prefix}optimizer, {prefix}scheduler). Every
     rank calls it: with --fsdp the optimizer state is gathered from the shards."""
-    return {f"{prefix}optimizer": distributed.optimizer_state(model, optimizer), f"{prefix}scheduler": scheduler.state_dict()}
+    return {
+        f"{prefix}optimizer": distributed.optimizer_state(model, optimizer),
+        f"{prefix}scheduler": scheduler.state_dict(),
+    }
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -114,8 +119,15 @@ def load_trainer_state(checkpoint: Path, device) -> dict:
     return torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
 
 
-def make_optimizer(model, lr: float, weight_decay: float, warmup_ratio: float, total_steps: int,
-                   state: dict | None = None, prefix: str = ""):
+def make_optimizer(
+    model,
+    lr: float,
+    weight_decay: float,
+    warmup_ratio: float,
+    total_steps: int,
+    state: dict | None = None,
+    prefix: str = "",
+):
     """AdamW and its schedule: int(warmup_ratio * total_steps) steps of linear warmup, then linear decay to 0 at
     total_steps; restored from a checkpoint's trainer_state (its {prefix}optimizer and {prefix}scheduler) when given."""
     with distributed.on_shards(model):  # --fsdp: from the shards, even while the awake sampler holds the model gathered

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from plumbing import UsageError
 
+
 def init_distributed() -> str:
     """Join torchrun's process group when it started this process (WORLD_SIZE > 1); returns the device to train on
     ("cuda" is then this rank's own GPU, LOCAL_RANK)."""
@@ -110,10 +111,16 @@ def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
     optimizer steps). At world size 1: --fsdp (nothing to shard over)."""
     world = world_size()
     if world == 1:
-        return ["--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (N >= 2), or drop --fsdp"] \
-            if getattr(args, "fsdp", False) else []
-    return [f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
-            for flag, value in per_rank.items() if value % world]
+        return (
+            ["--fsdp shards the model over processes: launch with torchrun --nproc_per_node N (N >= 2), or drop --fsdp"]
+            if getattr(args, "fsdp", False)
+            else []
+        )
+    return [
+        f"{flag} ({value}) must be a multiple of the number of processes ({world}) under torchrun"
+        for flag, value in per_rank.items()
+        if value % world
+    ]
 
 
 def check_world_size(checkpoint: Path) -> None:
@@ -122,9 +129,15 @@ def check_world_size(checkpoint: Path) -> None:
     state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
     saved = state.get("world_size", 1)
     if saved != world_size():
-        launch = "python SCRIPT.py" if saved == 1 else f"torchrun --nproc_per_node {saved} SCRIPT.py (or that many processes over nodes)"
-        raise UsageError(f"--resume: {checkpoint} was trained by {saved} process(es), this is {world_size()}; the split of "
-                         f"questions and the random streams per rank depend on it, so resume with {launch}, or start a new run")
+        launch = (
+            "python SCRIPT.py"
+            if saved == 1
+            else f"torchrun --nproc_per_node {saved} SCRIPT.py (or that many processes over nodes)"
+        )
+        raise UsageError(
+            f"--resume: {checkpoint} was trained by {saved} process(es), this is {world_size()}; the split of "
+            f"questions and the random streams per rank depend on it, so resume with {launch}, or start a new run"
+        )
 
 
 def all_reduce_gradients(*models: torch.nn.Module) -> None:
@@ -244,7 +257,9 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     with on_shards(model):  # the optimizer's parameters are found among the model's by identity
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -106,7 +106,9 @@ def _next_tokens(
     return chosen
 
 
-def _left_padded(sequences: list[list[int]], width: int, pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _left_padded(
+    sequences: list[list[int]], width: int, pad: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids, attention mask and position ids [rows, width] of token sequences left-padded to width; positions
     count from each sequence's first real token, so a token's KV does not depend on its row's padding."""
     input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences], device=device)
@@ -118,17 +120,23 @@ class _GrowingKV(DynamicLayer):
     """One layer's KV cache in a buffer with room to grow: a decode step writes its position in place, where
     DynamicLayer concatenates (copies) the whole cache every step. keys/values are views of the filled part."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1, dtype: torch.dtype | None = None):
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1, dtype: torch.dtype | None = None
+    ):
         """dtype: what the buffers hold (None: as given). Under autocast, attention reads keys and values in the
         autocast dtype, but RoPE's fp32 cos/sin hand the keys over in fp32: stored in the autocast dtype, they are
         the same numbers, cast once per position instead of the whole cache at every step."""
         super().__init__()
         self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
-        self.key_buffer = self._with_room(keys, room, repeats, dtype)  # [rows x repeats, kv_heads, length + room, head_dim]
+        self.key_buffer = self._with_room(
+            keys, room, repeats, dtype
+        )  # [rows x repeats, kv_heads, length + room, head_dim]
         self.value_buffer = self._with_room(values, room, repeats, dtype)
         self._views()
 
-    def _with_room(self, filled: torch.Tensor, room: int, repeats: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _with_room(
+        self, filled: torch.Tensor, room: int, repeats: int = 1, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """A new buffer with `room` free positions, holding each row of `filled` `repeats` times in a row."""
         rows, heads, _, dim = filled.shape
         buffer = filled.new_empty((rows * repeats, heads, self.length + room, dim), dtype=dtype or filled.dtype)
@@ -150,7 +158,10 @@ class _GrowingKV(DynamicLayer):
         return self.keys, self.values
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.key_buffer, self.value_buffer = self.key_buffer.repeat_interleave(repeats, 0), self.value_buffer.repeat_interleave(repeats, 0)
+        self.key_buffer, self.value_buffer = (
+            self.key_buffer.repeat_interleave(repeats, 0),
+            self.value_buffer.repeat_interleave(repeats, 0),
+        )
         self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -169,12 +180,22 @@ class HFSampler:
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int = 0, batch_size: int = 256,
-        max_batch_tokens: int = 2**16, precision: Precision = FP32,
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        seed: int = 0,
+        batch_size: int = 256,
+        max_batch_tokens: int = 2**16,
+        precision: Precision = FP32,
     ):
         """precision: the matmul precision of the forward passes (the weights stay as they are, fp32 in training)."""
         models.check_logits_from_hidden(model)  # _prefill applies the LM head to the hidden states itself
-        self.model, self.tokenizer, self.batch_size, self.max_batch_tokens = model, tokenizer, batch_size, max_batch_tokens
+        self.model, self.tokenizer, self.batch_size, self.max_batch_tokens = (
+            model,
+            tokenizer,
+            batch_size,
+            max_batch_tokens,
+        )
         self.precision = precision
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self._stop_enders: dict[tuple, torch.Tensor] = {}
@@ -255,13 +276,26 @@ class HFSampler:
         # alone, in batches of at most `rows` rows.
         rows = {i: self.rows_per_batch(len(prompts[i]) + limits[i]) for i in live}
         together = [i for i in live if n <= rows[i]]
-        batches = [([together[j] for j in batch], n) for batch in self.chunks([prompts[i] for i in together], [limits[i] for i in together], n)]
+        batches = [
+            ([together[j] for j in batch], n)
+            for batch in self.chunks([prompts[i] for i in together], [limits[i] for i in together], n)
+        ]
         batches += [([i], min(rows[i], n - start)) for i in live if n > rows[i] for start in range(0, n, rows[i])]
         device = self.model.device.type
         with self.precision.autocast(device):  # training keeps fp32 weights
-            for batch, k in tqdm.tqdm(batches, desc=progress, leave=False, disable=progress is None or distributed.rank() > 0):
-                groups = self._sample_chunk([prompts[i] for i in batch], [limits[i] for i in batch],
-                                            [histories[i] for i in batch], k, temperature, top_p, stop, ignore_eos)
+            for batch, k in tqdm.tqdm(
+                batches, desc=progress, leave=False, disable=progress is None or distributed.rank() > 0
+            ):
+                groups = self._sample_chunk(
+                    [prompts[i] for i in batch],
+                    [limits[i] for i in batch],
+                    [histories[i] for i in batch],
+                    k,
+                    temperature,
+                    top_p,
+                    stop,
+                    ignore_eos,
+                )
                 for i, group in zip(batch, groups):
                     results[i] = results[i] + group
         return results
@@ -292,23 +326,33 @@ class HFSampler:
             return self._prefill_each(prompts, width, pad)  # e.g. sliding-window layers keep only their window
         source = torch.tensor(root_of, device=device)  # [prompts]: the root each prompt is read from
         lengths = torch.tensor([len(p) for p in prompts], device=device)
-        shift = lengths - torch.tensor([len(roots[r]) for r in root_of], device=device)  # <= 0: where the prompt ends in its root
-        last = (width - 1 + shift)  # [prompts]: the column of each prompt's last token in its root
+        shift = lengths - torch.tensor(
+            [len(roots[r]) for r in root_of], device=device
+        )  # <= 0: where the prompt ends in its root
+        last = width - 1 + shift  # [prompts]: the column of each prompt's last token in its root
         logits = model.get_output_embeddings()(out.last_hidden_state[source, last])  # [prompts, vocab]
-        columns = (torch.arange(width, device=device)[None] + shift[:, None]).clamp(min=0)  # [prompts, width]; pad columns: any
+        columns = (torch.arange(width, device=device)[None] + shift[:, None]).clamp(
+            min=0
+        )  # [prompts, width]; pad columns: any
         for layer in out.cache.layers:
-            index = columns[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])  # [prompts, kv_heads, width, head_dim]
+            index = columns[:, None, :, None].expand(
+                -1, layer.keys.shape[1], -1, layer.keys.shape[-1]
+            )  # [prompts, kv_heads, width, head_dim]
             layer.keys, layer.values = layer.keys[source].gather(2, index), layer.values[source].gather(2, index)
         return logits, out.cache
 
     def _prefill_each(self, prompts: list[list[int]], width: int, pad: int):
         """_prefill without shared prefixes: every prompt prefilled on its own row."""
         input_ids, attention, positions = _left_padded(prompts, width, pad, self.model.device)  # [prompts, width]
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
         return out.logits[:, -1], out.cache
 
     @torch.no_grad()
-    def _sample_chunk(self, prompts, limits, histories, n, temperature, top_p, stop, ignore_eos) -> list[list[Completion]]:
+    def _sample_chunk(
+        self, prompts, limits, histories, n, temperature, top_p, stop, ignore_eos
+    ) -> list[list[Completion]]:
         model, device = self.model, self.model.device
         was_training = model.training
         model.eval()
@@ -316,26 +360,38 @@ class HFSampler:
         steps = int(limits.max())
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # [prompts, width], left-padded
+        attention = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+        )  # [prompts, width], left-padded
         logits, cache = self._prefill(prompts, width, pad)  # [prompts, vocab]; cache rows left-padded to width
         # Decode steps write into buffers with room instead of concatenating the whole cache each step.
         for layer in cache.layers:
             if type(layer) is not DynamicLayer:  # e.g. a sliding-window layer: repeated as transformers keeps it
                 layer.batch_repeat_interleave(n)
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        cache.layers = [_GrowingKV(layer.keys, layer.values, min(steps, 256), repeats=n, dtype=dtype) if type(layer) is DynamicLayer
-                        else layer for layer in cache.layers]
+        cache.layers = [
+            _GrowingKV(layer.keys, layer.values, min(steps, 256), repeats=n, dtype=dtype)
+            if type(layer) is DynamicLayer
+            else layer
+            for layer in cache.layers
+        ]
         logits = logits.repeat_interleave(n, dim=0)  # [batch, vocab]: one prefill, n continuations
-        attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(n, dim=0)  # [batch, width + steps]
+        attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(
+            n, dim=0
+        )  # [batch, width + steps]
         if model.config._attn_implementation == "sdpa" and all(type(layer) is _GrowingKV for layer in cache.layers):
             # Handed over as [batch, 1, 1, positions], the mask reaches SDPA as it is. Left 2D, transformers drops it when
             # no row is padded and asks SDPA for grouped-query attention (enable_gqa), which on CPU in bf16 took 5x as
             # long per layer as the packed query heads it uses when there is a mask (1.29 against 0.24 ms, 24 rows).
             attention = attention.bool()[:, None, None]  # [batch, 1, 1, width + steps]
-        next_position = torch.tensor([[len(p)] for p in prompts], device=device).repeat_interleave(n, dim=0)  # [batch, 1]
+        next_position = torch.tensor([[len(p)] for p in prompts], device=device).repeat_interleave(
+            n, dim=0
+        )  # [batch, 1]
 
         rows = len(prompts) * n
-        eos = torch.tensor([] if ignore_eos else sorted(models.eos_ids(model, self.tokenizer)), dtype=torch.long, device=device)
+        eos = torch.tensor(
+            [] if ignore_eos else sorted(models.eos_ids(model, self.tokenizer)), dtype=torch.long, device=device
+        )
         tokens = torch.full((rows, max(1, steps)), pad, dtype=torch.long, device=device)  # [rows, steps]
         lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens sampled per row
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)  # ended by EOS or a stop string
@@ -356,7 +412,9 @@ class HFSampler:
                 candidates = ~finished & self._can_end_stop(stop, logits.shape[-1])[live_chosen]  # [live]
                 for i in candidates.nonzero().flatten().tolist():
                     row, first = int(live_rows[i]), step + 1 - tail
-                    window = (histories[row // n][first:] if first < 0 else []) + tokens[row, max(0, first) : step + 1].tolist()
+                    window = (histories[row // n][first:] if first < 0 else []) + tokens[
+                        row, max(0, first) : step + 1
+                    ].tolist()
                     if any(s in self.tokenizer.decode(window) for s in stop):
                         finished[i] = True
             stopped[live_rows] = finished
@@ -370,8 +428,13 @@ class HFSampler:
                 cache.batch_select_indices(keep)
                 batch_rows, alive, chosen = batch_rows[keep], alive[keep], chosen[keep]
                 attention, next_position = attention[keep], next_position[keep]
-            out = model(input_ids=chosen[:, None], attention_mask=attention[..., : width + step + 1], position_ids=next_position,
-                        cache=cache, use_cache=True)
+            out = model(
+                input_ids=chosen[:, None],
+                attention_mask=attention[..., : width + step + 1],
+                position_ids=next_position,
+                cache=cache,
+                use_cache=True,
+            )
             logits, next_position = out.logits[:, -1], next_position + 1
         model.train(was_training)
 
@@ -437,9 +500,18 @@ class VLLMSampler:
     each rank, which a sharded model (one all-gather per call) cannot do.
     """
 
-    def __init__(self, model_path: str, *, model: torch.nn.Module | None = None, seed: int = 0, max_model_len: int = 2048,
-                 gpu_memory_utilization: float = 0.5, dtype: str | None = None,
-                 enable_sleep_mode: bool = True, enforce_eager: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        model: torch.nn.Module | None = None,
+        seed: int = 0,
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.5,
+        dtype: str | None = None,
+        enable_sleep_mode: bool = True,
+        enforce_eager: bool = False,
+    ):
         """dtype: the engine's ("bfloat16", "float16", ...); None: bfloat16 where the GPU has bf16, else float16.
         enforce_eager: no CUDA graphs and no torch.compile (a faster start, slower decoding)."""
         gpu.prepare_vllm(enforce_eager)  # a CUDA mismatch stops here, in a second, with its fix
@@ -472,8 +544,10 @@ class VLLMSampler:
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher" if distributed.world_size() > 1 else None,
         )
-        distributed.print0(f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype})"
-                           + (f", one per rank on {distributed.world_size()} ranks" if distributed.world_size() > 1 else ""))
+        distributed.print0(
+            f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype})"
+            + (f", one per rank on {distributed.world_size()} ranks" if distributed.world_size() > 1 else "")
+        )
         # Use the same tokenizer as vLLM's stop-string detokenizer.
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = max_model_len
@@ -493,9 +567,19 @@ class VLLMSampler:
         if self.model is not None and distributed.is_sharded(self.model):
             distributed.gather_parameters(self.model, gathered)
 
-    def sample(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-               max_new_tokens: int | list[int], stop: Sequence[str] = (), context: int | None = None,
-               progress: str | None = None, generated: int | list[int] = 0) -> list[list[Completion]]:
+    def sample(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int | list[int],
+        stop: Sequence[str] = (),
+        context: int | None = None,
+        progress: str | None = None,
+        generated: int | list[int] = 0,
+    ) -> list[list[Completion]]:
         """n completions per prompt, in prompt order.
         Max new tokens = min(max_new_tokens (one, or one per prompt), context - len(prompt)).
         generated: as in HFSampler.sample (vLLM only looks for stop strings in the new text, so a stop string
@@ -505,8 +589,10 @@ class VLLMSampler:
         if self.asleep:
             raise RuntimeError("VLLMSampler.sample() called while asleep; call wake_up() first")
         if self.weights_discarded:
-            raise RuntimeError("VLLMSampler.sample(): weights not reloaded since sleep() discarded them; "
-                               "call load_weights(model) after wake_up()")
+            raise RuntimeError(
+                "VLLMSampler.sample(): weights not reloaded since sleep() discarded them; "
+                "call load_weights(model) after wake_up()"
+            )
         stop = list(stop)
         histories = stop_histories(prompts, generated, stop)
         limit = self.max_model_len if context is None else min(context, self.max_model_len)
@@ -526,10 +612,15 @@ class VLLMSampler:
         # their noise from the engine's RNG state (the v2 model runner seeds them from
         # numpy's global RNG), which no reseed reaches: a resumed run would not repeat.
         seeds = torch.randint(0, 2**62, (len(live),), generator=self.generator).tolist()
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i],
-                                 stop=stop, seed=seed) for i, seed in zip(live, seeds)]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in live],
-                                 sampling_params=params, use_tqdm=progress is not None and distributed.rank() == 0)
+        params = [
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], stop=stop, seed=seed)
+            for i, seed in zip(live, seeds)
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompts[i])) for i in live],
+            sampling_params=params,
+            use_tqdm=progress is not None and distributed.rank() == 0,
+        )
         assert len(outs) == len(live)
         for i, out in zip(live, outs):
             assert len(out.outputs) == n
@@ -576,8 +667,7 @@ class VLLMSampler:
         # the generator holds a single converted tensor, never a second copy of the
         # model. detach() keeps autograd out of vLLM's copy_.
         weights = ((name, whole(p)) for name, p in model.named_parameters())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                         "is_checkpoint_format": True})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.weights_discarded = False
         if self.cache_asleep:  # woken only now: the KV cache was not allocated while the weights loaded
             torch.cuda.empty_cache()  # the reload's temporaries (bf16 copies, gathered shards) sit in torch's cache
@@ -633,14 +723,28 @@ def resolve_backend(backend: str) -> tuple[str, str]:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        return "hf", "--backend auto: vllm is not installed (pip install -r requirements-vllm.txt), so the slower HF decode loop"
+        return (
+            "hf",
+            "--backend auto: vllm is not installed (pip install -r requirements-vllm.txt), so the slower HF decode loop",
+        )
     if distributed.world_size() > 1:
-        return "vllm", "--backend auto: vllm installed and a CUDA GPU present (under torchrun: one engine per rank, on its GPU)"
+        return (
+            "vllm",
+            "--backend auto: vllm installed and a CUDA GPU present (under torchrun: one engine per rank, on its GPU)",
+        )
     return "vllm", "--backend auto: vllm installed and a CUDA GPU present"
 
 
-def make_sampler(backend: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_path: str, seed: int = 0,
-                 precision: Precision = FP32, sampler_batch_tokens: int = 2**16, **vllm_kwargs):
+def make_sampler(
+    backend: str,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    model_path: str,
+    seed: int = 0,
+    precision: Precision = FP32,
+    sampler_batch_tokens: int = 2**16,
+    **vllm_kwargs,
+):
     """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present).
     `precision` and `sampler_batch_tokens` (positions one batch caches) are the HF sampler's (vLLM computes in its own
     dtype and schedules its own batches)."""

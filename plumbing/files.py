@@ -42,8 +42,9 @@ def read_json(path: str | Path, what: str = "file", shape: type = dict):
     except ValueError as error:
         raise UsageError(f"{what} {path} is not valid JSON ({error})") from None
     if not isinstance(value, shape):
-        raise UsageError(f"{what} {path} holds a JSON {type(value).__name__}, not a JSON "
-                         f"{'object' if shape is dict else 'array'}")
+        raise UsageError(
+            f"{what} {path} holds a JSON {type(value).__name__}, not a JSON {'object' if shape is dict else 'array'}"
+        )
     return value
 
 

@@ -41,7 +41,7 @@ def elf_needed(file: BinaryIO) -> list[str]:
     header = file.read(64)
     if header[:4] != b"\x7fELF" or header[4:6] != b"\x02\x01":  # ELFCLASS64, little-endian
         return []
-    section_offset, = struct.unpack_from("<Q", header, 0x28)
+    (section_offset,) = struct.unpack_from("<Q", header, 0x28)
     entry_size, count = struct.unpack_from("<HH", header, 0x3A)
     file.seek(section_offset)
     table = file.read(entry_size * count)
@@ -75,8 +75,13 @@ def cuda_major(tag: str) -> int:
 
 def extra_cuda_majors(requires: list[str]) -> set[int]:
     """The CUDA major versions that requirement extras name: {13} for ["nvidia-cutlass-dsl[cu13]==4.7.1"]."""
-    return {cuda_major(extra.strip()) for requirement in requires for extras in re.findall(r"\[([^\]]*)\]", requirement)
-            for extra in extras.split(",") if re.fullmatch(r"\s*cu\d+\s*", extra)}
+    return {
+        cuda_major(extra.strip())
+        for requirement in requires
+        for extras in re.findall(r"\[([^\]]*)\]", requirement)
+        for extra in extras.split(",")
+        if re.fullmatch(r"\s*cu\d+\s*", extra)
+    }
 
 
 def vllm_build() -> tuple[str, set[int]] | None:
@@ -117,7 +122,9 @@ def cuda_problems() -> list[str]:
     if have == wanted:
         return []
     built = f"a CUDA {torch.version.cuda} build" if have else "a build without CUDA"
-    return [f"torch {torch.__version__} is {built}, but vllm {version} is built for CUDA {wanted}: {torch_install(wanted)}"]
+    return [
+        f"torch {torch.__version__} is {built}, but vllm {version} is built for CUDA {wanted}: {torch_install(wanted)}"
+    ]
 
 
 def c_compiler() -> str | None:
@@ -133,7 +140,11 @@ def python_headers() -> Path:
 def toolchain_problems(enforce_eager: bool) -> list[str]:
     """Lines for a missing C compiler or Python.h. Triton compiles each kernel's launcher with both, and vLLM runs
     Triton kernels (its sampler) and, unless eager, torch.compile, whose kernels are Triton's too."""
-    eager = "" if enforce_eager else "; eager mode (--vllm-enforce-eager) avoids torch.compile, not vLLM's own Triton kernels"
+    eager = (
+        ""
+        if enforce_eager
+        else "; eager mode (--vllm-enforce-eager) avoids torch.compile, not vLLM's own Triton kernels"
+    )
     problems = []
     if c_compiler() is None:
         problems.append(f"no C compiler (gcc, clang or $CC), which Triton needs: apt-get install gcc{eager}")
@@ -152,11 +163,17 @@ def describe(enforce_eager: bool = False) -> str:
     """One line: what the engine will run with, e.g. "vLLM pre-flight: torch 2.13.0+cu130 (CUDA 13.0), vllm 0.30.0
     (CUDA 13), cc /usr/bin/gcc, Python.h found, FlashInfer sampler off, CUDA graphs"."""
     build = vllm_build()
-    vllm = "vllm not installed" if build is None else f"vllm {build[0]} (CUDA {', '.join(map(str, sorted(build[1]))) or '?'})"
+    vllm = (
+        "vllm not installed"
+        if build is None
+        else f"vllm {build[0]} (CUDA {', '.join(map(str, sorted(build[1]))) or '?'})"
+    )
     flashinfer = "on" if os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "1") != "0" else "off"
-    return (f"vLLM pre-flight: torch {torch.__version__} (CUDA {torch.version.cuda}), {vllm}, cc {c_compiler()}, "
-            f"Python.h {'found' if python_headers().is_file() else 'missing'}, FlashInfer sampler {flashinfer}, "
-            f"{'eager' if enforce_eager else 'CUDA graphs'}")
+    return (
+        f"vLLM pre-flight: torch {torch.__version__} (CUDA {torch.version.cuda}), {vllm}, cc {c_compiler()}, "
+        f"Python.h {'found' if python_headers().is_file() else 'missing'}, FlashInfer sampler {flashinfer}, "
+        f"{'eager' if enforce_eager else 'CUDA graphs'}"
+    )
 
 
 def prepare_vllm(enforce_eager: bool = False) -> None:

@@ -33,11 +33,11 @@ from pathlib import Path
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-_GRADE_TAIL_CHARS = 8000        # only the end of a response is graded
-_GRADE_MEM_HEADROOM = 4 << 30   # bytes a worker may map beyond what its imports already use
-_GRADE_HARD_GRACE = 2.0         # default seconds past the soft timeout before the parent kills a worker
+_GRADE_TAIL_CHARS = 8000  # only the end of a response is graded
+_GRADE_MEM_HEADROOM = 4 << 30  # bytes a worker may map beyond what its imports already use
+_GRADE_HARD_GRACE = 2.0  # default seconds past the soft timeout before the parent kills a worker
 _GRADE_STARTUP_TIMEOUT = 120.0  # the grading server's first answer waits for it to import this module
-_GRADE_MAX_CHUNK = 64           # items handed to a worker at once
+_GRADE_MAX_CHUNK = 64  # items handed to a worker at once
 # The final-answer rule, stated in grade()'s docstring. _answer_text applies it in the parent, where no
 # timeout covers it, so every pattern here is linear-time on any text. Boxes are first swapped for
 # placeholders "\x01<i>\x02", so that dots, braces and "or" inside a box neither split nor hedge the text
@@ -58,8 +58,8 @@ _GRADE_NEGATED_RE = re.compile(  # "72, not 73": the rejected value is dropped
     re.IGNORECASE,
 )
 
-_grade_workers = []             # the persistent pool, see _grade_pool()
-_grade_server = None            # forks the workers, see _GradeServer
+_grade_workers = []  # the persistent pool, see _grade_pool()
+_grade_server = None  # forks the workers, see _GradeServer
 _grade_lock = threading.Lock()  # one grade() call at a time uses the pool
 _grade_failure_count = 0
 
@@ -95,8 +95,8 @@ def _answer_text(response: str, numeric: bool, reference: str = "") -> str:
                 continue
             depth += (text[i] == "{") - (text[i] == "}")
             i += 1
-        boxes.append(text[box.end(): i - 1] if depth == 0 else text[box.end():])  # unclosed: to the end
-        parts += [text[pos: box.start()], f"\x01{len(boxes) - 1}\x02"]
+        boxes.append(text[box.end() : i - 1] if depth == 0 else text[box.end() :])  # unclosed: to the end
+        parts += [text[pos : box.start()], f"\x01{len(boxes) - 1}\x02"]
         pos = i
     work = "".join(parts) + text[pos:]
     # Clauses: sentences, also split where a correction word opens a clause.
@@ -112,7 +112,7 @@ def _answer_text(response: str, numeric: bool, reference: str = "") -> str:
             if not _GRADE_VALUE_RE.search(work, value_from, b) and k + 1 < len(clauses):
                 b = clauses[k + 1][1]  # "The answer is:\n72": the value is on the next line
             if _GRADE_VALUE_RE.search(work, value_from, b):
-                statement = work[marker.start(): b]
+                statement = work[marker.start() : b]
                 break
         elif a in cues and _GRADE_VALUE_RE.search(work, a, b):
             statement = work[a:b]
@@ -132,6 +132,7 @@ def _answer_text(response: str, numeric: bool, reference: str = "") -> str:
 
 # Worker side. Never str() or repr() a parsed object: printing a huge expression can hang too.
 
+
 class _GradeTimeout(BaseException):
     """Not an Exception, so math-verify's `except Exception` cannot swallow it."""
 
@@ -143,8 +144,7 @@ def _grade_alarm(signum, frame):
 @functools.lru_cache(maxsize=4096)  # RL grades several samples against each reference
 def _parse_reference(reference: str, numeric: bool) -> list:
     # parsing_timeout=None switches off math-verify's own alarm: the worker's alarm covers the item.
-    gold = parse(f"${reference}$", [LatexExtractionConfig()], fallback_mode="no_fallback",
-                 parsing_timeout=None)
+    gold = parse(f"${reference}$", [LatexExtractionConfig()], fallback_mode="no_fallback", parsing_timeout=None)
     if numeric and not (gold and getattr(gold[0], "is_number", False)):
         return []
     return gold
@@ -155,8 +155,9 @@ def _grade_item(text: str | None, reference: str, numeric: bool) -> float:
     gold = _parse_reference(reference, numeric)
     if text is None or not gold:
         return float(text is None and bool(gold))
-    pred = parse(text, [LatexExtractionConfig(), ExprExtractionConfig()], fallback_mode="no_fallback",
-                 parsing_timeout=None)
+    pred = parse(
+        text, [LatexExtractionConfig(), ExprExtractionConfig()], fallback_mode="no_fallback", parsing_timeout=None
+    )
     return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
 
 
@@ -228,7 +229,8 @@ class _GradeServer:
         self.control, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _GRADE_SERVER_BOOT, str(Path(__file__).resolve()), str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
         )
         theirs.close()
         self.control.settimeout(_GRADE_STARTUP_TIMEOUT)  # the first answer waits for the server's imports
@@ -260,7 +262,9 @@ class _GradeWorker:
                     _grade_server.close()
                 _grade_server = None
                 if attempt:
-                    raise RuntimeError("the grading server failed to start a worker; see its error output above") from None
+                    raise RuntimeError(
+                        "the grading server failed to start a worker; see its error output above"
+                    ) from None
         # A pidfd names this process even after it exits, so kill() never hits a process that reused the pid.
         self.pidfd = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
         self.todo = collections.deque()  # indices sent to this worker and not yet answered, in order
@@ -345,7 +349,11 @@ def _grade_run(jobs: list, timeout: float, workers: int | None, grace: float) ->
 
 
 def grade(
-    responses: list[str], references: list[str], task: str, timeout: float = 5.0, workers: int | None = None,
+    responses: list[str],
+    references: list[str],
+    task: str,
+    timeout: float = 5.0,
+    workers: int | None = None,
     grace: float = _GRADE_HARD_GRACE,
 ) -> list[float]:
     """1.0 for each response whose final answer equals its reference, else 0.0.

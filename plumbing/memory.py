@@ -117,7 +117,9 @@ class Plan:
     line: str = ""
 
     def settings(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("line", "peak_gb", "fits")}
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("line", "peak_gb", "fits")
+        }
 
 
 def micro_batch_candidates(batch_per_rank: int, requested) -> list[int]:
@@ -143,15 +145,30 @@ def cpu_plan(batch_per_rank: int, requested: dict) -> Plan:
 
 def describe(plan: Plan, backend: str = "hf") -> str:
     """The plan in words, with the knob of the rollout engine that runs (vLLM's share, or the HF sampler's batch)."""
-    engine = (f"vLLM share {plan.vllm_gpu_memory_utilization:.2f}" if backend == "vllm"
-              else f"sampler batch {plan.sampler_batch_tokens:,} positions")
-    return (f"micro-batch {plan.micro_batch_size}, checkpointing {'on' if plan.gradient_checkpointing else 'off'}, "
-            f"reference on {'device' if plan.reference_on_device else 'CPU (pinned)'}, {engine}")
+    engine = (
+        f"vLLM share {plan.vllm_gpu_memory_utilization:.2f}"
+        if backend == "vllm"
+        else f"sampler batch {plan.sampler_batch_tokens:,} positions"
+    )
+    return (
+        f"micro-batch {plan.micro_batch_size}, checkpointing {'on' if plan.gradient_checkpointing else 'off'}, "
+        f"reference on {'device' if plan.reference_on_device else 'CPU (pinned)'}, {engine}"
+    )
 
 
 def plan(
-    shape: ModelShape, *, total: int, free: int, context: int, batch_per_rank: int, backend: str, beta: float,
-    requested: dict, critic: bool = False, fsdp_ranks: int = 1, element: int = 2,
+    shape: ModelShape,
+    *,
+    total: int,
+    free: int,
+    context: int,
+    batch_per_rank: int,
+    backend: str,
+    beta: float,
+    requested: dict,
+    critic: bool = False,
+    fsdp_ranks: int = 1,
+    element: int = 2,
 ) -> Plan:
     """The memory knobs for one GPU with `total` bytes of which `free` are free, by the formula of this module's
     docstring. `requested`: the command line's values ("auto" or a value, which is kept). backend: the rollout engine
@@ -182,32 +199,41 @@ def plan(
         return free - margin - resident_rollout - no_grad_reserve
 
     def update_peak(micro: int, checkpointing: bool, reference_on_device: bool) -> float:
-        activations = copies * pass_bytes(shape, micro * context, checkpointing)  # + 10 %: the allocator's fragmentation
+        activations = copies * pass_bytes(
+            shape, micro * context, checkpointing
+        )  # + 10 %: the allocator's fragmentation
         return state + autocast_copies + (reference if reference_on_device else 0) + 1.1 * activations
 
     vllm_need = 2 * P + 2 * GiB + context * kv_bytes_per_position(shape)  # bf16 weights, warm-up, one full sequence
     want = lambda name: requested.get(name, "auto")  # noqa: E731
     options = lambda name, auto: auto if want(name) == "auto" else (want(name),)  # noqa: E731
     engine_fits = backend != "vllm" or want("vllm_gpu_memory_utilization") != "auto" or engine_room() >= vllm_need
-    candidates = ((micro, checkpointing, on_device)  # in order of preference: see the module's docstring
-                  for checkpointing in options("gradient_checkpointing", (False, True))
-                  for micro in micro_batch_candidates(batch_per_rank, want("micro_batch_size"))
-                  for on_device in ((True,) if beta == 0 else options("reference_on_device", (True, False))))
+    candidates = (
+        (micro, checkpointing, on_device)  # in order of preference: see the module's docstring
+        for checkpointing in options("gradient_checkpointing", (False, True))
+        for micro in micro_batch_candidates(batch_per_rank, want("micro_batch_size"))
+        for on_device in ((True,) if beta == 0 else options("reference_on_device", (True, False)))
+    )
     chosen = next((c for c in candidates if engine_fits and update_peak(*c) <= free - margin), None)
-    given = [name for name in ("micro_batch_size", "gradient_checkpointing", "reference_on_device") if want(name) != "auto"]
+    given = [
+        name for name in ("micro_batch_size", "gradient_checkpointing", "reference_on_device") if want(name) != "auto"
+    ]
     if chosen is None:
         smallest = update_peak(1, True, beta == 0)
         if given and smallest <= free - margin:  # the values given do not fit, but others would: keep them, warn
-            chosen = (micro_batch_candidates(batch_per_rank, want("micro_batch_size"))[0],
-                      bool(want("gradient_checkpointing")) if want("gradient_checkpointing") != "auto" else True,
-                      bool(want("reference_on_device")) if want("reference_on_device") != "auto" else False)
+            chosen = (
+                micro_batch_candidates(batch_per_rank, want("micro_batch_size"))[0],
+                bool(want("gradient_checkpointing")) if want("gradient_checkpointing") != "auto" else True,
+                bool(want("reference_on_device")) if want("reference_on_device") != "auto" else False,
+            )
         else:
             need = max(smallest, (resident_rollout + no_grad_reserve + vllm_need) if backend == "vllm" else 0) + margin
             raise UsageError(
                 f"this run needs about {need / GiB:.0f} GiB of GPU memory even with --micro-batch-size 1, "
                 f"--gradient-checkpointing True and --reference-on-device False, and the GPU has {free / GiB:.0f} GiB "
                 f"free of {total / GiB:.0f}: use a GPU with more memory, --fsdp over several GPUs (torchrun), a shorter "
-                "--context, or --beta 0 (no reference model)" + (", or --backend hf (no engine beside training)" if backend == "vllm" else "")
+                "--context, or --beta 0 (no reference model)"
+                + (", or --backend hf (no engine beside training)" if backend == "vllm" else "")
             )
     micro, checkpointing, on_device = chosen
     fits = update_peak(micro, checkpointing, on_device) <= free - margin
@@ -224,12 +250,21 @@ def plan(
     peak = update_peak(micro, checkpointing, on_device)
     result = Plan(micro, checkpointing, on_device, share, sampler_tokens, peak_gb=round(peak / GiB, 1), fits=fits)
     note = f"; {', '.join('--' + n.replace('_', '-') for n in given)} as given" if given else ""
-    return dataclasses.replace(result, line=(
-        f"memory: {describe(result, backend)}; update peak ~{peak / GiB:.0f} GiB of {free / GiB:.0f} GiB free (computed{note})"))
+    return dataclasses.replace(
+        result,
+        line=(
+            f"memory: {describe(result, backend)}; update peak ~{peak / GiB:.0f} GiB of {free / GiB:.0f} GiB free (computed{note})"
+        ),
+    )
 
 
-KNOBS = ("micro_batch_size", "gradient_checkpointing", "reference_on_device", "vllm_gpu_memory_utilization",
-         "sampler_batch_tokens")
+KNOBS = (
+    "micro_batch_size",
+    "gradient_checkpointing",
+    "reference_on_device",
+    "vllm_gpu_memory_utilization",
+    "sampler_batch_tokens",
+)
 
 
 def size_run(args, device, model_path: str, first_start: dict | None = None) -> Plan:
@@ -258,9 +293,16 @@ def size_run(args, device, model_path: str, first_start: dict | None = None) -> 
         free = min(distributed.gather([free]))  # every rank must take the same micro-batches (collectives match)
         shape = model_shape(AutoConfig.from_pretrained(models.resolve_model(model_path)))
         result = plan(
-            shape, total=total, free=free, context=args.context, batch_per_rank=batch_per_rank,
-            backend=engines.resolve_backend(args.backend)[0], beta=args.beta, requested=requested,
-            critic=hasattr(args, "critic_lr"), fsdp_ranks=distributed.world_size() if args.fsdp else 1,
+            shape,
+            total=total,
+            free=free,
+            context=args.context,
+            batch_per_rank=batch_per_rank,
+            backend=engines.resolve_backend(args.backend)[0],
+            beta=args.beta,
+            requested=requested,
+            critic=hasattr(args, "critic_lr"),
+            fsdp_ranks=distributed.world_size() if args.fsdp else 1,
             element=2 if gpu_has_bf16() and args.precision != "fp32" else 4,
         )
     for name, value in result.settings().items():
@@ -269,6 +311,8 @@ def size_run(args, device, model_path: str, first_start: dict | None = None) -> 
     if not result.fits:
         import warnings
 
-        warnings.warn(f"the memory settings given may not fit ({result.line}); if the update runs out of memory, "
-                      "leave them at auto")
+        warnings.warn(
+            f"the memory settings given may not fit ({result.line}); if the update runs out of memory, "
+            "leave them at auto"
+        )
     return result

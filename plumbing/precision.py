@@ -85,7 +85,11 @@ def choose_precision(precision: str, device: str) -> Precision:
     for kind in dict.fromkeys([device_type, "cpu"]):
         fast, why = fast_bf16(kind)
         use = precision == "bf16" or (precision == "auto" and fast)
-        chosen[kind] = ("bf16 autocast" if use else "fp32") + (f" ({why})" if precision == "auto" else f" (--precision {precision})")
+        chosen[kind] = ("bf16 autocast" if use else "fp32") + (
+            f" ({why})" if precision == "auto" else f" (--precision {precision})"
+        )
         if use:
             bf16.add(kind)
-    return Precision(bf16=frozenset(bf16), line="precision: " + "; ".join(f"{kind} {what}" for kind, what in chosen.items()))
+    return Precision(
+        bf16=frozenset(bf16), line="precision: " + "; ".join(f"{kind} {what}" for kind, what in chosen.items())
+    )

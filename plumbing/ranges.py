@@ -51,8 +51,17 @@ class Range:
         return above and below
 
 
-def bounded(kind: type, low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False,
-            optional: bool = False, many: bool = False, auto: bool = False):
+def bounded(
+    kind: type,
+    low: float,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    many: bool = False,
+    auto: bool = False,
+):
     """The type of a field whose values lie in a range: Annotated[kind (| None | "auto") (list of), Range, its --help
     metavar]. auto: the value may also be "auto", which the program replaces with a value it chooses."""
     valid = Range(low, high, low_open, high_open)

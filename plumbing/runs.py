@@ -77,7 +77,8 @@ def _discard_untrained_run() -> None:
     run_dir = _active_run["run_dir"]
     try:
         trained = checkpoints.trained_iterations(run_dir) or any(
-            record.get("iteration", 0) >= 1 for record in files.read_log(run_dir / "metrics.jsonl", "metrics log"))
+            record.get("iteration", 0) >= 1 for record in files.read_log(run_dir / "metrics.jsonl", "metrics log")
+        )
     except (UsageError, OSError):
         trained = True  # cannot tell: keep it
     if not trained:
@@ -91,9 +92,23 @@ def _discard_untrained_run() -> None:
 # the matmul precision (a resume on another machine may need another; the choice is logged per start).
 # Anything else would change the algorithm mid-run.
 RESUMABLE_SETTINGS = (
-    "resume", "dry_run", "output_dir", "iterations", "max_minutes", "eval_every", "save_every", "track", "save_samples",
-    "save_questions", "micro_batch_size", "gradient_checkpointing", "vllm_gpu_memory_utilization", "vllm_enforce_eager",
-    "precision", "eval_before", "reference_on_device",
+    "resume",
+    "dry_run",
+    "output_dir",
+    "iterations",
+    "max_minutes",
+    "eval_every",
+    "save_every",
+    "track",
+    "save_samples",
+    "save_questions",
+    "micro_batch_size",
+    "gradient_checkpointing",
+    "vllm_gpu_memory_utilization",
+    "vllm_enforce_eager",
+    "precision",
+    "eval_before",
+    "reference_on_device",
 )
 
 
@@ -118,18 +133,26 @@ def saved_settings(args_class, run_dir: str | Path):
     fields = {f.name for f in dataclasses.fields(args_class)}
     # A setting added to the script after the run started is taken at its default when it cannot change the
     # algorithm (e.g. --dry-run); any other difference means another script or version made the run.
-    saved |= {f.name: f.default for f in dataclasses.fields(args_class) if f.name not in saved and f.name in RESUMABLE_SETTINGS}
+    saved |= {
+        f.name: f.default
+        for f in dataclasses.fields(args_class)
+        if f.name not in saved and f.name in RESUMABLE_SETTINGS
+    }
     if "sampler_batch_tokens" in fields and "sampler_batch_tokens" not in saved:
         saved["sampler_batch_tokens"] = 2**16  # runs from before the setting sampled in batches of this size
     if set(saved) != fields:
         foreign = sorted(set(saved) ^ fields)
-        raise UsageError(f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
-                         f"{', '.join(foreign[:6])}); resume a run with the script that started it")
+        raise UsageError(
+            f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
+            f"{', '.join(foreign[:6])}); resume a run with the script that started it"
+        )
     hints = typing.get_type_hints(args_class)
     wrong = [f"{name} = {json.dumps(value)}" for name, value in saved.items() if not _fits(value, hints[name])]
     if wrong:
-        raise UsageError(f"--resume {run_dir}: {path} holds values of the wrong type ({'; '.join(wrong[:4])}); "
-                         "it was edited or damaged: restore it or start a new run")
+        raise UsageError(
+            f"--resume {run_dir}: {path} holds values of the wrong type ({'; '.join(wrong[:4])}); "
+            "it was edited or damaged: restore it or start a new run"
+        )
     return args_class(**saved)  # every setting is a JSON scalar or a list of them
 
 
@@ -157,15 +180,25 @@ def check_resume_settings(args, run_dir: str | Path) -> None:
     changed = [k for k in saved if k not in RESUMABLE_SETTINGS and saved[k] != current[k]]
     if changed:
         given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
-        raise UsageError(f"--resume {run_dir}: {given} would change the run's algorithm mid-run; leave "
-                         f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run")
+        raise UsageError(
+            f"--resume {run_dir}: {given} would change the run's algorithm mid-run; leave "
+            f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run"
+        )
 
 
 def code_commit(short: bool = False) -> str | None:
     """The git commit of the code that runs (None outside a checkout): recorded by runs and benchmark results."""
     try:
-        return subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", *(["--short"] if short else []), "HEAD"],
+                cwd=Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -173,9 +206,17 @@ def code_commit(short: bool = False) -> str | None:
 def record_start(run_dir: Path, resumed: bool, precision_line: str | None = None, **how) -> None:
     """Append this start or resume (time, command line, commit, the precision chosen, and `how` it runs: world size,
     backend, device) to RUN/starts.jsonl."""
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed": resumed, "argv": sys.argv, "commit": code_commit(),
-             "precision": precision_line, **how}
-    _active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)  # first: a Ctrl-C from here on names the run
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "resumed": resumed,
+        "argv": sys.argv,
+        "commit": code_commit(),
+        "precision": precision_line,
+        **how,
+    }
+    _active_run.update(
+        run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed
+    )  # first: a Ctrl-C from here on names the run
     files.append_line(run_dir / "starts.jsonl", entry, "the run's start log")
 
 
@@ -190,8 +231,14 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
     if get("backend") is not None:
         problems += engines.backend_problems(args.backend)
     if isinstance(args, TrainArgs):  # the batch, budget and cadence of every training run
-        if args.micro_batch_size != "auto" and args.micro_batch_size >= 1 and (args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size):
-            problems.append(f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})")
+        if (
+            args.micro_batch_size != "auto"
+            and args.micro_batch_size >= 1
+            and (args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size)
+        ):
+            problems.append(
+                f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})"
+            )
     if get("output_dir") is not None and not get("resume"):
         problems += directory_problems(args.output_dir, "--output-dir")
     for flag, name in (("--task", get("task")), ("--eval-task", get("eval_task"))):
@@ -265,11 +312,14 @@ def dry_run(args, paper_settings: dict[str, dict], resolved: dict) -> dict:
     run, why = paper_run(args, paper_settings)
     paper, settings = paper_settings[run], {**asdict(args), **{k: v for k, v in resolved.items() if k in asdict(args)}}
     same = lambda name: (  # noqa: E731  model aliases and hub ids name the same model
-        models.ALIASES.get(settings[name], settings[name]) == models.ALIASES.get(paper[name], paper[name]) if name == "model"
+        models.ALIASES.get(settings[name], settings[name]) == models.ALIASES.get(paper[name], paper[name])
+        if name == "model"
         else settings[name] == paper[name]
     )
     differences = [name for name in settings if name in paper and not same(name)]
-    print(f"{Path(sys.argv[0]).name} settings beside {why}; * marks a difference, - a setting the paper does not state:")
+    print(
+        f"{Path(sys.argv[0]).name} settings beside {why}; * marks a difference, - a setting the paper does not state:"
+    )
     width = max(len(name) for name in settings) + 3
     for name, value in settings.items():
         mark = "*" if name in differences else " "
@@ -394,9 +444,13 @@ def open_run(args, precision_line: str | None = None, device=None) -> tuple[Path
     the `auto` memory knobs of `args` in place with this device's values (memory.size_run; args.json keeps "auto")."""
     if args.resume:
         run_dir = Path(args.resume)
-        checkpoint = checkpoints.latest_checkpoint(run_dir)  # None: stopped before its first checkpoint, so it starts over
+        checkpoint = checkpoints.latest_checkpoint(
+            run_dir
+        )  # None: stopped before its first checkpoint, so it starts over
         if checkpoint is None and not (run_dir / "args.json").exists():
-            raise UsageError(f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)")
+            raise UsageError(
+                f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)"
+            )
         check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
         if checkpoint is not None:
             distributed.check_world_size(checkpoint)  # each rank's questions and seeds depend on it
@@ -415,9 +469,15 @@ def open_run(args, precision_line: str | None = None, device=None) -> tuple[Path
                 run_dir = make_new_directory(run_dir)
             lock_run(run_dir)
             files.write_atomic(run_dir / "args.json", settings, "the run's settings")
-            record_start(run_dir, resumed=bool(args.resume), precision_line=precision_line, world_size=distributed.world_size(),
-                         backend=engines.resolve_backend(args.backend)[0], device=str(device) if device is not None else None,
-                         memory={**sizing.settings(), "update_peak_gib": sizing.peak_gb, "line": sizing.line})
+            record_start(
+                run_dir,
+                resumed=bool(args.resume),
+                precision_line=precision_line,
+                world_size=distributed.world_size(),
+                backend=engines.resolve_backend(args.backend)[0],
+                device=str(device) if device is not None else None,
+                memory={**sizing.settings(), "update_peak_gib": sizing.peak_gb, "line": sizing.line},
+            )
         except UsageError as error:
             problem = str(error)
     run_dir, problem = distributed.broadcast((run_dir, problem))  # a suffixed name, or rank 0's error, on every rank
@@ -456,7 +516,10 @@ def make_new_directory(run_dir: Path) -> Path:
 def lock_run(run_dir: Path) -> None:
     """Hold RUN/lock (host, PID, time) for this process's life. A lock held by a live process refuses this one with
     one line naming both; one left by a dead process on this host (kill -9, a crash) is taken over with a warning."""
-    lock, me = run_dir / "lock", {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    lock, me = (
+        run_dir / "lock",
+        {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")},
+    )
     for _ in range(3):
         try:
             descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -468,15 +531,19 @@ def lock_run(run_dir: Path) -> None:
             if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
                 break  # this process already holds it (a second main() in one process)
             if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
-                warnings.warn(f"{run_dir} was locked by process {holder['pid']}, which is no longer running: taking it over")
+                warnings.warn(
+                    f"{run_dir} was locked by process {holder['pid']}, which is no longer running: taking it over"
+                )
                 lock.unlink(missing_ok=True)
                 continue
             if not holder:
                 time.sleep(0.5)
                 continue
-            raise UsageError(f"{run_dir} is in use by process {holder.get('pid')} on {holder.get('host')} (since "
-                             f"{holder.get('since')}); this process ({me['pid']} on {me['host']}) would mix its files with "
-                             f"that run's: wait for it to end, or remove {lock} if that process is gone")
+            raise UsageError(
+                f"{run_dir} is in use by process {holder.get('pid')} on {holder.get('host')} (since "
+                f"{holder.get('since')}); this process ({me['pid']} on {me['host']}) would mix its files with "
+                f"that run's: wait for it to end, or remove {lock} if that process is gone"
+            )
         except OSError as error:
             raise UsageError(f"cannot lock the run directory {run_dir}: {error.strerror or error}") from None
         else:
@@ -484,7 +551,9 @@ def lock_run(run_dir: Path) -> None:
                 f.write(json.dumps(me))
             break
     else:
-        raise UsageError(f"cannot lock the run directory {run_dir}: {lock} is unreadable; remove it if no run is using it")
+        raise UsageError(
+            f"cannot lock the run directory {run_dir}: {lock} is unreadable; remove it if no run is using it"
+        )
     _active_run["lock"] = lock
 
 
@@ -546,6 +615,7 @@ class RunLog:
 
 def write_samples(path: Path, records: list[dict]) -> None:
     """One JSON record per line (the format viewer.py reads); floats rounded to keep the files small."""
+
     def rounded(value):
         if isinstance(value, float):
             return round(value, 5)
@@ -558,10 +628,17 @@ def write_samples(path: Path, records: list[dict]) -> None:
     files.write_atomic(path, "".join(json.dumps(rounded(r)) + "\n" for r in records), "samples file")
 
 
-def finish_run(run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str) -> dict:
+def finish_run(
+    run_dir: Path, log: RunLog, accuracy_before: float | None, accuracy_after: float | None, eval_task: str
+) -> dict:
     """Close the log, write summary.json and print the one-line result (rank 0 under torchrun)."""
     log.close()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), "accuracy_before": accuracy_before, "accuracy_after": accuracy_after}
+    summary = {
+        "run_dir": str(run_dir),
+        "checkpoint": str(run_dir / "checkpoint"),
+        "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after,
+    }
     if distributed.rank() > 0:
         return summary
     release_run()

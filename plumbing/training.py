@@ -21,7 +21,9 @@ from plumbing.memory import LOGIT_CHUNK, model_shape
 from plumbing.precision import FP32, Precision
 
 
-def micro_batches(samples: list[dict], micro_batch_size: int | None = None, max_positions: int | None = None) -> list[list[int]]:
+def micro_batches(
+    samples: list[dict], micro_batch_size: int | None = None, max_positions: int | None = None
+) -> list[list[int]]:
     """Indices of `samples` in micro-batches that compute few positions: at most `micro_batch_size` rows each (the
     update), or at most `max_positions` cached positions each (the no-grad passes, sized to free memory: rows x
     (longest prompt + longest response), what the pass's KV cache holds, each row its prompt's keys and values; at
@@ -86,19 +88,29 @@ def collate(samples: list[dict], pad_id: int, device) -> dict:
         "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
         "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
         "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
-        "prompt_ids": torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in prompts], device=device),  # [prompts, P]
-        "prompt_mask": torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in prompts], device=device),  # [prompts, P]
+        "prompt_ids": torch.tensor(
+            [[pad_id] * (prompt_len - len(p)) + list(p) for p in prompts], device=device
+        ),  # [prompts, P]
+        "prompt_mask": torch.tensor(
+            [[0] * (prompt_len - len(p)) + [1] * len(p) for p in prompts], device=device
+        ),  # [prompts, P]
         "prompt_of_row": torch.tensor([prompt_index[tuple(s["prompt_ids"])] for s in samples], device=device),  # [rows]
     }
-    batch["positions"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [rows, P + R]; position ids skip the padding
+    batch["positions"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(
+        min=0
+    )  # [rows, P + R]; position ids skip the padding
     batch["prompt_positions"] = (batch["prompt_mask"].cumsum(-1) - 1).clamp(min=0)  # [prompts, P]
     for key in ("old_logps", "ref_logps", "advantages", "loss_mask", "old_values", "returns"):  # those the samples hold
         if key in samples[0]:
-            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[:, :response_len]
+            batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True).to(device)[
+                :, :response_len
+            ]
     return batch
 
 
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]."""
     logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
@@ -115,7 +127,12 @@ def last_hidden_state(model, **inputs) -> tuple[torch.Tensor, Cache | None]:
 
 
 def response_logprobs(
-    model, batch: dict, temperature: float, chunk_tokens: int = 512, recompute_above: int = 2**28, precision: Precision = FP32,
+    model,
+    batch: dict,
+    temperature: float,
+    chunk_tokens: int = 512,
+    recompute_above: int = 2**28,
+    precision: Precision = FP32,
 ) -> torch.Tensor:
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
     so that exp(logp) is the probability the sampler used.
@@ -138,28 +155,43 @@ def response_logprobs(
         # layers checkpointed for this backward pass take no KV cache: prompt and response in one pass
         if model.is_activation_checkpointing and model.training and torch.is_grad_enabled():
             hidden, _ = last_hidden_state(
-                model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["positions"],
+                model,
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["positions"],
                 use_cache=False,
             )
             hidden = hidden[:, prompt_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
         else:
             prompt_hidden, cache = last_hidden_state(
-                model, input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], position_ids=batch["prompt_positions"],
+                model,
+                input_ids=batch["prompt_ids"],
+                attention_mask=batch["prompt_mask"],
+                position_ids=batch["prompt_positions"],
                 use_cache=True,
             )  # [prompts, P, hidden]
-            cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]: each row's prompt keys and values
+            cache.batch_select_indices(
+                batch["prompt_of_row"]
+            )  # [prompts, ...] -> [rows, ...]: each row's prompt keys and values
             response_hidden, _ = last_hidden_state(
-                model, input_ids=batch["input_ids"][:, prompt_len:], attention_mask=batch["attention_mask"],
-                position_ids=batch["positions"][:, prompt_len:], cache=cache, use_cache=True,
+                model,
+                input_ids=batch["input_ids"][:, prompt_len:],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["positions"][:, prompt_len:],
+                cache=cache,
+                use_cache=True,
             )  # [rows, R, hidden]
             # position t-1 predicts y_t: the prompt's last position predicts y_0
-            hidden = torch.cat([prompt_hidden[batch["prompt_of_row"], -1:], response_hidden[:, :-1]], dim=1)  # [rows, R, hidden]
+            hidden = torch.cat(
+                [prompt_hidden[batch["prompt_of_row"], -1:], response_hidden[:, :-1]], dim=1
+            )  # [rows, R, hidden]
         targets = batch["input_ids"][:, prompt_len:]  # [rows, R]
         rows, lm_head = hidden.shape[0], model.get_output_embeddings()
         recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
         logps = [
-            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False) if recompute
+            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False)
+            if recompute
             else token_logprobs(lm_head, h, t, temperature)
             for h, t in chunks
         ]
@@ -167,7 +199,9 @@ def response_logprobs(
 
 
 NO_GRAD_SHARE = 0.8  # of the free memory a no-grad pass may take: the allocator's fragmentation, estimates a little low
-NO_GRAD_ROWS = 4096  # rows per no-grad pass at most: SDPA's memory-efficient kernel takes at most 65,535 (a CUDA grid limit)
+NO_GRAD_ROWS = (
+    4096  # rows per no-grad pass at most: SDPA's memory-efficient kernel takes at most 65,535 (a CUDA grid limit)
+)
 
 
 def no_grad_pass_bytes(shape, element: int, context: int, sharded: bool = False) -> tuple[int, int]:
@@ -189,8 +223,12 @@ def no_grad_pass_bytes(shape, element: int, context: int, sharded: bool = False)
     their log-sum-exp), and under autocast the e-byte copies of the weights it caches for the pass."""
     e, d = element, shape.head_dim
     per_position = (
-        shape.layers * shape.kv_heads * d * (4 + e) + shape.heads * d * (8 + 4 * e) + 28 * shape.hidden
-        + 3 * e * shape.intermediate + (1 + 2 * e) * context + (4 * (shape.layers + 1) * shape.hidden if sharded else 0)
+        shape.layers * shape.kv_heads * d * (4 + e)
+        + shape.heads * d * (8 + 4 * e)
+        + 28 * shape.hidden
+        + 3 * e * shape.intermediate
+        + (1 + 2 * e) * context
+        + (4 * (shape.layers + 1) * shape.hidden if sharded else 0)
     )
     return per_position, LOGIT_CHUNK * shape.vocab * (e + 12) + (shape.params * e if e == 2 else 0)
 
@@ -209,24 +247,41 @@ def no_grad_batch_tokens(model, samples: list[dict], precision: Precision = FP32
         return None
     context = max(len(s["prompt_ids"]) for s in samples) + max(len(s["response_ids"]) for s in samples)
     element = 2 if device.type in precision.bf16 else 4
-    per_position, once = no_grad_pass_bytes(model_shape(config or model.config.get_text_config()), element, context, sharded)
+    per_position, once = no_grad_pass_bytes(
+        model_shape(config or model.config.get_text_config()), element, context, sharded
+    )
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's cache is free to it
     return max(1, int((NO_GRAD_SHARE * free - once) // per_position))
 
 
-def no_grad_batches(model, samples: list[dict], micro_batch_size: int, precision: Precision = FP32,
-                    batch_tokens: int | None = None, config=None) -> list[list[int]]:
+def no_grad_batches(
+    model,
+    samples: list[dict],
+    micro_batch_size: int,
+    precision: Precision = FP32,
+    batch_tokens: int | None = None,
+    config=None,
+) -> list[list[int]]:
     """Indices of `samples` in the batches of a no-grad pass of `model`: at most `batch_tokens` cached positions
     (by default what the GPU's free memory holds now, no_grad_batch_tokens) and NO_GRAD_ROWS rows each; where nothing
     is sized (a CPU, an FSDP model not gathered), the update's micro-batches of `micro_batch_size` sequences."""
     batch_tokens = batch_tokens or (no_grad_batch_tokens(model, samples, precision, config) if samples else None)
-    return micro_batches(samples, micro_batch_size) if batch_tokens is None else micro_batches(samples, NO_GRAD_ROWS, batch_tokens)
+    return (
+        micro_batches(samples, micro_batch_size)
+        if batch_tokens is None
+        else micro_batches(samples, NO_GRAD_ROWS, batch_tokens)
+    )
 
 
 @torch.no_grad()
 def sample_logprobs(
-    model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32,
+    model,
+    samples: list[dict],
+    micro_batch_size: int,
+    temperature: float,
+    pad_id: int,
+    precision: Precision = FP32,
     batch_tokens: int | None = None,
 ) -> list[torch.Tensor]:
     """Per-sample response log-probs (1-D CPU tensors) without gradients, in passes of at most `batch_tokens` cached
@@ -259,8 +314,9 @@ def reseed(seed: int, iteration: int, sampler) -> random.Random:
     return random.Random(iteration_seed)
 
 
-def skipped_non_finite(stats: dict, iteration: int, streak: list[int], keys: tuple[str, ...] = ("loss",),
-                       fix: str = "lower --lr") -> bool:
+def skipped_non_finite(
+    stats: dict, iteration: int, streak: list[int], keys: tuple[str, ...] = ("loss",), fix: str = "lower --lr"
+) -> bool:
     """True when one of this optimizer step's losses (`keys` of stats) is inf or nan, so the step is skipped; three
     in a row end the run with one line (`fix` says what to change). `streak` ([count]) carries the number of
     non-finite steps in a row across steps and iterations."""

@@ -39,9 +39,16 @@ def make_tiny_model(directory: Path, alphabet: str = string.printable, seed: int
     """Save a randomly initialised Llama of ~100k parameters and its tokenizer to `directory`."""
     tokenizer = make_tokenizer(alphabet)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(directory)
@@ -74,8 +81,10 @@ def fp32_unless_a_test_sets_precision():
 def gsm8k_jsonl(tmp_path_factory) -> Path:
     """A small GSM8K-format file: full solutions ending in "#### <answer>", one with a calculator annotation."""
     rows = [
-        {"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-         "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
+        {
+            "question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+            "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
+        }
         for a, b in [(3, 4), (10, 5), (7, 8), (12, 30), (1, 1), (6, 9), (20, 22), (2, 5)]
     ]
     return write_jsonl(tmp_path_factory.mktemp("data") / "gsm8k_small.jsonl", rows)
@@ -84,23 +93,79 @@ def gsm8k_jsonl(tmp_path_factory) -> Path:
 # Settings of the scripts' 2-iteration CPU smoke runs on a tiny model; tests override what they vary.
 SMOKE_SETTINGS = {
     "grpo_baseline": dict(
-        backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6, context=96, batch_size=6,
-        micro_batch_size=3, epochs=1, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=3,
+        backend="hf",
+        iterations=2,
+        questions=3,
+        group_size=4,
+        max_new_tokens=6,
+        context=96,
+        batch_size=6,
+        micro_batch_size=3,
+        epochs=1,
+        lr=1e-3,
+        eval_every=1,
+        eval_samples=1,
+        eval_limit=3,
+        save_every=1,
+        seed=3,
     ),
     "ppo_baseline": dict(
-        backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6, context=96, batch_size=6,
-        micro_batch_size=3, epochs=1, lr=1e-3, critic_lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3,
-        save_every=1, seed=3, lam=0.9,
+        backend="hf",
+        iterations=2,
+        questions=3,
+        group_size=4,
+        max_new_tokens=6,
+        context=96,
+        batch_size=6,
+        micro_batch_size=3,
+        epochs=1,
+        lr=1e-3,
+        critic_lr=1e-3,
+        eval_every=1,
+        eval_samples=1,
+        eval_limit=3,
+        save_every=1,
+        seed=3,
+        lam=0.9,
     ),
     "spo_chain": dict(
-        backend="hf", iterations=2, questions=3, group_size=4, max_new_tokens=6, context=96, batch_size=6,
-        micro_batch_size=3, epochs=1, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=3,
-        mc_samples=2, interval=2,
+        backend="hf",
+        iterations=2,
+        questions=3,
+        group_size=4,
+        max_new_tokens=6,
+        context=96,
+        batch_size=6,
+        micro_batch_size=3,
+        epochs=1,
+        lr=1e-3,
+        eval_every=1,
+        eval_samples=1,
+        eval_limit=3,
+        save_every=1,
+        seed=3,
+        mc_samples=2,
+        interval=2,
     ),
     "spo_tree": dict(
-        backend="hf", iterations=2, questions=3, tree="4,3", segment_tokens=2, max_new_tokens=5, context=160,
-        batch_size=8, micro_batch_size=4, lr=1e-3, eval_every=1, eval_samples=1, eval_limit=3, save_every=1, seed=3,
-        edges_per_question=4, buffer_max_age=2, samples_per_iteration=0,
+        backend="hf",
+        iterations=2,
+        questions=3,
+        tree="4,3",
+        segment_tokens=2,
+        max_new_tokens=5,
+        context=160,
+        batch_size=8,
+        micro_batch_size=4,
+        lr=1e-3,
+        eval_every=1,
+        eval_samples=1,
+        eval_limit=3,
+        save_every=1,
+        seed=3,
+        edges_per_question=4,
+        buffer_max_age=2,
+        samples_per_iteration=0,
     ),
 }
 
@@ -124,7 +189,9 @@ def cli_flags(settings: dict) -> list[str]:
 def read_metrics(run_dir) -> list[dict]:
     """A run's metrics.jsonl without its timing entries (those differ between otherwise identical runs)."""
     lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines]
+    return [
+        {k: v for k, v in m.items() if not k.startswith("time/") and k != "charts/tokens_per_second"} for m in lines
+    ]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,10 +30,14 @@ PROB_THRESHOLD = 0.0094  # about the median p_t of these rollouts under the tiny
 def fixed_rollouts(vocab: int, eos: int) -> tuple[list[list[int]], list[list[list[int]]], torch.Tensor]:
     """QUESTIONS prompts, GROUP responses each (some ending in EOS, lengths 1-7) and 0/1 rewards."""
     generator = torch.Generator().manual_seed(0)
+
     def ids(n: int) -> list[int]:
         return torch.randint(4, vocab, (n,), generator=generator).tolist()
+
     prompts = [ids(int(torch.randint(3, 7, (1,), generator=generator))) for _ in range(QUESTIONS)]
-    responses = [[ids(int(torch.randint(1, 8, (1,), generator=generator))) for _ in range(GROUP)] for _ in range(QUESTIONS)]
+    responses = [
+        [ids(int(torch.randint(1, 8, (1,), generator=generator))) for _ in range(GROUP)] for _ in range(QUESTIONS)
+    ]
     for group in responses:
         group[0].append(eos)
     rewards = torch.randint(0, 2, (QUESTIONS, GROUP), generator=generator).float()
@@ -55,7 +59,15 @@ def models_and_rollouts(model_dir: str):
 
 
 # Settings every script's step shares: a real KL term and probability mask; no clipping (see the docstring).
-COMMON = dict(micro_batch_size=3, epochs=1, beta=0.1, temperature=1.0, prob_mask=True, prob_threshold=PROB_THRESHOLD, max_grad_norm=1e9)
+COMMON = dict(
+    micro_batch_size=3,
+    epochs=1,
+    beta=0.1,
+    temperature=1.0,
+    prob_mask=True,
+    prob_threshold=PROB_THRESHOLD,
+    max_grad_norm=1e9,
+)
 
 
 def fsdp(*models) -> None:
@@ -90,7 +102,9 @@ def grpo(model_dir: str) -> tuple[list, dict]:
     samples, local_rewards, _ = local_samples(prompts, responses, rewards)
     args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, **COMMON)
     advantages = script.group_advantages(local_rewards, GROUP)
-    flat_mask = script.attach_targets(samples, advantages, model, reference, args, tokenizer.pad_token_id, on_policy=False)
+    flat_mask = script.attach_targets(
+        samples, advantages, model, reference, args, tokenizer.pad_token_id, on_policy=False
+    )
     release(model)
     optimizer, scheduler = sgd(model)
     steps, _ = script.update_policy(model, optimizer, scheduler, samples, args, tokenizer.pad_token_id, False, 1, [0])
@@ -108,14 +122,38 @@ def ppo(model_dir: str) -> tuple[list, dict]:
     fsdp(model, critic)
     samples, local_rewards, _ = local_samples(prompts, responses, rewards)
     args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, **COMMON)
-    script.add_old_logprobs_and_values(samples, model, reference, critic, micro_batch_size=args.micro_batch_size,
-                                       temperature=args.temperature, pad_id=tokenizer.pad_token_id)
-    script.add_advantages_and_returns(samples, local_rewards, gamma=args.gamma, lam=args.lam, prob_threshold=args.prob_threshold,
-                                      prob_mask=args.prob_mask)
+    script.add_old_logprobs_and_values(
+        samples,
+        model,
+        reference,
+        critic,
+        micro_batch_size=args.micro_batch_size,
+        temperature=args.temperature,
+        pad_id=tokenizer.pad_token_id,
+    )
+    script.add_advantages_and_returns(
+        samples,
+        local_rewards,
+        gamma=args.gamma,
+        lam=args.lam,
+        prob_threshold=args.prob_threshold,
+        prob_mask=args.prob_mask,
+    )
     release(model, critic)
     (optimizer, scheduler), (critic_optimizer, critic_scheduler) = sgd(model), sgd(critic)
-    steps = script.update_policy(model, critic, optimizer, scheduler, critic_optimizer, critic_scheduler, samples, args,
-                                 tokenizer.pad_token_id, 1, [0])
+    steps = script.update_policy(
+        model,
+        critic,
+        optimizer,
+        scheduler,
+        critic_optimizer,
+        critic_scheduler,
+        samples,
+        args,
+        tokenizer.pad_token_id,
+        1,
+        [0],
+    )
     flat_mask = torch.cat([s["loss_mask"] for s in samples])
     return [model, critic], {**steps[0], "mask_fraction": distributed.gather(flat_mask).float().mean().item()}
 
@@ -126,10 +164,12 @@ def spo_chain(model_dir: str) -> tuple[list, dict]:
     model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
     fsdp(model)
     samples, local_rewards, mine = local_samples(prompts, responses, rewards)
-    args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, interval=2,
-                       **COMMON)
-    old_logps, ref_logps = script.old_and_reference_logprobs(model, reference, samples, args.micro_batch_size, args.temperature,
-                                                             tokenizer.pad_token_id)
+    args = script.Args(
+        model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, interval=2, **COMMON
+    )
+    old_logps, ref_logps = script.old_and_reference_logprobs(
+        model, reference, samples, args.micro_batch_size, args.temperature, tokenizer.pad_token_id
+    )
     for s, old, ref in zip(samples, old_logps, ref_logps):
         s["old_logps"], s["ref_logps"] = old, ref
     flat_probs = torch.cat(old_logps).exp()
@@ -137,9 +177,13 @@ def spo_chain(model_dir: str) -> tuple[list, dict]:
     cutpoints = [script.find_cutpoints(p, args.prob_threshold, args.interval) for p in probs]
     # Fixed stand-ins for the MC values V(s_c): a function of (question, response, cutpoint), whichever rank has it.
     responses_of = [(q, j) for q in mine for j in range(GROUP)]
-    values = [[((3 * q + 5 * j + 7 * k) % 5) / 4 for k in range(len(cuts))] for (q, j), cuts in zip(responses_of, cutpoints)]
-    advantages = [script.chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
-                  for p, cuts, v, reward in zip(probs, cutpoints, values, local_rewards.tolist())]
+    values = [
+        [((3 * q + 5 * j + 7 * k) % 5) / 4 for k in range(len(cuts))] for (q, j), cuts in zip(responses_of, cutpoints)
+    ]
+    advantages = [
+        script.chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
+        for p, cuts, v, reward in zip(probs, cutpoints, values, local_rewards.tolist())
+    ]
     flat_mask = script.attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
     release(model)
     optimizer, scheduler = sgd(model)
@@ -155,18 +199,46 @@ def spo_tree(model_dir: str) -> tuple[list, dict]:
 
     model, reference, tokenizer, prompts, responses, rewards = models_and_rollouts(model_dir)
     fsdp(model)
-    args = script.Args(model=model_dir, questions=QUESTIONS, tree="4", batch_size=16, edges_per_question=3, samples_per_iteration=14,
-                       **COMMON)
-    new_edges = [{"question": q, "born": 1, "prompt_ids": prompts[q], "response_ids": responses[q][j], "advantage": rewards[q, j].item() - 0.5}
-                 for q in distributed.shard(list(range(QUESTIONS))) for j in range(GROUP)]
-    for edge, logps in zip(new_edges, script.sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, tokenizer.pad_token_id)):
+    args = script.Args(
+        model=model_dir,
+        questions=QUESTIONS,
+        tree="4",
+        batch_size=16,
+        edges_per_question=3,
+        samples_per_iteration=14,
+        **COMMON,
+    )
+    new_edges = [
+        {
+            "question": q,
+            "born": 1,
+            "prompt_ids": prompts[q],
+            "response_ids": responses[q][j],
+            "advantage": rewards[q, j].item() - 0.5,
+        }
+        for q in distributed.shard(list(range(QUESTIONS)))
+        for j in range(GROUP)
+    ]
+    for edge, logps in zip(
+        new_edges,
+        script.sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, tokenizer.pad_token_id),
+    ):
         edge["old_logps"] = logps
     rng = random.Random(5)  # main's per-iteration generator: the same on every rank
-    taken, buffer = script.sample_buffer(distributed.gather(new_edges), 1, args.buffer_max_age, args.edges_per_question, rng)
+    taken, buffer = script.sample_buffer(
+        distributed.gather(new_edges), 1, args.buffer_max_age, args.edges_per_question, rng
+    )
     samples, buffer = script.fill_samples(taken, buffer, args.samples_per_iteration, rng)
     rank_samples = distributed.shard(samples)
-    script.attach_targets(rank_samples, reference, micro_batch_size=args.micro_batch_size, temperature=args.temperature,
-                          pad_id=tokenizer.pad_token_id, prob_threshold=args.prob_threshold, prob_mask=args.prob_mask)
+    script.attach_targets(
+        rank_samples,
+        reference,
+        micro_batch_size=args.micro_batch_size,
+        temperature=args.temperature,
+        pad_id=tokenizer.pad_token_id,
+        prob_threshold=args.prob_threshold,
+        prob_mask=args.prob_mask,
+    )
     release(model)
     optimizer, scheduler = sgd(model)
     steps = script.update_policy(model, optimizer, scheduler, rank_samples, args, tokenizer.pad_token_id, 1, [0])
@@ -180,8 +252,12 @@ def main() -> None:
     distributed.init_distributed()
     torch.manual_seed(0)
     random.seed(0)
-    models, stats = {"grpo_baseline": grpo, "ppo_baseline": ppo, "spo_chain": spo_chain, "spo_tree": spo_tree}[script](model_dir)
-    parameters = [{name: t.detach().clone() for name, t in distributed.full_state_dict(m).items()} for m in models]  # every rank
+    models, stats = {"grpo_baseline": grpo, "ppo_baseline": ppo, "spo_chain": spo_chain, "spo_tree": spo_tree}[script](
+        model_dir
+    )
+    parameters = [
+        {name: t.detach().clone() for name, t in distributed.full_state_dict(m).items()} for m in models
+    ]  # every rank
     if distributed.rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         name = f"world{distributed.world_size()}{'_fsdp' if FSDP else ''}.pt"

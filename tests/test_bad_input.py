@@ -5,6 +5,7 @@ The cases run in-process (runpy, as `python script.py ...` would: the same `__ma
 seconds; two of them also run as real subprocesses. Every case passes a model that does not exist: a check that
 came after model loading would show up as "cannot load model" instead of the flag's message.
 """
+
 import runpy
 import subprocess
 import sys
@@ -37,7 +38,10 @@ COMMON = [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--iterations", "0"], "--iterations"),
     (["--batch-size", "6", "--micro-batch-size", "4"], "--batch-size (6) must be a positive multiple"),
-    (["--micro-batch-size", "0"], "--micro-batch-size (0) must be at least 1"),  # was a ZeroDivisionError (bad_input_probe)
+    (
+        ["--micro-batch-size", "0"],
+        "--micro-batch-size (0) must be at least 1",
+    ),  # was a ZeroDivisionError (bad_input_probe)
     # numbers that used to run and change the algorithm silently: each is outside the range its field declares
     (["--max-grad-norm", "-1"], "--max-grad-norm (-1.0) must be positive"),  # torch would scale by -1/|g|: ascent
     (["--warmup-ratio", "-0.5"], "--warmup-ratio (-0.5) must be in [0, 1)"),
@@ -51,20 +55,34 @@ COMMON = [
     (["--beta", "nan"], "--beta (nan) must be a finite number"),
 ]
 SPECIFIC = {
-    "spo_chain.py": [(["--mc-samples", "0"], "--mc-samples"), (["--interval", "0"], "--interval"),
-                     (["--prob-threshold", "1.5"], "--prob-threshold")],
-    "spo_tree.py": [(["--tree", "0,3"], "--tree"), (["--segment-tokens", "0"], "--segment-tokens"),
-                    (["--edges-per-question", "0"], "--edges-per-question"),
-                    # started a 4-hour level with no word: refused with its size
-                    (["--tree", "100,100,100"], "--tree 100,100,100 grows up to 32,000,000 leaves and 27,329,920,000 generated "
-                                                "tokens per iteration (--questions 32): over the 1,000,000-leaf limit")],
-    "grpo_baseline.py": [(["--group-size", "1"], "--group-size (1) must be at least 2"),
-                         # with the mask on, a threshold outside (0, 1] used to turn the mask off silently
-                         (["--prob-mask", "--prob-threshold", "0"], "--prob-threshold (0.0) must be in (0, 1]"),
-                         (["--prob-mask", "--prob-threshold", "1.5"], "--prob-threshold (1.5) must be in (0, 1]")],
-    "ppo_baseline.py": [(["--lam", "2"], "--lam"), (["--critic-lr", "-1"], "--critic-lr"),
-                        (["--prob-mask", "--prob-threshold", "-0.2"], "--prob-threshold (-0.2) must be in (0, 1]"),
-                        (["--gamma", "nan"], "--gamma (nan) must be a finite number, in [0, 1]")],
+    "spo_chain.py": [
+        (["--mc-samples", "0"], "--mc-samples"),
+        (["--interval", "0"], "--interval"),
+        (["--prob-threshold", "1.5"], "--prob-threshold"),
+    ],
+    "spo_tree.py": [
+        (["--tree", "0,3"], "--tree"),
+        (["--segment-tokens", "0"], "--segment-tokens"),
+        (["--edges-per-question", "0"], "--edges-per-question"),
+        # started a 4-hour level with no word: refused with its size
+        (
+            ["--tree", "100,100,100"],
+            "--tree 100,100,100 grows up to 32,000,000 leaves and 27,329,920,000 generated "
+            "tokens per iteration (--questions 32): over the 1,000,000-leaf limit",
+        ),
+    ],
+    "grpo_baseline.py": [
+        (["--group-size", "1"], "--group-size (1) must be at least 2"),
+        # with the mask on, a threshold outside (0, 1] used to turn the mask off silently
+        (["--prob-mask", "--prob-threshold", "0"], "--prob-threshold (0.0) must be in (0, 1]"),
+        (["--prob-mask", "--prob-threshold", "1.5"], "--prob-threshold (1.5) must be in (0, 1]"),
+    ],
+    "ppo_baseline.py": [
+        (["--lam", "2"], "--lam"),
+        (["--critic-lr", "-1"], "--critic-lr"),
+        (["--prob-mask", "--prob-threshold", "-0.2"], "--prob-threshold (-0.2) must be in (0, 1]"),
+        (["--gamma", "nan"], "--gamma (nan) must be a finite number, in [0, 1]"),
+    ],
 }
 EVAL = [
     (["--samples", "0"], "--samples (0) must be at least 1"),
@@ -79,14 +97,18 @@ EVAL = [
     (["--output", "DIR"], "is a directory: give a file path"),
     (["--backend", "vllm"], "--backend vllm needs a CUDA GPU"),
 ]
-CASES = [(s, flags, text) for s in TRAINING for flags, text in COMMON + SPECIFIC[s]] + [("eval.py", f, t) for f, t in EVAL]
+CASES = [(s, flags, text) for s in TRAINING for flags, text in COMMON + SPECIFIC[s]] + [
+    ("eval.py", f, t) for f, t in EVAL
+]
 
 
 def _fill(flags, tmp_path):
     (tmp_path / "FILE").write_text("not a directory")
     (tmp_path / "DIR").mkdir(exist_ok=True)
-    return [str(tmp_path / f) if f in ("FILE", "DIR") else str(tmp_path / "FILE" / "runs") if f == "FILE/runs" else f
-            for f in flags]
+    return [
+        str(tmp_path / f) if f in ("FILE", "DIR") else str(tmp_path / "FILE" / "runs") if f == "FILE/runs" else f
+        for f in flags
+    ]
 
 
 def run_in_process(script, flags, monkeypatch, capsys):
@@ -109,18 +131,30 @@ def test_bad_flag_is_one_clear_line_before_loading(script, flags, text, tmp_path
     assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], err
 
 
-@pytest.mark.parametrize("script,flag,value", [(s, "--backend", "tpu") for s in TRAINING + ["eval.py"]]
-                         + [("spo_tree.py", "--advantage", "gae")])
+@pytest.mark.parametrize(
+    "script,flag,value",
+    [(s, "--backend", "tpu") for s in TRAINING + ["eval.py"]] + [("spo_tree.py", "--advantage", "gae")],
+)
 def test_flags_with_fixed_choices_are_rejected_while_parsing(script, flag, value, monkeypatch, capsys):
     code, err = run_in_process(script, NO_MODEL + [flag, value], monkeypatch, capsys)
     assert code == 2 and "Traceback" not in err and flag in err and value in err
 
 
-@pytest.mark.parametrize("script,flags,text", [("spo_tree.py", ["--lr", "0"], "--lr (0.0) must be positive"),
-                                               ("eval.py", ["--samples", "0"], "--samples (0) must be at least 1")])
+@pytest.mark.parametrize(
+    "script,flags,text",
+    [
+        ("spo_tree.py", ["--lr", "0"], "--lr (0.0) must be positive"),
+        ("eval.py", ["--samples", "0"], "--samples (0) must be at least 1"),
+    ],
+)
 def test_bad_flag_as_a_real_command(script, flags, text, tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / script), *NO_MODEL, *flags], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / script), *NO_MODEL, *flags],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and text in result.stderr
     assert not (tmp_path / "runs").exists()  # nothing made for a run that never started
@@ -128,11 +162,32 @@ def test_bad_flag_as_a_real_command(script, flags, text, tmp_path):
 
 def test_context_shorter_than_every_prompt_fails_and_leaves_no_run_directory(tiny_model_dir, gsm8k_jsonl, tmp_path):
     # Found only once the task is tokenised, after the run directory was made: the failed run is removed again.
-    result = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--model", str(tiny_model_dir), "--task",
-                             str(gsm8k_jsonl), "--backend", "hf", "--context", "40", "--output-dir", str(tmp_path / "runs")],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "grpo_baseline.py"),
+            "--model",
+            str(tiny_model_dir),
+            "--task",
+            str(gsm8k_jsonl),
+            "--backend",
+            "hf",
+            "--context",
+            "40",
+            "--output-dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error: --context 40 leaves no room for a response after any prompt")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: --context 40 leaves no room for a response after any prompt")
+    )
     assert list((tmp_path / "runs").iterdir()) == []
 
 
@@ -143,7 +198,9 @@ def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8
     examples = ev.load_task(str(gsm8k_jsonl), "train")
     for e, n in zip(examples, range(len(examples))):
         e.prompt_ids = [0] * (10 + n)  # 10, 11, ... tokens
-    with pytest.warns(UserWarning, match=f"{len(examples) - 2} of {len(examples)} prompts of T leave no room .*dropped"):
+    with pytest.warns(
+        UserWarning, match=f"{len(examples) - 2} of {len(examples)} prompts of T leave no room .*dropped"
+    ):
         kept = ev.check_prompt_room(examples, 12, "T", drop=True)
     assert [len(e.prompt_ids) for e in kept] == [10, 11]
     with pytest.warns(UserWarning, match="kept; they score 0"):
@@ -162,10 +219,21 @@ def _command_lines():
     import dataclasses
 
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-    modules = {"spo_chain": ["Args"], "spo_tree": ["Args"], "grpo_baseline": ["Args"], "ppo_baseline": ["Args"],
-               "eval": ["EvalArgs"], "viewer": ["Html", "Curves"], "credit_assignment": ["Args"], "learning": ["Args"],
-               "logprob_memory": ["Args"], "trl_side_by_side": ["Args"], "credit_exact": ["Args"],
-               "bad_input_probe": ["Args"], "gpu_check": ["Args"]}
+    modules = {
+        "spo_chain": ["Args"],
+        "spo_tree": ["Args"],
+        "grpo_baseline": ["Args"],
+        "ppo_baseline": ["Args"],
+        "eval": ["EvalArgs"],
+        "viewer": ["Html", "Curves"],
+        "credit_assignment": ["Args"],
+        "learning": ["Args"],
+        "logprob_memory": ["Args"],
+        "trl_side_by_side": ["Args"],
+        "credit_exact": ["Args"],
+        "bad_input_probe": ["Args"],
+        "gpu_check": ["Args"],
+    }
     found = [getattr(importlib.import_module(name), cls) for name, classes in modules.items() for cls in classes]
     # a benchmark added later with a tyro dataclass of its own must be listed above
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
@@ -184,11 +252,14 @@ def test_every_numeric_flag_declares_a_range_that_its_default_satisfies():
         for field in dataclasses.fields(args_class):
             if not ranges.is_numeric(args_class, field.name):
                 continue
-            assert ranges.field_range(args_class, field.name) is not None, \
+            assert ranges.field_range(args_class, field.name) is not None, (
                 f"{args_class.__module__}.{args_class.__name__}.{field.name} has no range: declare one (plumbing/ranges.py)"
+            )
             checked += 1
-        if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-               for f in dataclasses.fields(args_class)):
+        if all(
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            for f in dataclasses.fields(args_class)
+        ):
             assert ranges.problems(args_class()) == [], args_class  # the defaults are valid
     assert checked >= 100  # 4 scripts x ~27 + eval + viewer + benchmarks
 
@@ -209,23 +280,34 @@ def test_a_range_shows_in_help_and_rejects_non_finite_values():
 
     assert ranges.problems(Demo()) == []
     assert ranges.problems(Demo(rate=float("inf"), share=0.0, limit=0, seeds=[])) == [
-        "--rate (inf) must be a finite number, positive", "--share (0.0) must be in (0, 1]", "--limit (0) must be at least 1",
-        "--seeds needs at least one value"]
+        "--rate (inf) must be a finite number, positive",
+        "--share (0.0) must be in (0, 1]",
+        "--limit (0) must be at least 1",
+        "--seeds needs at least one value",
+    ]
     assert ranges.problems(Demo(rate=-0.0, share=1.0, limit=None, seeds=[2, -1, 2**32])) == [
-        "--rate (-0.0) must be positive", "--seeds (-1 4294967296): each value must be in [0, 4294967295]"]
+        "--rate (-0.0) must be positive",
+        "--seeds (-1 4294967296): each value must be in [0, 4294967295]",
+    ]
     assert ranges.field_range(Demo, "rate") == (ranges.Range(0, None, low_open=True), float)
 
 
-@pytest.mark.parametrize("command,text", [
-    (["viewer.py", "html", "RUN", "--questions", "0"], "--questions (0) must be at least 1"),
-    (["viewer.py", "html", "RUN", "--iterations"], "--iterations needs at least one value"),
-    (["viewer.py", "curves", "RUN", "--smooth", "1"], "--smooth (1.0) must be in [0, 1)"),
-    (["benchmarks/learning.py", "--seeds"], "--seeds needs at least one value"),  # exited 0 and wrote an empty table
-    (["benchmarks/learning.py", "--minutes", "nan"], "--minutes (nan) must be a finite number"),
-    (["benchmarks/trl_side_by_side.py", "--group-size", "1"], "--group-size (1) must be at least 2"),
-    (["benchmarks/credit_exact.py", "--intervals", "0", "5"], "--intervals (0): each value must be at least 1"),
-    (["benchmarks/logprob_memory.py", "--rows", "0"], "--rows (0) must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "command,text",
+    [
+        (["viewer.py", "html", "RUN", "--questions", "0"], "--questions (0) must be at least 1"),
+        (["viewer.py", "html", "RUN", "--iterations"], "--iterations needs at least one value"),
+        (["viewer.py", "curves", "RUN", "--smooth", "1"], "--smooth (1.0) must be in [0, 1)"),
+        (
+            ["benchmarks/learning.py", "--seeds"],
+            "--seeds needs at least one value",
+        ),  # exited 0 and wrote an empty table
+        (["benchmarks/learning.py", "--minutes", "nan"], "--minutes (nan) must be a finite number"),
+        (["benchmarks/trl_side_by_side.py", "--group-size", "1"], "--group-size (1) must be at least 2"),
+        (["benchmarks/credit_exact.py", "--intervals", "0", "5"], "--intervals (0): each value must be at least 1"),
+        (["benchmarks/logprob_memory.py", "--rows", "0"], "--rows (0) must be at least 1"),
+    ],
+)
 def test_viewer_and_benchmark_flags_out_of_range_are_one_line(command, text, tmp_path, monkeypatch, capsys):
     (tmp_path / "RUN").mkdir()
     monkeypatch.chdir(tmp_path)

@@ -1,5 +1,6 @@
 """benchmarks/credit_assignment.py: the Monte-Carlo reference on tree edges against a reward whose advantages are known
 exactly, the estimates on a hand-made tree, the score helpers on hand-made inputs, and a small end-to-end run."""
+
 import json
 import math
 import random
@@ -42,18 +43,30 @@ def first_token_reward(x: int) -> ca.Reward:
 
 def reference(model, tokenizer, states, samples, reward, max_new_tokens=1, seed=0):
     sampler = engines.HFSampler(model, tokenizer, seed=seed)
-    return ca.mc_rewards(sampler, states, samples=samples, reward=reward, temperature=TEMPERATURE, top_p=1.0,
-                         max_new_tokens=max_new_tokens, context=256, stop=[])
+    return ca.mc_rewards(
+        sampler,
+        states,
+        samples=samples,
+        reward=reward,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        context=256,
+        stop=[],
+    )
 
 
 def hand_made_tree(prompt: list[int], x: int, other: int) -> Node:
     """Segments A = (x, 40) and B = (other, 40) with two leaves each, and a leaf C = (x,) at depth 1; rewards as
     first_token_reward(x) gives them."""
-    return Node(prompt, [
-        Node([x, 40], [Node([41, 42], reward=1.0, depth=2), Node([43], reward=1.0, depth=2)], depth=1),
-        Node([other, 40], [Node([41], reward=0.0, depth=2), Node([44, 45], reward=0.0, depth=2)], depth=1),
-        Node([x], reward=1.0, depth=1),
-    ])
+    return Node(
+        prompt,
+        [
+            Node([x, 40], [Node([41, 42], reward=1.0, depth=2), Node([43], reward=1.0, depth=2)], depth=1),
+            Node([other, 40], [Node([41], reward=0.0, depth=2), Node([44, 45], reward=0.0, depth=2)], depth=1),
+            Node([x], reward=1.0, depth=1),
+        ],
+    )
 
 
 def test_reference_value_of_the_prompt_converges_to_p_of_x(tiny):
@@ -63,22 +76,40 @@ def test_reference_value_of_the_prompt_converges_to_p_of_x(tiny):
     value, error = sum(rewards) / len(rewards), math.sqrt(p_x * (1 - p_x) / 2000)
     assert tokens == 2000 and abs(value - p_x) < 4 * error
     # p(x) as the scripts compute p_t (spo_chain.sample_logprobs, logits / temperature) is the same number
-    logp = spo_chain.sample_logprobs(model, [{"prompt_ids": prompt, "response_ids": [x]}], 1, TEMPERATURE, tokenizer.pad_token_id)
+    logp = spo_chain.sample_logprobs(
+        model, [{"prompt_ids": prompt, "response_ids": [x]}], 1, TEMPERATURE, tokenizer.pad_token_id
+    )
     assert logp[0].exp().item() == pytest.approx(p_x, rel=1e-4)
 
 
 def test_edge_states_and_estimates_on_a_hand_made_tree():
     root = hand_made_tree([7, 8], 5, 6)
     edges = ca.edge_states([root], ["0"])
-    assert [(e["depth"], e["segment_tokens"]) for e in edges] == [(1, 2), (2, 2), (2, 1), (1, 2), (2, 1), (2, 2), (1, 1)]
+    assert [(e["depth"], e["segment_tokens"]) for e in edges] == [
+        (1, 2),
+        (2, 2),
+        (2, 1),
+        (1, 2),
+        (2, 1),
+        (2, 2),
+        (1, 1),
+    ]
     a, a1, _, b, b1, _, c = edges
     assert a["parent"] == ((7, 8), (), "0", None) and a["child"] == ((7, 8), (5, 40), "0", None)  # inner: open
-    assert a1["parent"] == a["child"] and a1["child"] == ((7, 8), (5, 40, 41, 42), "0", 1.0)  # leaf: closed at its reward
+    assert a1["parent"] == a["child"] and a1["child"] == (
+        (7, 8),
+        (5, 40, 41, 42),
+        "0",
+        1.0,
+    )  # leaf: closed at its reward
     assert b1["child"][3] == 0.0 and c["child"] == ((7, 8), (5,), "0", 1.0)
     # SPO-tree: V(A) = V(C) = 1, V(B) = 0, V(root) = 2/3; siblings that agree give 0 (kept here, dropped in training).
     assert [e["estimates"]["spo_tree"] for e in edges] == pytest.approx([1 / 3, 0, 0, -2 / 3, 0, 0, 1 / 3])
-    nonzero = [(list(e["parent"][0] + e["parent"][1]), list(e["child"][1][len(e["parent"][1]):]), e["estimates"]["spo_tree"])
-               for e in edges if e["estimates"]["spo_tree"] != 0]
+    nonzero = [
+        (list(e["parent"][0] + e["parent"][1]), list(e["child"][1][len(e["parent"][1]) :]), e["estimates"]["spo_tree"])
+        for e in edges
+        if e["estimates"]["spo_tree"] != 0
+    ]
     assert nonzero == [(q, s, pytest.approx(v)) for q, s, v in spo_tree.tree_segments(root)]  # training's samples
     # GRPO: the five leaves are the group (rewards 1, 1, 0, 0, 1); a leaf gets its own advantage, an inner node the
     # mean of its leaves', so the leaves under A keep +0.82 where V(child) - V(parent) = 0.
@@ -99,7 +130,9 @@ def test_reference_on_edges_is_the_known_advantage_and_exactly_zero_where_the_re
     references = [ca.reference_advantage(state_rewards[2 * k], state_rewards[2 * k + 1]) for k in range(len(edges))]
     value_of_prompt = sum(state_rewards[0]) / 400
     assert abs(value_of_prompt - p_x) < 4 * math.sqrt(p_x * (1 - p_x) / 400)
-    assert 0 < tokens <= 400 * (4 + 2 + 2)  # the prompt (budget 4), A and B (budget 2) sampled once each: C shares the prompt
+    assert (
+        0 < tokens <= 400 * (4 + 2 + 2)
+    )  # the prompt (budget 4), A and B (budget 2) sampled once each: C shares the prompt
     a, a1, a2, b, b1, b2, c = references
     assert a["advantage"] == c["advantage"] == pytest.approx(1 - value_of_prompt, abs=1e-12)  # the same prompt samples
     assert b["advantage"] == pytest.approx(-value_of_prompt, abs=1e-12) and a["error"] > 0
@@ -112,7 +145,9 @@ def test_reference_standard_error_shrinks_as_one_over_sqrt_k(tiny):
     closed = (tuple(prompt), (x,), "0", 1.0)  # a leaf starting with x: known exactly
     errors = {}
     for k in (100, 1600):
-        (before, after), _ = reference(model, tokenizer, [(tuple(prompt), (), "0", None), closed], k, first_token_reward(x), seed=k)
+        (before, after), _ = reference(
+            model, tokenizer, [(tuple(prompt), (), "0", None), closed], k, first_token_reward(x), seed=k
+        )
         errors[k] = ca.reference_advantage(before, after)["error"]
         assert errors[k] == pytest.approx(math.sqrt(p_x * (1 - p_x) / k), rel=0.25)
     assert 3.0 < errors[100] / errors[1600] < 5.3  # sqrt(1600 / 100) = 4
@@ -124,9 +159,21 @@ def test_reference_continues_states_exactly_as_spo_chain_mc_values(tiny, gsm8k_j
     prefixes = [(), (40, 41), (40, 41, 42, 43)]
     task, answer = str(gsm8k_jsonl), "7"
     states = [(tuple(prompt), prefix, answer, None) for prefix in prefixes]
-    rewards, tokens = reference(model, tokenizer, states, 8, ca.graded_reward(tokenizer, task), max_new_tokens=8, seed=5)
-    values, stats = spo_chain.mc_values(engines.HFSampler(model, tokenizer, seed=5), tokenizer, [(prompt, list(p), answer) for p in prefixes],
-                                        mc_samples=8, temperature=TEMPERATURE, top_p=1.0, max_new_tokens=8, context=256, task=task, stop=[])
+    rewards, tokens = reference(
+        model, tokenizer, states, 8, ca.graded_reward(tokenizer, task), max_new_tokens=8, seed=5
+    )
+    values, stats = spo_chain.mc_values(
+        engines.HFSampler(model, tokenizer, seed=5),
+        tokenizer,
+        [(prompt, list(p), answer) for p in prefixes],
+        mc_samples=8,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        max_new_tokens=8,
+        context=256,
+        task=task,
+        stop=[],
+    )
     assert [sum(r) / 8 for r in rewards] == values and tokens == stats["mc_tokens"] > 0
 
 
@@ -154,7 +201,11 @@ def test_correlations_sign_agreement_and_bootstrap_on_hand_made_inputs():
     assert low < ca.pearson(noisy, truth) < high and high - low < 0.6
     assert ca.bootstrap_interval(ca.pearson, noisy, truth, questions, 500, seed=1) == (low, high)  # seeded
     row = ca.score(noisy, truth, questions, sign_threshold=0.25, resamples=100, seed=0)
-    assert row["n"] == 60 and row["sign_n"] == sum(abs(a) >= 0.25 for a in truth) and list(row["pearson_ci"]) == sorted(row["pearson_ci"])
+    assert (
+        row["n"] == 60
+        and row["sign_n"] == sum(abs(a) >= 0.25 for a in truth)
+        and list(row["pearson_ci"]) == sorted(row["pearson_ci"])
+    )
 
 
 def test_reference_noise_reliability_and_ceiling():
@@ -167,13 +218,21 @@ def test_reference_noise_reliability_and_ceiling():
     assert noise["ceiling_from_errors"] == pytest.approx(math.sqrt(1 - 0.01 / spread))
     pure_noise = [{"error": 0.5, "halves": (a, -a), "advantage": a} for a in (0.1, -0.1, 0.0)]  # spread below the error
     assert ca.reference_noise(pure_noise, [0, 1, 2], 20, seed=0)["ceiling_from_errors"] is None
-    half = [{"error": 0.2, "halves": (a, b), "advantage": (a + b) / 2} for a, b in [(0.0, 0.5), (0.5, 0.0), (1.0, 1.0), (0.0, 0.0)]]
+    half = [
+        {"error": 0.2, "halves": (a, b), "advantage": (a + b) / 2}
+        for a, b in [(0.0, 0.5), (0.5, 0.0), (1.0, 1.0), (0.0, 0.0)]
+    ]
     noise = ca.reference_noise(half, [0, 1, 2, 3], 200, seed=0)
     r = noise["split_half_r"]
-    assert noise["spearman_brown"] == pytest.approx(2 * r / (1 + r)) and noise["ceiling"] == pytest.approx(math.sqrt(2 * r / (1 + r)))
+    assert noise["spearman_brown"] == pytest.approx(2 * r / (1 + r)) and noise["ceiling"] == pytest.approx(
+        math.sqrt(2 * r / (1 + r))
+    )
     low, high = noise["split_half_r_ci"]
     assert low <= r <= high and noise["mean_standard_error"] == pytest.approx(0.2)
-    flipped = [{"error": 0.1, "halves": (0.0, 1.0), "advantage": 0.5}, {"error": 0.1, "halves": (1.0, 0.0), "advantage": 0.5}]
+    flipped = [
+        {"error": 0.1, "halves": (0.0, 1.0), "advantage": 0.5},
+        {"error": 0.1, "halves": (1.0, 0.0), "advantage": 0.5},
+    ]
     assert ca.reference_noise(flipped, [0, 1], 20, seed=0)["ceiling"] is None
     assert ca.ceiling(0.5) == pytest.approx(math.sqrt(2 / 3)) and ca.ceiling(None) is None
 
@@ -183,8 +242,18 @@ def test_end_to_end_scores_both_estimators_on_every_edge_and_at_each_depth(tmp_p
     stops often, so the trees have leaves at both depths and advantages to compare."""
     model_dir = make_tiny_model(tmp_path / "model", alphabet="7 ")
     task = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
-    args = ca.Args(model=str(model_dir), task=str(task), questions=4, tree="2,2", segment_tokens=2, reference_samples=8,
-                   max_new_tokens=6, context=128, bootstrap=50, output=str(tmp_path / "out" / "credit.json"))
+    args = ca.Args(
+        model=str(model_dir),
+        task=str(task),
+        questions=4,
+        tree="2,2",
+        segment_tokens=2,
+        reference_samples=8,
+        max_new_tokens=6,
+        context=128,
+        bootstrap=50,
+        output=str(tmp_path / "out" / "credit.json"),
+    )
     threads = torch.get_num_threads()
     try:
         results = ca.main(args)  # sets one torch thread (--threads 1)
@@ -199,10 +268,17 @@ def test_end_to_end_scores_both_estimators_on_every_edge_and_at_each_depth(tmp_p
     assert rows["grpo", "depth 1"]["n"] + rows["grpo", "depth 2"]["n"] == len(edges)
     assert 0 < saved["tree"]["reward_mean"] < 1 and saved["reference"]["all"]["count"] == len(edges)
     for question in range(4):  # V(child) - V(parent) over the root's children sums to 0
-        assert sum(e["estimates"]["spo_tree"] for e in edges if e["question"] == question and e["depth"] == 1) == pytest.approx(0, abs=1e-4)
-    assert all(-1 <= e["reference"] <= 1 and e["reference"] == pytest.approx(np.mean(e["reference_halves"]), abs=1e-4) for e in edges)
+        assert sum(
+            e["estimates"]["spo_tree"] for e in edges if e["question"] == question and e["depth"] == 1
+        ) == pytest.approx(0, abs=1e-4)
+    assert all(
+        -1 <= e["reference"] <= 1 and e["reference"] == pytest.approx(np.mean(e["reference_halves"]), abs=1e-4)
+        for e in edges
+    )
     assert rows["spo_tree", "all"]["pearson"] > 0.3  # the tree's own values track the Monte-Carlo segment values
     difference = saved["pearson_spo_tree_minus_grpo"]["all"]  # paired: the same edges, the same resamples
-    assert difference["pearson"] == pytest.approx(rows["spo_tree", "all"]["pearson"] - rows["grpo", "all"]["pearson"], abs=1e-4)
+    assert difference["pearson"] == pytest.approx(
+        rows["spo_tree", "all"]["pearson"] - rows["grpo", "all"]["pearson"], abs=1e-4
+    )
     assert difference["ci"][0] <= difference["pearson"] <= difference["ci"][1]
     assert saved["machine"]["threads"] == 1 and saved["reference"]["generated_tokens"] > 0

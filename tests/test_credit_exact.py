@@ -1,5 +1,6 @@
 """benchmarks/credit_exact.py: the exact answer against brute-force sampling and a finite difference, and every
 estimator's column against the scripts' own functions called directly on the same samples; a tiny end-to-end run."""
+
 import copy
 import dataclasses
 import doctest
@@ -40,7 +41,9 @@ def one_thread():
 def world():
     torch.manual_seed(0)
     model, _ = ce.make_policy(ARGS)
-    exacts = [ce.enumerate_exact(model, *ce.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64) for text in ARGS.prompts]
+    exacts = [
+        ce.enumerate_exact(model, *ce.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64) for text in ARGS.prompts
+    ]
     return model, exacts, ce.exact_gradient(model, exacts, ARGS.temperature, 64)
 
 
@@ -48,8 +51,9 @@ def sample_mean_reward(model, exact, prefix: list[int], n: int) -> float:
     """Brute force with the project's own sampler (plumbing.engines.HFSampler, the model's forward passes, not the
     tables): the mean reward of n continuations of prompt + prefix."""
     sampler = engines.HFSampler(model, SimpleNamespace(pad_token_id=ce.EOS, eos_token_id=ce.EOS), seed=1)
-    (group,) = sampler.sample([exact.prompt + prefix], n, temperature=ARGS.temperature, top_p=1.0,
-                              max_new_tokens=exact.horizon - len(prefix))
+    (group,) = sampler.sample(
+        [exact.prompt + prefix], n, temperature=ARGS.temperature, top_p=1.0, max_new_tokens=exact.horizon - len(prefix)
+    )
     return float(np.mean([ce.reward(exact, prefix + c.ids, c.finish_reason) for c in group]))
 
 
@@ -63,7 +67,9 @@ def test_the_policy_is_neither_uniform_nor_deterministic(world):
         assert 0.1 < exact.values[0][0] < 0.9  # success neither ~0 nor ~1
         assert 0.1 < exact.low_probability_share(0.9) < 0.95  # cutpoints, and confident tokens
         total = sum((reach * probs[:, ce.EOS]).sum() for reach, probs in zip(exact.reach, exact.probs))
-        assert total + (exact.reach[-1][:, None] * exact.probs[-1][:, 1:]).sum() == pytest.approx(1.0, abs=1e-9)  # finished + unfinished
+        assert total + (exact.reach[-1][:, None] * exact.probs[-1][:, 1:]).sum() == pytest.approx(
+            1.0, abs=1e-9
+        )  # finished + unfinished
 
 
 def test_exact_values_agree_with_brute_force_sampling(world):
@@ -73,7 +79,12 @@ def test_exact_values_agree_with_brute_force_sampling(world):
         for prefix in ([], [2]):  # the prompt, and the state after the digit 1
             value = exact.value(prefix)
             mean = sample_mean_reward(model, exact, prefix, n)
-            assert abs(mean - value) < 4 * math.sqrt(value * (1 - value) / n) + 1e-9, (exact.target, prefix, mean, value)
+            assert abs(mean - value) < 4 * math.sqrt(value * (1 - value) / n) + 1e-9, (
+                exact.target,
+                prefix,
+                mean,
+                value,
+            )
 
 
 def test_table_probabilities_are_the_training_log_probs(world):
@@ -91,7 +102,9 @@ def test_exact_advantages_average_to_zero_under_the_policy_and_add_up_to_the_ret
     for exact in exacts:
         for _ in range(20):
             prefix = [int(d) + 1 for d in rng.integers(0, ce.DIGITS, rng.integers(0, exact.horizon))]
-            row = exact.probs[len(prefix)][sum((t - 1) * ce.DIGITS ** (len(prefix) - 1 - j) for j, t in enumerate(prefix))]
+            row = exact.probs[len(prefix)][
+                sum((t - 1) * ce.DIGITS ** (len(prefix) - 1 - j) for j, t in enumerate(prefix))
+            ]
             expected = sum(row[token] * exact.advantages(prefix + [token])[-1] for token in range(ce.VOCAB))
             assert expected == pytest.approx(0.0, abs=1e-12)  # E_a[A*(s, a)] = 0: V(s) is the mean of its next states
         response = [2, 3, ce.EOS] if exact.target == 3 else [3, 3, ce.EOS]
@@ -100,18 +113,26 @@ def test_exact_advantages_average_to_zero_under_the_policy_and_add_up_to_the_ret
 
 def test_exact_gradient_is_the_finite_difference_of_the_exact_expected_reward(world):
     model64 = copy.deepcopy(world[0]).double()
-    exacts = [ce.enumerate_exact(model64, *ce.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64) for text in ARGS.prompts]
+    exacts = [
+        ce.enumerate_exact(model64, *ce.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64) for text in ARGS.prompts
+    ]
     gradient = ce.exact_gradient(model64, exacts, ARGS.temperature, 64)
     assert ce.expected_reward(exacts) == pytest.approx(ce.expected_reward(world[1]), abs=1e-6)
 
     def directional(direction: torch.Tensor, eps: float = 1e-3) -> float:
         """(J(theta + eps d) - J(theta - eps d)) / 2 eps, J enumerated exactly. eps 1e-3: Llama's RMSNorm computes in
         float32 even in a float64 model, which leaves J noise of ~1e-9; smaller steps would measure that noise."""
+
         def shifted(sign: float) -> float:
             with torch.no_grad():
-                torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(model64.parameters()) + sign * eps * direction,
-                                                    model64.parameters())
-            return ce.expected_reward([ce.enumerate_exact(model64, e.prompt, e.target, ARGS.horizon, ARGS.temperature, 64) for e in exacts])
+                torch.nn.utils.vector_to_parameters(
+                    torch.nn.utils.parameters_to_vector(model64.parameters()) + sign * eps * direction,
+                    model64.parameters(),
+                )
+            return ce.expected_reward(
+                [ce.enumerate_exact(model64, e.prompt, e.target, ARGS.horizon, ARGS.temperature, 64) for e in exacts]
+            )
+
         high, low = shifted(1.0), shifted(-2.0)  # +eps, then -eps
         shifted(1.0)  # back
         return (high - low) / (2 * eps)
@@ -131,14 +152,19 @@ def test_exact_sampler_draws_the_policy_distribution_and_counts_tokens(world):
     sampler = ce.ExactSampler(exacts, ARGS.temperature, seed=0)
     (group,) = sampler.sample([exact.prompt], n, temperature=ARGS.temperature, top_p=1.0, max_new_tokens=exact.horizon)
     first = np.bincount([c.ids[0] for c in group], minlength=ce.VOCAB) / n
-    assert np.all(np.abs(first - exact.probs[0][0]) < 4 * np.sqrt(exact.probs[0][0] * (1 - exact.probs[0][0]) / n) + 1e-9)
+    assert np.all(
+        np.abs(first - exact.probs[0][0]) < 4 * np.sqrt(exact.probs[0][0] * (1 - exact.probs[0][0]) / n) + 1e-9
+    )
     assert sampler.tokens == sum(len(c.ids) for c in group)
     assert all((c.finish_reason == "stop") == (c.ids[-1] == ce.EOS) for c in group)
     assert all(c.finish_reason == "stop" or len(c.ids) == exact.horizon for c in group)
     assert np.mean([ce.reward(exact, c.ids, c.finish_reason) for c in group]) == pytest.approx(
-        exact.values[0][0], abs=4 * math.sqrt(0.25 / n))
+        exact.values[0][0], abs=4 * math.sqrt(0.25 / n)
+    )
     with pytest.raises(ValueError, match="horizon"):
-        sampler.sample([exact.prompt + [2]], 1, temperature=ARGS.temperature, top_p=1.0, max_new_tokens=exact.horizon, generated=1)
+        sampler.sample(
+            [exact.prompt + [2]], 1, temperature=ARGS.temperature, top_p=1.0, max_new_tokens=exact.horizon, generated=1
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,10 +185,12 @@ def test_grpo_column_is_group_advantages_and_its_loss(world):
     samples, rewards = run.record["samples"], run.record["rewards"]
     assert run.tokens == sum(len(s["response_ids"]) for s in samples)
     advantages = grpo_baseline.group_advantages(torch.tensor(rewards), 6)
-    by_hand = (np.array(rewards).reshape(-1, 6) - np.mean(np.array(rewards).reshape(-1, 6), 1, keepdims=True))
+    by_hand = np.array(rewards).reshape(-1, 6) - np.mean(np.array(rewards).reshape(-1, 6), 1, keepdims=True)
     by_hand = (by_hand / (np.array(rewards).reshape(-1, 6).std(1, keepdims=True) + 1e-8)).reshape(-1)
     assert advantages.tolist() == pytest.approx(by_hand.tolist(), abs=1e-6)
-    assert run.token_estimates == pytest.approx([float(a) for a, s in zip(advantages, samples) for _ in s["response_ids"]])
+    assert run.token_estimates == pytest.approx(
+        [float(a) for a, s in zip(advantages, samples) for _ in s["response_ids"]]
+    )
     owner = {tuple(e.prompt): e for e in exacts}
     assert run.token_truth == [a for s in samples for a in owner[tuple(s["prompt_ids"])].advantages(s["response_ids"])]
     direct = fresh(samples)
@@ -185,14 +213,19 @@ def test_grpo_column_is_group_advantages_and_its_loss(world):
 def test_spo_chain_and_mc_token_columns_are_cutpoints_chain_advantages_and_their_loss(world, interval):
     model, exacts, exact_grad = world
     runs = ce.run_chain(model, ce.ExactSampler(exacts, ARGS.temperature, 4), exacts, 4, ARGS, interval=interval)
-    assert set(runs) == ({"mc_token"} if interval is None else {f"spo_chain_int{interval}", f"spo_chain_int{interval}_nomask"})
+    assert set(runs) == (
+        {"mc_token"} if interval is None else {f"spo_chain_int{interval}", f"spo_chain_int{interval}_nomask"}
+    )
     for name, run in runs.items():
         record, prob_mask = run.record, interval is not None and not name.endswith("_nomask")
         samples, probs = record["samples"], record["probs"]
         # p_t are the training log-probs; the cutpoints are find_cutpoints' (every state for the per-token MC).
         for s, p in zip(samples, probs):
             assert p == pytest.approx(s["old_logps"].exp().tolist())
-        expected_cuts = [list(range(-1, len(p) - 1)) if interval is None else spo_chain.find_cutpoints(p, 0.9, interval) for p in probs]
+        expected_cuts = [
+            list(range(-1, len(p) - 1)) if interval is None else spo_chain.find_cutpoints(p, 0.9, interval)
+            for p in probs
+        ]
         assert record["cutpoints"] == expected_cuts
         # Each value is the mean of K continuation rewards (a multiple of 1/K), one per distinct state (shared).
         value_of = {}
@@ -201,16 +234,22 @@ def test_spo_chain_and_mc_token_columns_are_cutpoints_chain_advantages_and_their
             for c, v in zip(cuts, values):
                 assert value_of.setdefault((tuple(s["prompt_ids"]), tuple(s["response_ids"][: c + 1])), v) == v
         assert len(value_of) < sum(map(len, record["cutpoints"]))  # some states recur, and were estimated once
-        advantages = [spo_chain.chain_advantages(p, c, v, r, 0.9, prob_mask)
-                      for p, c, v, r in zip(probs, record["cutpoints"], record["values"], record["rewards"])]
+        advantages = [
+            spo_chain.chain_advantages(p, c, v, r, 0.9, prob_mask)
+            for p, c, v, r in zip(probs, record["cutpoints"], record["values"], record["rewards"])
+        ]
         assert run.token_estimates == pytest.approx([a for response in advantages for a in response])
         direct = fresh(samples)
         for s, old in zip(direct, samples):
             s["old_logps"] = s["ref_logps"] = old["old_logps"]
-        spo_chain.attach_advantages(direct, advantages, torch.cat([s["old_logps"] for s in direct]).exp(), 0.9, prob_mask)
+        spo_chain.attach_advantages(
+            direct, advantages, torch.cat([s["old_logps"] for s in direct]).exp(), 0.9, prob_mask
+        )
         gradient = gradient_of(model, spo_chain.accumulate_gradients, direct)
         assert torch.allclose(gradient, run.gradient, atol=1e-7)
-        assert ce.score(run, exact_grad, 0.25)["gradient_cosine"] == pytest.approx(ce.cosine(-gradient, exact_grad), abs=1e-9)
+        assert ce.score(run, exact_grad, 0.25)["gradient_cosine"] == pytest.approx(
+            ce.cosine(-gradient, exact_grad), abs=1e-9
+        )
     if interval is None:  # one segment per token: the per-token MC advantage is V-hat(s_t) - V-hat(s_{t-1})
         run = runs["mc_token"]
         assert run.segment_estimates == run.token_estimates and run.segment_truth == run.token_truth
@@ -224,7 +263,11 @@ def test_spo_tree_column_is_tree_segments_and_its_loss(world):
         assert len(root.children) == 3
         for node, before in spo_tree.walk(root):
             if node.children:
-                assert len(node.children) == 3 and node.finish_reason == "length" and len(node.tokens) == ARGS.segment_tokens
+                assert (
+                    len(node.children) == 3
+                    and node.finish_reason == "length"
+                    and len(node.tokens) == ARGS.segment_tokens
+                )
             else:
                 assert node.reward == ce.reward(exact, before + node.tokens, node.finish_reason)
     assert runs["spo_tree"].tokens == sum(len(node.tokens) for root in roots for node, _ in spo_tree.walk(root))
@@ -234,14 +277,31 @@ def test_spo_tree_column_is_tree_segments_and_its_loss(world):
         assert [(s["prompt_ids"], s["response_ids"], s["advantage"]) for s in run.record["samples"]] == expected
         direct = [{"prompt_ids": q, "response_ids": seg, "advantage": a} for q, seg, a in expected]
         ce.attach_old_logprobs(model, direct, ARGS)
-        spo_tree.attach_targets(direct, None, micro_batch_size=3, temperature=ARGS.temperature, pad_id=ce.EOS,
-                                prob_threshold=0.9, prob_mask=prob_mask)
+        spo_tree.attach_targets(
+            direct,
+            None,
+            micro_batch_size=3,
+            temperature=ARGS.temperature,
+            pad_id=ce.EOS,
+            prob_threshold=0.9,
+            prob_mask=prob_mask,
+        )
         assert torch.allclose(gradient_of(model, spo_tree.accumulate_gradients, direct), run.gradient, atol=1e-7)
         # Per token: the edge's advantage where the loss mask keeps the token (a zero edge is not trained).
-        kept = [a for s in direct for a, keep in zip([s["advantage"]] * len(s["response_ids"]), s["loss_mask"].tolist()) if keep]
+        kept = [
+            a
+            for s in direct
+            for a, keep in zip([s["advantage"]] * len(s["response_ids"]), s["loss_mask"].tolist())
+            if keep
+        ]
         assert sorted(a for a in run.token_estimates if a != 0) == pytest.approx(sorted(a for a in kept if a != 0))
     # Per edge: V(child) - V(parent) from backup_values beside the exact difference.
-    edges = [child.value - node.value for root in roots for node, _ in [(root, [])] + list(spo_tree.walk(root)) for child in node.children]
+    edges = [
+        child.value - node.value
+        for root in roots
+        for node, _ in [(root, [])] + list(spo_tree.walk(root))
+        for child in node.children
+    ]
     assert sorted(runs["spo_tree"].segment_estimates) == pytest.approx(sorted(edges))
 
 
@@ -258,12 +318,18 @@ def test_ppo_column_is_gae_of_the_critics_values_and_its_loss(world, lam):
     advantages, _ = ppo_baseline.gae_advantages(token_rewards, values, mask, 1.0, lam)
     assert run.token_estimates == pytest.approx(advantages[mask].tolist(), abs=1e-6)
     if lam == 1.0:  # A_t = R - V(s_{t-1})
-        assert run.token_estimates == pytest.approx([r - v for s, r in zip(samples, rewards) for v in s["old_values"].tolist()], abs=1e-6)
+        assert run.token_estimates == pytest.approx(
+            [r - v for s, r in zip(samples, rewards) for v in s["old_values"].tolist()], abs=1e-6
+        )
     assert any(abs(v) > 1e-3 for s in samples for v in s["old_values"].tolist())  # the critic learned something
     critic = ppo_baseline.make_critic(model)  # the policy's gradient does not depend on the critic
-    gradient = gradient_of(model, lambda m, ss, **k: ppo_baseline.accumulate_gradients(m, critic, ss, value_clip_eps=0.2, **k), samples)
+    gradient = gradient_of(
+        model, lambda m, ss, **k: ppo_baseline.accumulate_gradients(m, critic, ss, value_clip_eps=0.2, **k), samples
+    )
     assert torch.allclose(gradient, run.gradient, atol=1e-7)
-    assert ce.score(run, exact_grad, 0.25)["gradient_cosine"] == pytest.approx(ce.cosine(-gradient, exact_grad), abs=1e-9)
+    assert ce.score(run, exact_grad, 0.25)["gradient_cosine"] == pytest.approx(
+        ce.cosine(-gradient, exact_grad), abs=1e-9
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,8 +339,10 @@ def test_ppo_column_is_gae_of_the_critics_values_and_its_loss(world, lam):
 def test_size_for_and_summary_pair_the_seeds():
     assert ce.size_for(3.5, 32, 2) == 9 and ce.size_for(20.0, 32, 2) is None
     assert ce.size_for({1: 10.0, 2: 30.0, 3: 70.0}, 64, 1) == 2
-    rows = {name: [{"seed": s, "size": 2, "tokens": 10, **{m: base + 0.01 * s for m in ce.METRICS}} for s in range(10)]
-            for name, base in (("a", 0.5), ("b", 0.3), ("exact_advantage", 0.9))}
+    rows = {
+        name: [{"seed": s, "size": 2, "tokens": 10, **{m: base + 0.01 * s for m in ce.METRICS}} for s in range(10)]
+        for name, base in (("a", 0.5), ("b", 0.3), ("exact_advantage", 0.9))
+    }
     summary = ce.summarise(rows, 200, 0)
     assert summary["best"]["token_pearson"] == "a" and summary["best"]["token_mse"] == "b"  # references are not ranked
     entry = summary["estimators"]["b"]["token_pearson"]
@@ -291,10 +359,21 @@ def test_tiny_run_writes_every_estimator_per_budget_with_paired_intervals(tmp_pa
     results = ce.main(dataclasses.replace(ce.Args(), tiny=True, out=str(tmp_path / "exact.json")))
     saved = json.loads((tmp_path / "exact.json").read_text())
     assert (tmp_path / "exact.png").stat().st_size > 10_000
-    assert saved["settings"]["seeds"] == [0, 1, 2] and saved["machine"]["commit"] and saved["command"].startswith("python")
+    assert (
+        saved["settings"]["seeds"] == [0, 1, 2] and saved["machine"]["commit"] and saved["command"].startswith("python")
+    )
     top = saved["budgets"][-1]
-    assert set(top["estimators"]) >= {"grpo", "spo_chain_int1", "spo_chain_int1_nomask", "spo_chain_int5", "spo_tree",
-                                      "ppo_lam1", "ppo_lam0.96", "mc_token", "exact_advantage"}
+    assert set(top["estimators"]) >= {
+        "grpo",
+        "spo_chain_int1",
+        "spo_chain_int1_nomask",
+        "spo_chain_int5",
+        "spo_tree",
+        "ppo_lam1",
+        "ppo_lam0.96",
+        "mc_token",
+        "exact_advantage",
+    }
     for name, row in top["estimators"].items():
         assert row["tokens"] <= 1.5 * top["budget"], name  # spends about its budget
         assert row["gradient_cosine"]["n"] == 3 and -1 <= row["gradient_cosine"]["mean"] <= 1

@@ -24,10 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Reading
 
 
-@pytest.mark.parametrize("content,message", [
-    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not UTF-8 text"),
-    (b'{"question": "1+1?", "answer": "#### 2"}\n\xff\xfe\n', "is not UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not UTF-8 text"),
+        (b'{"question": "1+1?", "answer": "#### 2"}\n\xff\xfe\n', "is not UTF-8 text"),
+    ],
+)
 def test_a_task_file_that_is_not_text_is_one_line(content, message, tmp_path):
     path = tmp_path / "task.jsonl"
     path.write_bytes(content)
@@ -48,13 +51,16 @@ def test_a_task_file_that_cannot_be_read_or_is_a_directory_is_named(tmp_path):
         assert "permission denied" in ev.task_problems(str(locked))[0]
 
 
-@pytest.mark.parametrize("content,message", [
-    ("null", "holds a JSON NoneType, not a JSON object"),
-    ("[1, 2]", "holds a JSON list, not a JSON object"),
-    ('"text"', "holds a JSON str"),
-    ("{not json", "is not valid JSON"),
-    ("", "is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("null", "holds a JSON NoneType, not a JSON object"),
+        ("[1, 2]", "holds a JSON list, not a JSON object"),
+        ('"text"', "holds a JSON str"),
+        ("{not json", "is not valid JSON"),
+        ("", "is not valid JSON"),
+    ],
+)
 def test_args_json_of_the_wrong_shape_is_one_line(content, message, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "args.json").write_text(content)
@@ -62,8 +68,10 @@ def test_args_json_of_the_wrong_shape_is_one_line(content, message, tmp_path):
         runs.saved_settings(grpo_baseline.Args, tmp_path / "run")
 
 
-@pytest.mark.parametrize("field,value", [("lr", "fast"), ("group_size", 2.5), ("prob_mask", 1), ("backend", "tpu"),
-                                         ("eval_limit", [1]), ("seed", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("lr", "fast"), ("group_size", 2.5), ("prob_mask", 1), ("backend", "tpu"), ("eval_limit", [1]), ("seed", True)],
+)
 def test_args_json_with_a_value_of_the_wrong_type_is_one_line(field, value, tmp_path):
     (tmp_path / "run").mkdir()
     saved = {**json.loads(json.dumps(grpo_baseline.Args().__dict__)), field: value}
@@ -90,7 +98,9 @@ def test_a_torn_or_blank_log_tail_is_dropped_and_cut_before_the_next_append(tmp_
 
 
 def test_resumed_run_log_drops_a_torn_tail(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0, "eval/accuracy": 0.5}\n{"iteration": 1, "time/train_seconds": 3.0}\n{"iter')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"iteration": 0, "eval/accuracy": 0.5}\n{"iteration": 1, "time/train_seconds": 3.0}\n{"iter'
+    )
     with pytest.warns(UserWarning, match="cut short"):
         log = runs.RunLog(tmp_path, start_iteration=2, args=grpo_baseline.Args())
     log.write(2, {"reward": 1.0})
@@ -116,14 +126,19 @@ def test_a_checkpoint_whose_header_size_is_garbage_is_damaged_not_a_memory_error
 def test_model_directories_that_are_not_models_say_what_is_missing(tiny_model_dir, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "has no config.json" in models.model_directory_problem(empty) and "holds nothing" in models.model_directory_problem(empty)
+    assert "has no config.json" in models.model_directory_problem(
+        empty
+    ) and "holds nothing" in models.model_directory_problem(empty)
     only_config = tmp_path / "only_config"
     only_config.mkdir()
     (only_config / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     assert "has config.json but no weights" in models.model_directory_problem(only_config)
     run = tmp_path / "run"
     (run / "checkpoint").mkdir(parents=True)
-    assert models.model_directory_problem(run) == f"{run} is a run directory, not a model: did you mean {run / 'checkpoint'}?"
+    assert (
+        models.model_directory_problem(run)
+        == f"{run} is a run directory, not a model: did you mean {run / 'checkpoint'}?"
+    )
     no_tokenizer = tmp_path / "no_tokenizer"
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -180,7 +195,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_model_dir, 
         sys.path.insert(0, {str(ROOT)!r})
         from plumbing import checkpoints, models, UsageError
         model, tokenizer = models.load_model({str(tiny_model_dir)!r}, device="cpu")
-        run = Path({str(tmp_path / 'run')!r})
+        run = Path({str(tmp_path / "run")!r})
         run.mkdir()
         checkpoints.save_checkpoint(run, model, tokenizer, {{"iteration": 1}})
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -191,7 +206,9 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_model_dir, 
             print(error)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "cannot write the checkpoint of iteration 2" in result.stdout and "still holds iteration 1" in result.stdout, result
+    assert (
+        "cannot write the checkpoint of iteration 2" in result.stdout and "still holds iteration 1" in result.stdout
+    ), result
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint"]  # no checkpoint.new left
     assert checkpoints.trained_iterations(tmp_path / "run") == 1
 
@@ -210,7 +227,12 @@ def test_new_runs_get_their_own_directory_lock_it_and_record_how_they_run(tmp_pa
     second = runs.make_new_directory(first)  # the same name in the same second: a suffix, never a shared directory
     assert second == first.with_name(first.name + "-2") and second.is_dir()
     start = files.read_log(first / "starts.jsonl")[0]
-    assert (start["world_size"], start["backend"], start["device"], start["precision"]) == (1, "hf", "cpu", "precision: fp32")
+    assert (start["world_size"], start["backend"], start["device"], start["precision"]) == (
+        1,
+        "hf",
+        "cpu",
+        "precision: fp32",
+    )
 
 
 LOCK_HOLDER = """
@@ -227,10 +249,14 @@ time.sleep(60)
 def test_a_second_process_on_a_locked_run_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER.format(root=str(ROOT), run=str(run))], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER.format(root=str(ROOT), run=str(run))], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(UsageError, match=f"{run} is in use by process {holder.pid} on .*this process \\({os.getpid()} on"):
+        with pytest.raises(
+            UsageError, match=f"{run} is in use by process {holder.pid} on .*this process \\({os.getpid()} on"
+        ):
             runs.lock_run(run)
     finally:
         holder.kill()
@@ -257,8 +283,12 @@ runs.run_cli(main, None)
 def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    process = subprocess.Popen([sys.executable, "-c", SLEEPER.format(root=str(ROOT), run=str(run))], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLEEPER.format(root=str(ROOT), run=str(run))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline().strip() == "started"
     process.send_signal(signal.SIGTERM)  # what Slurm, docker stop and timeout send
     _, err = process.communicate(timeout=30)

@@ -41,16 +41,28 @@ def one_process_steps(tiny_model_dir, tmp_path_factory) -> Callable[[str], Path]
             made[script] = tmp_path_factory.mktemp(f"one-{script}")
             run([sys.executable, str(DRIVER), script, str(tiny_model_dir), str(made[script])])
         return made[script] / "world1.pt"
+
     return step
 
 
 @pytest.mark.parametrize("sharding", ["replicas", "fsdp"])
 @pytest.mark.parametrize("script", ["grpo_baseline", "ppo_baseline", "spo_chain", "spo_tree"])
-def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(script, sharding, one_process_steps, tiny_model_dir, tmp_path):
-    run(TORCHRUN + [str(DRIVER), script, str(tiny_model_dir), str(tmp_path)] + (["--fsdp"] if sharding == "fsdp" else []))
-    one, two = torch.load(one_process_steps(script)), torch.load(tmp_path / ("world2_fsdp.pt" if sharding == "fsdp" else "world2.pt"))
+def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(
+    script, sharding, one_process_steps, tiny_model_dir, tmp_path
+):
+    run(
+        TORCHRUN
+        + [str(DRIVER), script, str(tiny_model_dir), str(tmp_path)]
+        + (["--fsdp"] if sharding == "fsdp" else [])
+    )
+    one, two = (
+        torch.load(one_process_steps(script)),
+        torch.load(tmp_path / ("world2_fsdp.pt" if sharding == "fsdp" else "world2.pt")),
+    )
     initial = dict(models.load_model(str(tiny_model_dir), dtype=torch.float32)[0].named_parameters())
-    assert max((one["parameters"][0][name] - p).abs().max().item() for name, p in initial.items()) > 1e-3  # the step moved
+    assert (
+        max((one["parameters"][0][name] - p).abs().max().item() for name, p in initial.items()) > 1e-3
+    )  # the step moved
     if "mask_fraction" in one["stats"]:
         assert 0 < one["stats"]["mask_fraction"] < 1  # the probability mask is in play
     for key in one["stats"]:
@@ -69,7 +81,14 @@ SMOKE = {  # torchrun settings: SMOKE_SETTINGS with 4 questions (a multiple of 2
 
 
 def torchrun_script(script: str, model_dir, data, out, **overrides) -> list[str]:
-    settings = {**SMOKE_SETTINGS[script], **SMOKE[script], "model": str(model_dir), "task": str(data), "output_dir": str(out), **overrides}
+    settings = {
+        **SMOKE_SETTINGS[script],
+        **SMOKE[script],
+        "model": str(model_dir),
+        "task": str(data),
+        "output_dir": str(out),
+        **overrides,
+    }
     return TORCHRUN + [str(ROOT / f"{script}.py")] + cli_flags(settings)
 
 
@@ -98,12 +117,18 @@ def test_torchrun_trains_and_writes_one_checkpoint_that_reloads(script, tiny_mod
 
 
 @pytest.mark.parametrize("script", RESUMED)
-def test_fsdp_trains_saves_one_whole_checkpoint_and_resumes_like_the_uninterrupted_run(script, tiny_model_dir, gsm8k_jsonl, tmp_path):
-    sharded = dict(fsdp=True, **({"samples_per_iteration": 8} if script == "spo_tree" else {}))  # SPO-tree: equal shares
+def test_fsdp_trains_saves_one_whole_checkpoint_and_resumes_like_the_uninterrupted_run(
+    script, tiny_model_dir, gsm8k_jsonl, tmp_path
+):
+    sharded = dict(
+        fsdp=True, **({"samples_per_iteration": 8} if script == "spo_tree" else {})
+    )  # SPO-tree: equal shares
     run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "full", **sharded))
     full = only_run(tmp_path / "full")
     metrics = read_metrics(full)
-    assert [m["iteration"] for m in metrics if "charts/reward" in m] == [1, 2] and all(math.isfinite(v) for m in metrics for v in m.values())
+    assert [m["iteration"] for m in metrics if "charts/reward" in m] == [1, 2] and all(
+        math.isfinite(v) for m in metrics for v in m.values()
+    )
     assert [m for m in metrics if "eval/accuracy" in m], "evaluated"
     # The checkpoint is the whole model, gathered from the shards: every weight at its full shape, under the model's
     # own class (the gathered values are checked against one process's by the equal-update test, through the same
@@ -129,8 +154,10 @@ def test_torchrun_converts_smollm2_into_an_empty_cache_on_every_rank(tmp_path):
     """transformers' save_pretrained writes only on rank 0 under a process group: a rank that converted SmolLM2 in
     process would leave a cache without weights. Every rank must find a whole, loadable model."""
     script = tmp_path / "convert.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom plumbing import distributed, models\ndistributed.init_distributed()\n"
-                      "path = models.smollm2_dir()\nassert (path / 'config.json').exists() and (path / 'model.safetensors').exists()\n")
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom plumbing import distributed, models\ndistributed.init_distributed()\n"
+        "path = models.smollm2_dir()\nassert (path / 'config.json').exists() and (path / 'model.safetensors').exists()\n"
+    )
     environment = {**os.environ, "SPO_CACHE": str(tmp_path / "cache")}
     result = subprocess.run(TORCHRUN + [str(script)], capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -141,27 +168,56 @@ def test_torchrun_converts_smollm2_into_an_empty_cache_on_every_rank(tmp_path):
 
 
 def test_fsdp_at_world_size_1_is_refused_with_the_launch_command(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl),
-                             "--output-dir", str(tmp_path), "--fsdp"], capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "error: --fsdp shards the model over processes: launch with torchrun" in result.stderr
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "grpo_baseline.py"),
+            "--model",
+            str(tiny_model_dir),
+            "--task",
+            str(gsm8k_jsonl),
+            "--output-dir",
+            str(tmp_path),
+            "--fsdp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        result.returncode != 0
+        and "error: --fsdp shards the model over processes: launch with torchrun" in result.stderr
+    )
     assert not list(tmp_path.iterdir())  # refused before a run directory exists
 
 
 def test_resume_at_another_world_size_is_refused_with_the_command_that_fits(tiny_model_dir, gsm8k_jsonl, tmp_path):
     run(torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1))
-    result = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--resume", str(only_run(tmp_path)), "--iterations", "2"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "grpo_baseline.py"), "--resume", str(only_run(tmp_path)), "--iterations", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "trained by 2 process(es), this is 1" in result.stderr and "torchrun --nproc_per_node 2" in result.stderr
     assert len((only_run(tmp_path) / "starts.jsonl").read_text().splitlines()) == 1  # refused before it is recorded
 
 
-def test_settings_that_do_not_split_over_the_ranks_fail_on_every_rank_with_one_line(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    result = subprocess.run(torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path, questions=3),
-                            capture_output=True, text=True, timeout=300)
+def test_settings_that_do_not_split_over_the_ranks_fail_on_every_rank_with_one_line(
+    tiny_model_dir, gsm8k_jsonl, tmp_path
+):
+    result = subprocess.run(
+        torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path, questions=3),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "error: --questions (3) must be a multiple of the number of processes (2) under torchrun" in result.stderr
-    assert "UsageError" not in result.stderr and 'grpo_baseline.py", line' not in result.stderr  # one line, no traceback of ours
+    assert (
+        "UsageError" not in result.stderr and 'grpo_baseline.py", line' not in result.stderr
+    )  # one line, no traceback of ours
     assert "exitcode" in result.stderr  # torchrun's own summary of the failed ranks follows
 
 
@@ -195,13 +251,26 @@ def test_a_killed_rank_ends_the_whole_job_with_an_error(tiny_model_dir, gsm8k_js
 
 
 def test_eval_under_torchrun_gives_one_process_records_in_order(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    command = [str(ROOT / "eval.py"), "--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl), "--temperature", "0",
-               "--max-new-tokens", "6", "--samples", "2"]
+    command = [
+        str(ROOT / "eval.py"),
+        "--model",
+        str(tiny_model_dir),
+        "--task",
+        str(gsm8k_jsonl),
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+        "--samples",
+        "2",
+    ]
     run([sys.executable] + command + ["--output", str(tmp_path / "one.json")])
     run(TORCHRUN + command + ["--output", str(tmp_path / "two.json")])  # --backend auto: the HF sampler per rank
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert two["examples"] == one["examples"] == 8
-    assert [r["responses"] for r in two["records"]] == [r["responses"] for r in one["records"]]  # greedy: the same, in order
+    assert [r["responses"] for r in two["records"]] == [
+        r["responses"] for r in one["records"]
+    ]  # greedy: the same, in order
     for key in ("accuracy", "pass@2", "majority_accuracy", "truncation_rate", "response_tokens"):
         assert two[key] == one[key], key
 
@@ -214,10 +283,31 @@ def two_nodes(command: list[str], tmp_path: Path, timeout: float = 600) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"spo-{port}"]
-    nodes = [subprocess.Popen(launch + ["--node-rank", str(rank)] + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=tmp_path) for rank in (0, 1)]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"spo-{port}",
+    ]
+    nodes = [
+        subprocess.Popen(
+            launch + ["--node-rank", str(rank)] + command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [node.communicate(timeout=timeout) for node in nodes]
     for node, (_, err) in zip(nodes, outputs):
         assert node.returncode == 0, err[-3000:]
@@ -235,7 +325,9 @@ def test_two_nodes_make_the_update_of_one_process(one_process_steps, tiny_model_
 
 def test_two_nodes_write_one_run_directory_whose_checkpoint_reloads_and_resumes(tiny_model_dir, gsm8k_jsonl, tmp_path):
     # one shared filesystem (as a multi-node job needs for its run directory): global rank 0 alone writes
-    command = torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path / "runs", max_minutes=1e-6)[len(TORCHRUN):]
+    command = torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path / "runs", max_minutes=1e-6)[
+        len(TORCHRUN) :
+    ]
     two_nodes(command, tmp_path)
     run_dir = only_run(tmp_path / "runs")
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["world_size"] == 2

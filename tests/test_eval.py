@@ -112,8 +112,11 @@ def test_interrupted_smollm2_conversion_leaves_no_cache(monkeypatch, tmp_path, f
     (tmp_path / "smollm2-135m-instruct").mkdir()  # a half-made directory from an older, interrupted run
     (tmp_path / "smollm2-135m-instruct" / "config.json").write_text("{}")
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", fail)
-    expected = (UsageError, "converting .* failed \\(OSError: disk full\\); nothing was cached") if isinstance(
-        failure, OSError) else (KeyboardInterrupt, None)
+    expected = (
+        (UsageError, "converting .* failed \\(OSError: disk full\\); nothing was cached")
+        if isinstance(failure, OSError)
+        else (KeyboardInterrupt, None)
+    )
     with pytest.raises(expected[0], match=expected[1]):
         models.smollm2_dir()
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct"]  # no staging directory left
@@ -126,7 +129,9 @@ def test_smollm2_loads_offline_as_a_plain_trainable_model():
     assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
     assert sum(p.numel() for p in model.parameters()) > 100_000_000
     prompt = ev.encode_prompt(ev.format_prompt("What is 2 + 3?", tokenizer), tokenizer)
-    [[completion]] = engines.HFSampler(model, tokenizer).sample([prompt], 1, temperature=0, top_p=1.0, max_new_tokens=24)
+    [[completion]] = engines.HFSampler(model, tokenizer).sample(
+        [prompt], 1, temperature=0, top_p=1.0, max_new_tokens=24
+    )
     text = tokenizer.decode(completion.ids, skip_special_tokens=True)
     assert len(completion.ids) > 0 and text.strip()
 
@@ -148,7 +153,9 @@ def test_samples_of_one_prompt_beyond_the_row_cap_are_split_into_batches_under_i
     sampler = engines.HFSampler(model, tokenizer, batch_size=4)
     rows = []
     original = sampler._sample_chunk
-    sampler._sample_chunk = lambda prompts, limits, histories, n, *rest: rows.append(len(prompts) * n) or original(prompts, limits, histories, n, *rest)
+    sampler._sample_chunk = lambda prompts, limits, histories, n, *rest: (
+        rows.append(len(prompts) * n) or original(prompts, limits, histories, n, *rest)
+    )
     [group] = sampler.sample([prompt], 10, temperature=1.0, top_p=1.0, max_new_tokens=3)
     assert len(group) == 10 and rows == [4, 4, 2]  # one batch of 10 rows used to bypass the cap of 4
     sampler.max_batch_tokens = 2 * (len(prompt) + 3)  # the position cap binds too
@@ -195,7 +202,9 @@ def test_decode_steps_hand_sdpa_a_mask_so_query_heads_are_packed_not_grouped(tin
     assert len(prompts[0]) == len(prompts[1]) and model.config.num_key_value_heads < model.config.num_attention_heads
     groups = sampler.sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
     decode = calls[model.config.num_hidden_layers :]  # after the one prefill
-    assert len(decode) == 5 * model.config.num_hidden_layers and all(masked and not grouped for masked, grouped in decode)
+    assert len(decode) == 5 * model.config.num_hidden_layers and all(
+        masked and not grouped for masked, grouped in decode
+    )
     monkeypatch.undo()
     for prompt, group in zip(prompts, groups):
         assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 6, eos=-1)
@@ -218,7 +227,9 @@ def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(ti
         monkeypatch.setattr(engines._GrowingKV, "__init__", init)
         hook = model.lm_head.register_forward_hook(lambda module, inputs, out: logits.append(out.float().clone()))
         try:
-            groups = engines.HFSampler(model, tokenizer, precision=bf16).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
+            groups = engines.HFSampler(model, tokenizer, precision=bf16).sample(
+                prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6, ignore_eos=True
+            )
         finally:
             hook.remove()
         return [[c.ids for c in g] for g in groups], logits, {layer.key_buffer.dtype for layer in layers}
@@ -233,14 +244,24 @@ def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(ti
 def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(tiny):
     model, tokenizer = tiny
     long = tokenizer("[MATH_TASK] Problem:\n12+7\n\nSolution: 1")["input_ids"]
-    prompts = [long[:6], long, tokenizer("x y")["input_ids"], long[:11], long[:6]]  # three prefixes of `long`, one repeated
+    prompts = [
+        long[:6],
+        long,
+        tokenizer("x y")["input_ids"],
+        long[:11],
+        long[:6],
+    ]  # three prefixes of `long`, one repeated
     prefill_rows = []
-    hook = model.base_model.register_forward_pre_hook(lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape), with_kwargs=True)
+    hook = model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     try:
         groups = engines.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6)
     finally:
         hook.remove()
-    assert [tuple(shape) for shape in prefill_rows if shape[1] == len(long)] == [(2, len(long))]  # only `long` and "x y"
+    assert [tuple(shape) for shape in prefill_rows if shape[1] == len(long)] == [
+        (2, len(long))
+    ]  # only `long` and "x y"
     for prompt, group in zip(prompts, groups):
         assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 6, tokenizer.eos_token_id)
 
@@ -272,7 +293,9 @@ def test_next_tokens_draws_exactly_from_the_nucleus(top_p, candidates):
     kept = sorted_probs.cumsum(-1) - sorted_probs <= top_p  # SPEC: the mass before a kept token is at most top_p
     expected = torch.zeros(8).index_put_((order[kept],), sorted_probs[kept])
     expected /= expected.sum()
-    chosen = engines._next_tokens(logits.repeat(rows, 1), temperature, top_p, torch.Generator().manual_seed(0), candidates=candidates)
+    chosen = engines._next_tokens(
+        logits.repeat(rows, 1), temperature, top_p, torch.Generator().manual_seed(0), candidates=candidates
+    )
     seen = torch.bincount(chosen, minlength=8).double() / rows
     tolerance = 5 * (expected * (1 - expected) / rows).sqrt() + 1e-9  # five standard errors
     assert ((seen - expected).abs() <= tolerance).all(), (seen, expected)
@@ -305,7 +328,9 @@ def test_stop_string_beginning_in_the_response_so_far_stops_and_cuts_to_nothing(
         sampler = engines.HFSampler(model, tokenizer)
         [[seen]] = sampler.sample([prompt], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\nQ"], generated=1)
         [[unseen]] = sampler.sample([prompt], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\nQ"])
-        [[late]] = sampler.sample([prompt + [q]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["QQQ"], generated=2)
+        [[late]] = sampler.sample(
+            [prompt + [q]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["QQQ"], generated=2
+        )
     finally:
         hook.remove()
     assert (seen.ids, seen.finish_reason) == ([], "stop")
@@ -335,7 +360,9 @@ def test_stop_string_finishes_a_completion(tiny):
     newline = tokenizer("\n")["input_ids"][0]
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, newline))
     try:  # the model now writes only newlines, so the stop string "\n\n" ends it at once
-        [[c]] = engines.HFSampler(model, tokenizer).sample([[12]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\n\n"])
+        [[c]] = engines.HFSampler(model, tokenizer).sample(
+            [[12]], 1, temperature=1.0, top_p=1.0, max_new_tokens=10, stop=["\n\n"]
+        )
     finally:
         hook.remove()
     assert c.finish_reason == "stop" and c.ids == []
@@ -386,7 +413,9 @@ def test_evaluate_counts_graded_answers(tiny, tmp_path, monkeypatch):
 
 
 def run_eval_cli(*args, cwd):
-    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 @pytest.mark.parametrize(
@@ -411,8 +440,21 @@ def test_cli_errors_are_one_line(args, message, tiny_model_dir, tmp_path):
 
 def test_cli_writes_results_json(tiny_model_dir, gsm8k_jsonl, tmp_path):
     out = tmp_path / "result.json"
-    result = run_eval_cli("--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl), "--limit", "2", "--max-new-tokens", "4",
-                          "--backend", "hf", "--output", str(out), cwd=tmp_path)
+    result = run_eval_cli(
+        "--model",
+        str(tiny_model_dir),
+        "--task",
+        str(gsm8k_jsonl),
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--backend",
+        "hf",
+        "--output",
+        str(out),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     saved = json.loads(out.read_text())
     assert saved["examples"] == 2 and "accuracy" in saved and len(saved["records"]) == 2
@@ -422,11 +464,26 @@ def test_cli_writes_results_json(tiny_model_dir, gsm8k_jsonl, tmp_path):
 def test_cli_scores_a_question_longer_than_the_model_0_with_one_warning(tiny_model_dir, tmp_path):
     # The tiny model has 1,024 positions; with no --context a 5,000-token question used to be prefilled anyway.
     task = tmp_path / "long.jsonl"
-    task.write_text(json.dumps({"question": "1+" * 2500 + "1?", "answer": "#### 2501"}) + "\n"
-                    + json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    task.write_text(
+        json.dumps({"question": "1+" * 2500 + "1?", "answer": "#### 2501"})
+        + "\n"
+        + json.dumps({"question": "1+1?", "answer": "#### 2"})
+        + "\n"
+    )
     out = tmp_path / "result.json"
-    result = run_eval_cli("--model", str(tiny_model_dir), "--task", str(task), "--max-new-tokens", "4", "--backend", "hf",
-                          "--output", str(out), cwd=tmp_path)
+    result = run_eval_cli(
+        "--model",
+        str(tiny_model_dir),
+        "--task",
+        str(task),
+        "--max-new-tokens",
+        "4",
+        "--backend",
+        "hf",
+        "--output",
+        str(out),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("1 of 2 prompts of --task") == 1 and "score 0" in result.stderr
     records = json.loads(out.read_text())["records"]
@@ -443,10 +500,20 @@ sys.argv = ["eval.py", "--model", {str(tiny_model_dir)!r}, "--task", {str(gsm8k_
             "--max-new-tokens", "4", "--backend", "hf", "--output", {str(tmp_path / "r.json")!r}]
 runpy.run_path({str(ROOT / "eval.py")!r}, run_name="__main__")
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: cannot write the results {tmp_path / 'r.json'}: File too large")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: cannot write the results {tmp_path / 'r.json'}: File too large")
+    )
     assert json.loads(result.stdout.strip().splitlines()[-1])["examples"] == 2  # printed instead of lost
     assert not (tmp_path / "r.json").exists() and not list(tmp_path.glob(".r.json*"))
 
@@ -455,7 +522,9 @@ def test_per_prompt_token_budgets(tiny):
     model, tokenizer = tiny
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost(logits, 20))  # never EOS
     try:
-        groups = engines.HFSampler(model, tokenizer).sample([[5, 6], [7, 8, 9]], 2, temperature=1.0, top_p=1.0, max_new_tokens=[4, 9], context=10)
+        groups = engines.HFSampler(model, tokenizer).sample(
+            [[5, 6], [7, 8, 9]], 2, temperature=1.0, top_p=1.0, max_new_tokens=[4, 9], context=10
+        )
     finally:
         hook.remove()
     assert [[len(c.ids) for c in g] for g in groups] == [[4, 4], [7, 7]]  # the second is capped by the context
@@ -466,7 +535,9 @@ def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny
     model, tokenizer = tiny
     eos = tokenizer.eos_token_id
     prompts = [tokenizer(text)["input_ids"] for text in ["a", "bb b", "12+3=", "xyz?", "Q: 7", "hello there"]]
-    hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost_by(logits, eos, 0.5))  # some rows end early
+    hook = model.lm_head.register_forward_hook(
+        lambda module, inputs, logits: boost_by(logits, eos, 0.5)
+    )  # some rows end early
     try:
         sampler = engines.HFSampler(model, tokenizer)
         batched = sampler.sample(prompts, 1, temperature=0, top_p=1.0, max_new_tokens=12)
@@ -533,7 +604,9 @@ def test_sampler_follows_the_chosen_precision(tiny, monkeypatch):
     hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: seen.append(logits.dtype))
     try:
         for precision in ("fp32", "bf16"):
-            engines.HFSampler(model, tokenizer, precision=choose_precision(precision, "cpu")).sample([[12, 13]], 2, temperature=1.0, top_p=0.9, max_new_tokens=3)
+            engines.HFSampler(model, tokenizer, precision=choose_precision(precision, "cpu")).sample(
+                [[12, 13]], 2, temperature=1.0, top_p=0.9, max_new_tokens=3
+            )
     finally:
         hook.remove()
     assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16

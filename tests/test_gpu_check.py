@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py, the one prepared GPU check, runs every step at toy sizes on the CPU (--device cpu), so it
 cannot rot between GPU leases."""
+
 import json
 import math
 import sys
@@ -27,13 +28,18 @@ def test_every_step_runs_on_the_cpu_and_the_results_are_written(tmp_path):
     assert set(update) >= {"rows8", "rows4", "rows8_gc", "no_grad_logprob_tokens_per_second"}
     assert results["script_spo_tree"]["memory"].startswith("memory: ")  # what `auto` chose, recorded per script
     tree_pass = results["spo_tree_old_logprob_pass"]
-    assert tree_pass["edges"] == 2 * (3 + 9) and tree_pass["logprob_max_difference"] == 0  # 2 toy trees 3,3; a CPU: same passes
+    assert (
+        tree_pass["edges"] == 2 * (3 + 9) and tree_pass["logprob_max_difference"] == 0
+    )  # 2 toy trees 3,3; a CPU: same passes
     for name in ("micro_batch_8", "sized_to_memory"):
         assert tree_pass[name]["passes"] >= 1 and 0 < tree_pass[name]["share_of_pass_and_update"] < 1
     assert tree_pass["sized_to_memory"]["budget_positions"] is None  # a CPU sizes nothing: the micro-batches
     assert results["hf_sampler"]["rows240"]["tokens"] == 240 * 16  # ignore_eos: every row its full budget
     round_trip = results["reference_round_trip"]
-    assert all(math.isfinite(round_trip[key]) for key in ("pageable", "pin_once", "resident")) and len(round_trip["pinned"]) == 3
+    assert (
+        all(math.isfinite(round_trip[key]) for key in ("pageable", "pin_once", "resident"))
+        and len(round_trip["pinned"]) == 3
+    )
     assert round_trip["logprobs_equal_resident_and_parked"] and round_trip["parked_after_its_pass"] == ["cpu"]
     assert "vllm" in results["vllm_sampler"].get("skipped", "") or "greedy_equal_to_hf" in results["vllm_sampler"]
     assert results["environment"]["vllm_preflight"].startswith("vLLM pre-flight:")

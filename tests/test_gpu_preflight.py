@@ -3,6 +3,7 @@
 A CUDA mismatch between torch and vllm's compiled ops is one line with the pip command that fixes it, raised before
 the engine exists; a missing C compiler or Python.h is named; FlashInfer's JIT sampler is off unless the user set it.
 """
+
 import os
 import struct
 import sys
@@ -27,10 +28,14 @@ def tiny_elf(needed: list[str]) -> bytes:
     dynamic = b"".join(struct.pack("<qQ", 1, offset) for offset in offsets) + struct.pack("<qQ", 0, 0)
     strings_at, dynamic_at = 64, 64 + len(strings) + (-len(strings)) % 8
     sections_at = dynamic_at + len(dynamic)
-    header = struct.pack("<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01", 3, 62, 1, 0, 0, sections_at, 0, 64, 0, 0, 64, 3, 0)
-    sections = (struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-                + struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, strings_at, len(strings), 0, 0, 1, 0)
-                + struct.pack("<IIQQQQIIQQ", 0, 6, 0, 0, dynamic_at, len(dynamic), 1, 0, 8, 16))
+    header = struct.pack(
+        "<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01", 3, 62, 1, 0, 0, sections_at, 0, 64, 0, 0, 64, 3, 0
+    )
+    sections = (
+        struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        + struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, strings_at, len(strings), 0, 0, 1, 0)
+        + struct.pack("<IIQQQQIIQQ", 0, 6, 0, 0, dynamic_at, len(dynamic), 1, 0, 8, 16)
+    )
     return header + strings + b"\0" * (dynamic_at - strings_at - len(strings)) + dynamic + sections
 
 
@@ -51,15 +56,19 @@ class FakeDistribution:
 @pytest.fixture
 def installed(monkeypatch, tmp_path):
     """installed(files, requires): make `vllm` look installed with these files and requirements (vllm is not)."""
+
     def install(files: dict[str, bytes], requires: list[str] = ()):
         dist, original = FakeDistribution(tmp_path, files, list(requires)), metadata.distribution
         monkeypatch.setattr(metadata, "distribution", lambda name: dist if name == "vllm" else original(name))
+
     return install
 
 
-CU13_OPS = {"vllm/_C_stable_libtorch.abi3.so": tiny_elf(["libtorch.so", "libcudart.so.13", "libcuda.so.1"]),
-            "vllm/fs_io_C.abi3.so": tiny_elf(["libtorch.so", "libnvrtc.so.13"]),
-            "vllm/_rust_tool_parser.abi3.so": b"not an ELF file"}
+CU13_OPS = {
+    "vllm/_C_stable_libtorch.abi3.so": tiny_elf(["libtorch.so", "libcudart.so.13", "libcuda.so.1"]),
+    "vllm/fs_io_C.abi3.so": tiny_elf(["libtorch.so", "libnvrtc.so.13"]),
+    "vllm/_rust_tool_parser.abi3.so": b"not an ELF file",
+}
 
 
 def test_elf_needed_reads_the_dynamic_section(tmp_path):
@@ -83,8 +92,14 @@ def test_elf_needed_on_a_real_library():
 def test_cuda_major_versions():
     assert [gpu.cuda_major(tag) for tag in ("cu13", "cu130", "cu128", "cu118", "cu12")] == [13, 13, 12, 11, 12]
     assert gpu.linked_cuda_majors(["libtorch.so", "libcudart.so.13", "libnvrtc.so.12"]) == {13}
-    assert gpu.extra_cuda_majors(["nvidia-cutlass-dsl[cu13]==4.7.1", "humming-kernels[cu13]==0.1.12",
-                                  "fastapi[standard]<0.137.0", "nvidia-deepstream-videodecode-cu13>=9.0.2"]) == {13}
+    assert gpu.extra_cuda_majors(
+        [
+            "nvidia-cutlass-dsl[cu13]==4.7.1",
+            "humming-kernels[cu13]==0.1.12",
+            "fastapi[standard]<0.137.0",
+            "nvidia-deepstream-videodecode-cu13>=9.0.2",
+        ]
+    ) == {13}
 
 
 @pytest.mark.parametrize("torch_cuda, built", [("12.8", "a CUDA 12.8 build"), (None, "a build without CUDA")])
@@ -100,7 +115,7 @@ def test_cuda_mismatch_is_one_line_with_the_fix(monkeypatch, installed, torch_cu
 
 def test_metadata_extras_stand_in_for_unreadable_ops(monkeypatch, installed):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    installed({}, ["torch==2.13.0", "nvidia-cutlass-dsl[cu13]==4.7.1", "zentorch==2.13.0.0; extra == \"zen\""])
+    installed({}, ["torch==2.13.0", "nvidia-cutlass-dsl[cu13]==4.7.1", 'zentorch==2.13.0.0; extra == "zen"'])
     assert gpu.vllm_build() == ("0.30.0", {13})
     assert gpu.cuda_problems()[0].endswith(FIX)
 
@@ -170,7 +185,12 @@ def test_the_rollout_engine_is_named_with_the_reason_it_was_chosen(monkeypatch):
     assert engines.resolve_backend("auto") == ("hf", "--backend auto: no CUDA GPU")
     monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: True)
     real_import = builtins.__import__
-    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
-                        if name == "vllm" else real_import(name, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "__import__",
+        lambda name, *a, **k: (
+            (_ for _ in ()).throw(ImportError(name)) if name == "vllm" else real_import(name, *a, **k)
+        ),
+    )
     backend, why = engines.resolve_backend("auto")
     assert backend == "hf" and "vllm is not installed" in why  # said, where it used to fall back silently

@@ -1,4 +1,5 @@
 """Tests for grading (plumbing/grading.py: grade, check_reference), which eval.py re-exports."""
+
 import os
 import signal
 import subprocess
@@ -107,8 +108,9 @@ RULE_CASES = [
 CASES += RULE_CASES
 
 
-@pytest.mark.parametrize("task,response,reference,expected", CASES,
-                         ids=[f"{c[0]}:{c[1][:30]!r}->{c[2]!r}" for c in CASES])
+@pytest.mark.parametrize(
+    "task,response,reference,expected", CASES, ids=[f"{c[0]}:{c[1][:30]!r}->{c[2]!r}" for c in CASES]
+)
 def test_verdicts(task, response, reference, expected):
     assert grade([response], [reference], task) == [expected]
 
@@ -163,8 +165,7 @@ def test_grade_from_non_main_thread():
     result = {}
 
     def run():
-        result["scores"] = grade(["The answer is 72", SLOW, "#### 3"], ["72", "72", "4"],
-                                 "gsm8k", timeout=1.0)
+        result["scores"] = grade(["The answer is 72", SLOW, "#### 3"], ["72", "72", "4"], "gsm8k", timeout=1.0)
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -220,8 +221,13 @@ def test_grading_module_loads_without_torch_or_the_project():
         "              and 'site-packages' not in os.path.realpath(m.__file__))  # a venv inside the clone (CI's) is not the project\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] == 'torch'), ours)\n"
     )
-    run = subprocess.run([sys.executable, "-c", boot + report, str(Path(grading.__file__).resolve())],
-                         capture_output=True, text=True, timeout=120, cwd=repo)
+    run = subprocess.run(
+        [sys.executable, "-c", boot + report, str(Path(grading.__file__).resolve())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == ["[] []"]
 
@@ -233,8 +239,7 @@ def _torch_files_mapped(pid: int) -> list[str]:
     torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
     with open(f"/proc/{pid}/maps") as maps:
         paths = {line.split(maxsplit=5)[5].strip() for line in maps if len(line.split(maxsplit=5)) == 6}
-    return sorted(p for p in paths
-                  if p.startswith(torch_dir) or os.path.basename(p).startswith(("libtorch", "libc10")))
+    return sorted(p for p in paths if p.startswith(torch_dir) or os.path.basename(p).startswith(("libtorch", "libc10")))
 
 
 def test_grading_server_and_workers_hold_no_torch():
@@ -247,17 +252,33 @@ def test_grading_server_and_workers_hold_no_torch():
     assert {name: _torch_files_mapped(pid) for name, pid in pids.items()} == {"server": [], "worker": []}
 
 
-@pytest.mark.parametrize("reference,task", [
-    ("72", "gsm8k"), (f"{MINUS}5", "gsm8k"), ("1,234", "gsm8k"), ("0.75", "rg:chain_sum"),
-    (r"\frac{\sqrt3}{2}", "math"), (r"\pm 2021", "math"), (r"(-\infty,3]", "math500"), ("33", "aime24"),
-])
+@pytest.mark.parametrize(
+    "reference,task",
+    [
+        ("72", "gsm8k"),
+        (f"{MINUS}5", "gsm8k"),
+        ("1,234", "gsm8k"),
+        ("0.75", "rg:chain_sum"),
+        (r"\frac{\sqrt3}{2}", "math"),
+        (r"\pm 2021", "math"),
+        (r"(-\infty,3]", "math500"),
+        ("33", "aime24"),
+    ],
+)
 def test_check_reference_accepts(reference, task):
     assert check_reference(reference, task)
 
 
-@pytest.mark.parametrize("reference,task", [
-    ("", "gsm8k"), ("abc??", "gsm8k"), ("", "math"), ("abc??", "math"), ("x", "gsm8k"),
-])
+@pytest.mark.parametrize(
+    "reference,task",
+    [
+        ("", "gsm8k"),
+        ("abc??", "gsm8k"),
+        ("", "math"),
+        ("abc??", "math"),
+        ("x", "gsm8k"),
+    ],
+)
 def test_check_reference_rejects(reference, task):
     assert not check_reference(reference, task)
 
@@ -279,12 +300,63 @@ def test_unknown_task_raises():
 
 # Fuzzing: random text mixed with the pieces the rule and the parsers react to.
 FRAGMENTS = [
-    "\\boxed{", "\\boxed {", "}", "{", "\\{", "\\}", "####", "The answer is ", "answer:", "Answer = ",
-    " or ", "either ", "Actually, ", "Wait, ", "No, ", " not ", " rather than ", ". ", "? ", "\n", ", ", "$",
-    "$$", "\\(", "\\)", "\\[", "\\]", "\\frac{", "\\dfrac12", "\\sqrt{", "\\text{ or }", "\\pm", "\\infty",
-    "^", "^{", "10^{10^{10^{10}}}", "9^9^9^9", "9**9**9", "1e999999", "10^{-999999}", "\\operatorname{zeros}(9999,9999)",
-    "3/4", "-", MINUS, "1,234", "0.5", "%", "\\", "\x00", "\x01", "\x02", "\u2212", "\u221e", "\u03c0",
-    "\U0001f600", "\ud800", " ",  # a lone surrogate, a space
+    "\\boxed{",
+    "\\boxed {",
+    "}",
+    "{",
+    "\\{",
+    "\\}",
+    "####",
+    "The answer is ",
+    "answer:",
+    "Answer = ",
+    " or ",
+    "either ",
+    "Actually, ",
+    "Wait, ",
+    "No, ",
+    " not ",
+    " rather than ",
+    ". ",
+    "? ",
+    "\n",
+    ", ",
+    "$",
+    "$$",
+    "\\(",
+    "\\)",
+    "\\[",
+    "\\]",
+    "\\frac{",
+    "\\dfrac12",
+    "\\sqrt{",
+    "\\text{ or }",
+    "\\pm",
+    "\\infty",
+    "^",
+    "^{",
+    "10^{10^{10^{10}}}",
+    "9^9^9^9",
+    "9**9**9",
+    "1e999999",
+    "10^{-999999}",
+    "\\operatorname{zeros}(9999,9999)",
+    "3/4",
+    "-",
+    MINUS,
+    "1,234",
+    "0.5",
+    "%",
+    "\\",
+    "\x00",
+    "\x01",
+    "\x02",
+    "\u2212",
+    "\u221e",
+    "\u03c0",
+    "\U0001f600",
+    "\ud800",
+    " ",  # a lone surrogate, a space
 ]
 REFERENCES = ["72", "-5", "0.75", "1234", "\\frac{1}{2}", "\\sqrt{2}", "(-\\infty,3]", "x", "1 \\text{ or } 2", ""]
 
@@ -294,7 +366,7 @@ def _responses(payloads):
         st.sampled_from(FRAGMENTS),
         st.sampled_from(payloads),
         st.sampled_from([SLOW, HUGE, "\\boxed{9^{9^{9^{9}}}}"]),
-        st.integers(-10**40, 10**40).map(str),
+        st.integers(-(10**40), 10**40).map(str),
         st.text(max_size=12),
     )
     return st.lists(piece, max_size=40).map("".join)
@@ -316,11 +388,16 @@ def _payloads(marker):
 
 def test_answer_text_fuzz_is_fast_and_total():
     # The rule runs in the parent, where no timeout covers it: it must be quick on any text.
-    pieces = st.one_of(st.sampled_from(FRAGMENTS), st.integers(-10**9, 10**9).map(str), st.text(max_size=8))
+    pieces = st.one_of(st.sampled_from(FRAGMENTS), st.integers(-(10**9), 10**9).map(str), st.text(max_size=8))
     long_text = st.tuples(st.lists(pieces, max_size=6).map("".join), st.integers(1, 4000)).map(lambda t: t[0] * t[1])
 
-    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=300,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(text=st.one_of(_responses(["x"]), long_text), numeric=st.booleans(), reference=st.sampled_from(REFERENCES))
     def check(text, numeric, reference):
         start = time.monotonic()
@@ -338,10 +415,17 @@ def test_grade_fuzz_never_crashes_hangs_or_executes(tmp_path):
 
     item = st.tuples(_responses(_payloads(marker)), st.sampled_from(REFERENCES))
 
-    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(items=st.lists(item, min_size=1, max_size=6),
-           task=st.sampled_from(["gsm8k", "rg:chain_sum", "data/x.jsonl", "math", "math500", "aime24"]))
+    @settings(
+        max_examples=25,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        items=st.lists(item, min_size=1, max_size=6),
+        task=st.sampled_from(["gsm8k", "rg:chain_sum", "data/x.jsonl", "math", "math500", "aime24"]),
+    )
     def check(items, task):
         start = time.monotonic()
         scores = grade([r for r, _ in items], [ref for _, ref in items], task, timeout=timeout, workers=2)

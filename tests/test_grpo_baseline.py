@@ -30,7 +30,9 @@ def test_group_advantages_matches_definition_on_random_groups():
     advantages = grpo.group_advantages(rewards, 4)
     for g in range(5):
         r = rewards[g * 4 : (g + 1) * 4]
-        assert torch.allclose(advantages[g * 4 : (g + 1) * 4], (r - r.mean()) / (r.std(unbiased=False) + 1e-8), atol=1e-5)
+        assert torch.allclose(
+            advantages[g * 4 : (g + 1) * 4], (r - r.mean()) / (r.std(unbiased=False) + 1e-8), atol=1e-5
+        )
 
 
 def test_policy_loss_at_ratio_one_is_minus_mean_advantage_plus_kl():
@@ -38,7 +40,9 @@ def test_policy_loss_at_ratio_one_is_minus_mean_advantage_plus_kl():
     ref = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
     advantages = torch.tensor([[1.0, -2.0, 5.0]])
     mask = torch.tensor([[True, True, False]])
-    loss, stats = grpo.policy_loss(logps, logps, ref, advantages, mask, 0.2, beta=0.5, batch_tokens=2, batch_sequences=1)
+    loss, stats = grpo.policy_loss(
+        logps, logps, ref, advantages, mask, 0.2, beta=0.5, batch_tokens=2, batch_sequences=1
+    )
     k3 = lambda d: torch.exp(d) - d - 1  # noqa: E731
     kl = (k3(ref - logps)[0, :2]).sum()
     assert stats["kl"] == pytest.approx(kl.item(), rel=1e-5)
@@ -49,7 +53,9 @@ def test_policy_loss_at_ratio_one_is_minus_mean_advantage_plus_kl():
 def test_policy_loss_clips_the_ratio():
     old = torch.zeros(1, 2)
     logps = torch.tensor([[0.5, -0.5]])  # ratios e^0.5 = 1.65 and e^-0.5 = 0.61, both outside [0.8, 1.2]
-    loss, stats = grpo.policy_loss(logps, old, logps, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.0, 2, 1)
+    loss, stats = grpo.policy_loss(
+        logps, old, logps, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.0, 2, 1
+    )
     # positive advantage: min(1.65, 1.2) * 1 = 1.2; negative: min(0.61 * -1, 0.8 * -1) = -0.8
     assert loss.item() == pytest.approx(-(1.2 - 0.8) / 2, rel=1e-5)
     assert stats["clip_count"] == 2
@@ -77,11 +83,16 @@ def _samples(tokenizer, n=6, seed=0):
         prompt = tokenizer(f"question {i}:")["input_ids"]
         response = torch.randint(4, len(tokenizer), (3 + i % 4,), generator=g).tolist() + [tokenizer.eos_token_id]
         length = len(response)
-        samples.append({
-            "prompt_ids": prompt, "response_ids": response,
-            "old_logps": -torch.rand(length, generator=g) * 3, "ref_logps": -torch.rand(length, generator=g) * 3,
-            "advantages": torch.randn(length, generator=g), "loss_mask": torch.rand(length, generator=g) > 0.2,
-        })
+        samples.append(
+            {
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "old_logps": -torch.rand(length, generator=g) * 3,
+                "ref_logps": -torch.rand(length, generator=g) * 3,
+                "advantages": torch.randn(length, generator=g),
+                "loss_mask": torch.rand(length, generator=g) > 0.2,
+            }
+        )
     return samples
 
 
@@ -92,11 +103,19 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
     for micro in (1, 2, 6):
         model.zero_grad()
         grpo.accumulate_gradients(
-            model, samples, micro_batch_size=micro, temperature=0.7, clip_eps=0.2, beta=0.1, pad_id=tokenizer.pad_token_id,
+            model,
+            samples,
+            micro_batch_size=micro,
+            temperature=0.7,
+            clip_eps=0.2,
+            beta=0.1,
+            pad_id=tokenizer.pad_token_id,
         )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
-    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(grads[0], grads[2], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(
+        grads[0], grads[2], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_on_policy_update_uses_its_own_forward_as_pi_old_with_the_same_gradient(tiny_model_dir):
@@ -109,7 +128,13 @@ def test_on_policy_update_uses_its_own_forward_as_pi_old_with_the_same_gradient(
     for samples, on_policy in ((two_pass, False), (one_pass, True)):
         model.zero_grad()
         stats, logps = grpo.accumulate_gradients(
-            model, samples, micro_batch_size=2, temperature=0.7, clip_eps=0.2, beta=0.0, pad_id=tokenizer.pad_token_id,
+            model,
+            samples,
+            micro_batch_size=2,
+            temperature=0.7,
+            clip_eps=0.2,
+            beta=0.0,
+            pad_id=tokenizer.pad_token_id,
             on_policy=on_policy,
         )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -133,12 +158,19 @@ def test_eos_is_in_the_loss_mask_even_when_pad_equals_eos(tiny_model_dir):
 
 def test_response_logprobs_match_a_plain_forward(tiny_model_dir):
     model, tokenizer = models.load_model(str(tiny_model_dir))
-    samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23]}]
+    samples = [
+        {"prompt_ids": [10, 11, 12], "response_ids": [13, 14]},
+        {"prompt_ids": [20], "response_ids": [21, 22, 23]},
+    ]
     logps = grpo.response_logprobs(model, grpo.collate(samples, 0, "cpu"), temperature=0.5)
     for row, s in enumerate(samples):
         ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
         logits = model(ids).logits[0, :-1] / 0.5
-        expected = torch.log_softmax(logits, -1)[len(s["prompt_ids"]) - 1 :].gather(-1, ids[0, len(s["prompt_ids"]) :, None]).squeeze(-1)
+        expected = (
+            torch.log_softmax(logits, -1)[len(s["prompt_ids"]) - 1 :]
+            .gather(-1, ids[0, len(s["prompt_ids"]) :, None])
+            .squeeze(-1)
+        )
         assert torch.allclose(logps[row, : len(s["response_ids"])], expected, atol=1e-5)
 
 
@@ -151,8 +183,18 @@ def test_impossible_batch_configuration_is_one_clear_error():
 
 def test_cli_bad_model_prints_one_error_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "grpo_baseline.py"), "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "grpo_baseline.py"),
+            "--model",
+            str(tmp_path / "missing"),
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: cannot load model")
@@ -194,7 +236,9 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, 
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    resumed = grpo.main(
+        smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir))
+    )
     assert resumed["run_dir"] == str(run_dir)
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 3
     assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers with or without the kill
@@ -211,11 +255,30 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     # Digits-only vocabulary; every answer is 7, so "7<eos>" is always right and GRPO must find it.
     model_dir = make_tiny_model(tmp_path / "digits", alphabet="0123456789 ")
     data = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
-    summary = grpo.main(grpo.Args(
-        model=str(model_dir), task=str(data), backend="hf", iterations=25, questions=8, group_size=8, max_new_tokens=3,
-        context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=1e-2, beta=0.0, warmup_ratio=0.0,
-        eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000, output_dir=str(tmp_path / "runs"),
-    ))
+    summary = grpo.main(
+        grpo.Args(
+            model=str(model_dir),
+            task=str(data),
+            backend="hf",
+            iterations=25,
+            questions=8,
+            group_size=8,
+            max_new_tokens=3,
+            context=64,
+            batch_size=64,
+            micro_batch_size=64,
+            epochs=1,
+            lr=1e-2,
+            beta=0.0,
+            warmup_ratio=0.0,
+            eval_every=1000,
+            eval_samples=4,
+            eval_limit=8,
+            eval_temperature=0.6,
+            save_every=1000,
+            output_dir=str(tmp_path / "runs"),
+        )
+    )
     rewards = [m["charts/reward"] for m in read_metrics(summary["run_dir"]) if "charts/reward" in m]
     assert sum(rewards[:3]) / 3 < 0.2
     assert sum(rewards[-3:]) / 3 > 0.8
@@ -223,7 +286,18 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
+    summary = grpo.main(
+        smoke_args(
+            grpo,
+            tiny_model_dir,
+            gsm8k_jsonl,
+            tmp_path,
+            iterations=5,
+            max_minutes=1e-6,
+            save_samples=1,
+            save_questions=2,
+        )
+    )
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
@@ -248,16 +322,30 @@ def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model
             assert r["advantages"] == pytest.approx([a] * len(r["token_ids"]), abs=1e-4)  # one advantage per response
 
 
-def test_single_on_policy_step_skips_the_old_logprob_pass_and_still_saves_probs(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+def test_single_on_policy_step_skips_the_old_logprob_pass_and_still_saves_probs(
+    tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch
+):
     calls, real = [], grpo.sample_logprobs
     monkeypatch.setattr(grpo, "sample_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     # 3 questions x 4 samples in one batch, one epoch: one optimizer step per iteration, no prob mask.
-    summary = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "a", iterations=1, batch_size=12, beta=0.0, save_samples=1))
+    summary = grpo.main(
+        smoke_args(
+            grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "a", iterations=1, batch_size=12, beta=0.0, save_samples=1
+        )
+    )
     assert calls == []
-    records = [json.loads(line) for line in (Path(summary["run_dir"]) / "samples" / "iter_1.jsonl").read_text().splitlines()]
-    assert records and all(len(r["probs"]) == len(r["token_ids"]) and all(0 < p <= 1 for p in r["probs"]) for r in records)
+    records = [
+        json.loads(line) for line in (Path(summary["run_dir"]) / "samples" / "iter_1.jsonl").read_text().splitlines()
+    ]
+    assert records and all(
+        len(r["probs"]) == len(r["token_ids"]) and all(0 < p <= 1 for p in r["probs"]) for r in records
+    )
     # Two optimizer steps per iteration (batch 6), or the prob mask (p_t needed before the update): one pass again.
     grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "b", iterations=1, beta=0.0))
     assert len(calls) == 1
-    grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "c", iterations=1, batch_size=12, beta=0.0, prob_mask=True))
+    grpo.main(
+        smoke_args(
+            grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "c", iterations=1, batch_size=12, beta=0.0, prob_mask=True
+        )
+    )
     assert len(calls) == 2

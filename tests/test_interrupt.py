@@ -1,4 +1,5 @@
 """Ctrl-C ends a run with one line that says what was kept and the exact --resume command, and the run resumes."""
+
 import json
 import re
 import signal
@@ -25,12 +26,47 @@ def runs_start_with_sigint_default():
 
 
 def _start(model_dir, data, out, cwd):
-    flags = ["--model", str(model_dir), "--task", str(data), "--backend", "hf", "--iterations", "40", "--questions", "2",
-             "--group-size", "2", "--max-new-tokens", "4", "--context", "128", "--batch-size", "4", "--micro-batch-size", "2",
-             "--epochs", "1", "--eval-every", "1000", "--eval-samples", "1", "--eval-limit", "2", "--save-every", "1",
-             "--output-dir", str(out)]
-    return subprocess.Popen([sys.executable, str(ROOT / "grpo_baseline.py"), *flags], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    flags = [
+        "--model",
+        str(model_dir),
+        "--task",
+        str(data),
+        "--backend",
+        "hf",
+        "--iterations",
+        "40",
+        "--questions",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--context",
+        "128",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--epochs",
+        "1",
+        "--eval-every",
+        "1000",
+        "--eval-samples",
+        "1",
+        "--eval-limit",
+        "2",
+        "--save-every",
+        "1",
+        "--output-dir",
+        str(out),
+    ]
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "grpo_baseline.py"), *flags],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(condition, process, timeout=180):
@@ -51,8 +87,13 @@ def _interrupt(process):
 def _resume(line, cwd):
     command = re.search(r"with: python (\S+) --resume (\S+)$", line)
     assert command, line
-    resumed = subprocess.run([sys.executable, str(ROOT / command.group(1)), "--resume", command.group(2), "--iterations",
-                              "3"], cwd=cwd, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / command.group(1)), "--resume", command.group(2), "--iterations", "3"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return Path(command.group(2))
 
@@ -79,4 +120,8 @@ def test_ctrl_c_keeps_a_resumable_run(when, tiny_model_dir, gsm8k_jsonl, tmp_pat
     starts = [json.loads(x) for x in (run_dir / "starts.jsonl").read_text().splitlines()]
     assert [s["resumed"] for s in starts] == [False, True]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(m["iteration"] for m in metrics if "charts/reward" in m) == [1, 2, 3]  # each trained once, logged once
+    assert sorted(m["iteration"] for m in metrics if "charts/reward" in m) == [
+        1,
+        2,
+        3,
+    ]  # each trained once, logged once

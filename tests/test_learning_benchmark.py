@@ -1,5 +1,6 @@
 """benchmarks/learning.py: reading a finished run (also from an --output-dir outside the repository), and evaluating
 the starting model once per seed (--no-eval-before in the later runs)."""
+
 import dataclasses
 import importlib
 import json
@@ -29,20 +30,27 @@ def finished_run(run_dir: Path, accuracy_after: float, args=None) -> Path:
     run_dir.mkdir(parents=True)
     started_with(run_dir, learning.command(args or learning.Args(output_dir=str(run_dir.parents[2])), "grpo", 1))
     (run_dir / "summary.json").write_text("{}")
-    lines = [{"iteration": 0, "eval/accuracy": 0.2},
-             {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
-             {"iteration": 1, "eval/accuracy": accuracy_after}]
+    lines = [
+        {"iteration": 0, "eval/accuracy": 0.2},
+        {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
+        {"iteration": 1, "eval/accuracy": accuracy_after},
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run_dir
 
 
 def test_finished_run_outside_the_repository_is_read(tmp_path):
     run_dir = finished_run(tmp_path / "seed1" / "grpo" / "run", accuracy_after=0.4)
-    started_with(run_dir, learning.command(learning.Args(output_dir=str(tmp_path)), "grpo", 1),
-                 precision="precision: cpu fp32 (--precision fp32)")
+    started_with(
+        run_dir,
+        learning.command(learning.Args(output_dir=str(tmp_path)), "grpo", 1),
+        precision="precision: cpu fp32 (--precision fp32)",
+    )
     result = learning.run_one(learning.Args(output_dir=str(tmp_path)), "grpo", 1)  # absolute: not under the repository
     assert result["run_dir"] == str(run_dir)
-    assert result["precision"] == "precision: cpu fp32 (--precision fp32)"  # what the run computed in, from its first start
+    assert (
+        result["precision"] == "precision: cpu fp32 (--precision fp32)"
+    )  # what the run computed in, from its first start
     assert (result["accuracy_before"], result["accuracy_after"], result["iterations"]) == (0.2, 0.4, 1)
 
 
@@ -50,14 +58,19 @@ def test_later_algorithms_reuse_the_seeds_starting_accuracy(tmp_path):
     run_dir = tmp_path / "seed1" / "ppo" / "run"
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text("{}")
-    lines = [{"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
-             {"iteration": 1, "eval/accuracy": 0.4}]  # started with --no-eval-before: no iteration-0 evaluation
+    lines = [
+        {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
+        {"iteration": 1, "eval/accuracy": 0.4},
+    ]  # started with --no-eval-before: no iteration-0 evaluation
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     started_with(run_dir, learning.command(learning.Args(output_dir=str(tmp_path)), "ppo", 1, eval_before=False))
     result = learning.run_one(learning.Args(output_dir=str(tmp_path)), "ppo", 1, base_accuracy=0.25)
     assert (result["accuracy_before"], result["accuracy_after"]) == (0.25, 0.4)
     assert result["precision"] is None  # a start that recorded no precision
-    first, later = learning.command(learning.Args(), "ppo", 1), learning.command(learning.Args(), "ppo", 1, eval_before=False)
+    first, later = (
+        learning.command(learning.Args(), "ppo", 1),
+        learning.command(learning.Args(), "ppo", 1, eval_before=False),
+    )
     assert "--no-eval-before" not in first and later[1] == "ppo_baseline.py" and "--no-eval-before" in later
 
 
@@ -70,13 +83,26 @@ def test_no_eval_before_skips_only_the_starting_evaluation(script, tiny_model_di
 
 
 def test_keep_other_seeds_adds_a_seed_to_the_results_it_finds(tmp_path):
-    finished_run(tmp_path / "runs" / "seed1" / "grpo" / "run", accuracy_after=0.3,
-                 args=learning.Args(output_dir=str(tmp_path / "runs")))
-    seed2 = {"algorithm": "grpo", "seed": 2, "accuracy_before": 0.2, "accuracy_after": 0.6, "iterations": 4,
-             "seconds_per_iteration": 10.0, "tokens_per_iteration": 100.0, "curve": [{"seconds": 1.0, "tokens": 5, "reward": 0.1}]}
+    finished_run(
+        tmp_path / "runs" / "seed1" / "grpo" / "run",
+        accuracy_after=0.3,
+        args=learning.Args(output_dir=str(tmp_path / "runs")),
+    )
+    seed2 = {
+        "algorithm": "grpo",
+        "seed": 2,
+        "accuracy_before": 0.2,
+        "accuracy_after": 0.6,
+        "iterations": 4,
+        "seconds_per_iteration": 10.0,
+        "tokens_per_iteration": 100.0,
+        "curve": [{"seconds": 1.0, "tokens": 5, "reward": 0.1}],
+    }
     seed1_before = dict(seed2, seed=1, accuracy_after=0.9)  # replaced by the seed 1 run found on disk
     results = tmp_path / "learning.json"
-    args = learning.Args(seeds=[1], algorithms=["grpo"], output_dir=str(tmp_path / "runs"), results=str(results), keep_other_seeds=True)
+    args = learning.Args(
+        seeds=[1], algorithms=["grpo"], output_dir=str(tmp_path / "runs"), results=str(results), keep_other_seeds=True
+    )
     results.write_text(json.dumps({"args": dataclasses.asdict(args), "runs": [seed2, seed1_before]}))
     learning.main(args)
     written = json.loads(results.read_text())
@@ -89,7 +115,9 @@ def test_keep_other_seeds_adds_a_seed_to_the_results_it_finds(tmp_path):
     results.write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="--lr 1e-06 there, 1e-05 here"):
         learning.main(args)
-    learning.main(dataclasses.replace(args, keep_other_seeds=False))  # without the flag the file holds this call's seeds only
+    learning.main(
+        dataclasses.replace(args, keep_other_seeds=False)
+    )  # without the flag the file holds this call's seeds only
     assert [r["seed"] for r in json.loads(results.read_text())["runs"]] == [1]
 
 
@@ -97,7 +125,12 @@ def test_a_finished_run_made_with_other_settings_is_not_reused(tmp_path, monkeyp
     run_dir = finished_run(tmp_path / "seed1" / "grpo" / "run", accuracy_after=0.4)
     args = learning.Args(output_dir=str(tmp_path))
     assert learning.finished_run(run_dir.parent, learning.command(args, "grpo", 1)) == run_dir
-    assert learning.finished_run(run_dir.parent, learning.command(learning.Args(output_dir=str(tmp_path), lr=3e-5), "grpo", 1)) is None
+    assert (
+        learning.finished_run(
+            run_dir.parent, learning.command(learning.Args(output_dir=str(tmp_path), lr=3e-5), "grpo", 1)
+        )
+        is None
+    )
     launched = []
 
     def failing_run(cmd, stdout, **kw):  # the script's own output goes to log.txt
@@ -106,7 +139,9 @@ def test_a_finished_run_made_with_other_settings_is_not_reused(tmp_path, monkeyp
         return subprocess.CompletedProcess(cmd, 1)
 
     monkeypatch.setattr(learning.subprocess, "run", failing_run)
-    with pytest.raises(SystemExit, match=r"grpo seed 1 failed \(exit 1\): error: --task x.jsonl: the file does not exist \(whole log: "):
+    with pytest.raises(
+        SystemExit, match=r"grpo seed 1 failed \(exit 1\): error: --task x.jsonl: the file does not exist \(whole log: "
+    ):
         learning.run_one(learning.Args(output_dir=str(tmp_path), lr=3e-5), "grpo", 1)  # ran anew, not the lr 1e-5 run
     assert launched and "3e-05" in launched[0]
 
@@ -115,8 +150,11 @@ def test_results_that_cannot_be_written_are_refused_before_any_run(tmp_path, mon
     monkeypatch.setattr(learning, "run_one", lambda *a, **k: pytest.fail("a run started"))
     (tmp_path / "dir.json").mkdir()
     (tmp_path / "afile").write_text("x")
-    for results, message in [(tmp_path / "dir.json", "is a directory"), (tmp_path / "r.txt", "give a .json file path"),
-                             (tmp_path / "afile" / "r.json", "is a file")]:
+    for results, message in [
+        (tmp_path / "dir.json", "is a directory"),
+        (tmp_path / "r.txt", "give a .json file path"),
+        (tmp_path / "afile" / "r.json", "is a file"),
+    ]:
         with pytest.raises(SystemExit, match=message):
             learning.main(learning.Args(results=str(results), output_dir=str(tmp_path / "runs")))
     assert learning.last_line(tmp_path / "afile") == "x"

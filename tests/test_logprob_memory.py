@@ -15,9 +15,24 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_logprob_memory_benchmark_runs_every_variant_on_the_same_numbers(tiny_model_dir, tmp_path):
     out = tmp_path / "memory.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/logprob_memory.py", "--model", str(tiny_model_dir), "--rows", "2", "--prompt-tokens", "4",
-         "--response-tokens", "8", "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "benchmarks/logprob_memory.py",
+            "--model",
+            str(tiny_model_dir),
+            "--rows",
+            "2",
+            "--prompt-tokens",
+            "4",
+            "--response-tokens",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())

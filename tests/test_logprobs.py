@@ -19,14 +19,21 @@ def _full_logits_logprobs(model, samples, temperature):
     for s in samples:
         ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
         logits = model(ids).logits[0, :-1] / temperature  # [T - 1, vocab]
-        out.append(torch.log_softmax(logits, -1)[len(s["prompt_ids"]) - 1 :].gather(-1, ids[0, len(s["prompt_ids"]) :, None]).squeeze(-1))
+        out.append(
+            torch.log_softmax(logits, -1)[len(s["prompt_ids"]) - 1 :]
+            .gather(-1, ids[0, len(s["prompt_ids"]) :, None])
+            .squeeze(-1)
+        )
     return out
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
 def test_chunked_logprobs_and_gradients_equal_the_full_logits(recompute, tiny_model_dir):
     model, _ = models.load_model(str(tiny_model_dir))
-    samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23, 24, 25]}]
+    samples = [
+        {"prompt_ids": [10, 11, 12], "response_ids": [13, 14]},
+        {"prompt_ids": [20], "response_ids": [21, 22, 23, 24, 25]},
+    ]
     weights = [torch.randn(len(s["response_ids"])) for s in samples]
 
     model.zero_grad()
@@ -53,8 +60,14 @@ def test_models_that_change_logits_after_the_lm_head_are_refused(tiny_model_dir)
     model, _ = models.load_model(str(tiny_model_dir))
     models.check_logits_from_hidden(model)  # Llama: logits = lm_head(hidden)
     config = Gemma2Config(
-        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5,
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        final_logit_softcapping=0.5,
     )
     with pytest.raises(UsageError, match="soft-capping"):
         models.check_logits_from_hidden(Gemma2ForCausalLM(config))
@@ -107,8 +120,15 @@ def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate
 def test_shared_prompts_with_sliding_window_layers_keep_the_full_logits():
     """A sliding-window layer caches only its window: the responses that continue it must still attend as in one pass."""
     config = Qwen2Config(
-        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, use_sliding_window=True, sliding_window=3, max_window_layers=1,  # layer 2 slides
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,  # layer 2 slides
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -133,8 +153,10 @@ def _random_samples(count: int, seed: int = 0) -> list[dict]:
     """Rows over a few shared prompts (as a question's responses, a tree node's children), lengths all different."""
     rng = random.Random(seed)
     prompts = [[rng.randint(4, 90) for _ in range(rng.randint(1, 12))] for _ in range(6)]
-    return [{"prompt_ids": rng.choice(prompts), "response_ids": [rng.randint(4, 90) for _ in range(rng.randint(1, 15))]}
-            for _ in range(count)]
+    return [
+        {"prompt_ids": rng.choice(prompts), "response_ids": [rng.randint(4, 90) for _ in range(rng.randint(1, 15))]}
+        for _ in range(count)
+    ]
 
 
 def test_micro_batches_keep_the_row_limit_split_and_hold_a_token_budget():
@@ -148,7 +170,9 @@ def test_micro_batches_keep_the_row_limit_split_and_hold_a_token_budget():
         micros = training.micro_batches(samples, max_positions=budget)
         assert sorted(i for micro in micros for i in micro) == list(range(len(samples)))
         for micro in micros:  # rows x (longest prompt + longest response) within the budget, or one sample alone
-            cached = len(micro) * (max(len(samples[i]["prompt_ids"]) for i in micro) + max(len(samples[i]["response_ids"]) for i in micro))
+            cached = len(micro) * (
+                max(len(samples[i]["prompt_ids"]) for i in micro) + max(len(samples[i]["response_ids"]) for i in micro)
+            )
             assert cached <= budget or len(micro) == 1
 
 
@@ -168,13 +192,24 @@ def test_the_budget_is_the_micro_batch_on_a_cpu_and_grows_with_free_gpu_memory(t
     samples = _random_samples(8)
     assert training.no_grad_batch_tokens(model, samples) is None  # a CPU: the passes keep the micro-batches
     calls = []
-    monkeypatch.setattr(training, "micro_batches", lambda s, m=None, max_positions=None: calls.append((m, max_positions)) or [list(range(len(s)))])
+    monkeypatch.setattr(
+        training,
+        "micro_batches",
+        lambda s, m=None, max_positions=None: calls.append((m, max_positions)) or [list(range(len(s)))],
+    )
     training.sample_logprobs(model, samples, 4, 0.7, 0)
     assert calls == [(4, None)]
 
     # DeepSeek-R1-Distill-Qwen-1.5B's shape on a GPU (faked: no CUDA here), at the paper's 2K context
-    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False)
+    config = Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
     weights = types.SimpleNamespace(device=torch.device("cuda", 0), numel=lambda: 1_777_088_000)
     gpu_model = types.SimpleNamespace(parameters=lambda: iter([weights]), config=config)
     long_rows = [{"prompt_ids": [1] * 1024, "response_ids": [2] * 1024}]
@@ -200,9 +235,13 @@ def test_every_rank_draws_its_own_random_stream(monkeypatch):
     draws = []
     for rank in range(4):
         monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
-        draws.append(torch.rand(4, generator=torch.Generator().manual_seed(distributed.rank_seed(3 * 1_000_003 + 2))).tolist())
+        draws.append(
+            torch.rand(4, generator=torch.Generator().manual_seed(distributed.rank_seed(3 * 1_000_003 + 2))).tolist()
+        )
     monkeypatch.setattr(distributed, "rank", lambda: 0)
     assert distributed.rank_seed(12345) == 12345
     assert len({tuple(d) for d in draws}) == 4
-    assert torch.equal(torch.rand(4, generator=torch.Generator().manual_seed(7)),
-                       torch.rand(4, generator=torch.Generator().manual_seed(7 + (1 << 32))))  # the trap itself
+    assert torch.equal(
+        torch.rand(4, generator=torch.Generator().manual_seed(7)),
+        torch.rand(4, generator=torch.Generator().manual_seed(7 + (1 << 32))),
+    )  # the trap itself

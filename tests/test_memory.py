@@ -13,25 +13,63 @@ from plumbing.precision import choose_precision
 
 GiB = 2**30
 # DeepSeek-R1-Distill-Qwen-1.5B (the long-CoT runs) and Rho-1B (TinyLlama shape: the GSM8K runs), from their configs.
-QWEN_1_5B = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False)
-RHO_1B = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+QWEN_1_5B = transformers.Qwen2Config(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+RHO_1B = transformers.LlamaConfig(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
 
 
 def long_cot_plan(total_gib: float, backend: str = "vllm", **overrides) -> memory.Plan:
     """The plan for SPO-tree's long-CoT run (context 2048, batch 128) on one GPU with `total_gib`, half a GiB in use."""
-    settings = dict(total=int(total_gib * GiB), free=int((total_gib - 0.5) * GiB), context=2048, batch_per_rank=128,
-                    backend=backend, beta=1e-4, requested={})
+    settings = dict(
+        total=int(total_gib * GiB),
+        free=int((total_gib - 0.5) * GiB),
+        context=2048,
+        batch_per_rank=128,
+        backend=backend,
+        beta=1e-4,
+        requested={},
+    )
     return memory.plan(memory.model_shape(QWEN_1_5B), **{**settings, **overrides})
 
 
-@pytest.mark.parametrize("config", [
-    transformers.Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),
-    transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                             num_key_value_heads=1, vocab_size=1000, tie_word_embeddings=True),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            tie_word_embeddings=False,
+        ),
+        transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=1000,
+            tie_word_embeddings=True,
+        ),
+    ],
+)
 def test_parameter_count_is_the_models(config):
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert memory.model_shape(config).params == sum(p.numel() for p in model.parameters())
@@ -52,8 +90,10 @@ def _saved_bytes_per_token(config, checkpointing: bool) -> float:
     precision = choose_precision("bf16", "cpu")
 
     def saved(length: int) -> int:
-        samples = [{"prompt_ids": [1, 2, 3, 4], "response_ids": torch.randint(5, config.vocab_size - 1, (length,)).tolist()}
-                   for _ in range(4)]
+        samples = [
+            {"prompt_ids": [1, 2, 3, 4], "response_ids": torch.randint(5, config.vocab_size - 1, (length,)).tolist()}
+            for _ in range(4)
+        ]
         storages = {}
 
         def keep(tensor):
@@ -71,9 +111,16 @@ def _saved_bytes_per_token(config, checkpointing: bool) -> float:
 
 @pytest.mark.parametrize("hidden,intermediate,heads,kv_heads", [(256, 1408, 8, 2), (128, 1024, 4, 4)])
 def test_activation_term_matches_what_autograd_saves(hidden, intermediate, heads, kv_heads):
-    config = transformers.Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
-                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=512,
-                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    config = transformers.Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=512,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     shape = memory.model_shape(config)
     logits = 4 * config.vocab_size  # fp32 logits per token, kept for the backward pass at this size
     measured = _saved_bytes_per_token(config, checkpointing=False)
@@ -127,7 +174,13 @@ def test_vllm_share_leaves_the_no_grad_passes_their_room():
     for total in (80, 141):
         plan = long_cot_plan(total)
         per_position, once = no_grad_pass_bytes(shape, 2, 2048)
-        awake = 12 * shape.params + plan.vllm_gpu_memory_utilization * total * GiB + 4 * shape.params + once + 2048 * per_position
+        awake = (
+            12 * shape.params
+            + plan.vllm_gpu_memory_utilization * total * GiB
+            + 4 * shape.params
+            + once
+            + 2048 * per_position
+        )
         assert awake <= (total - 0.5) * GiB - 0.05 * total * GiB - GiB, total
         assert plan.vllm_gpu_memory_utilization * total * GiB >= 2 * shape.params + 2 * GiB  # its weights and more
 
@@ -165,14 +218,28 @@ def test_micro_batch_divides_the_ranks_batch():
 
 
 def test_cpu_keeps_todays_values():
-    args = types.SimpleNamespace(micro_batch_size="auto", gradient_checkpointing="auto", reference_on_device="auto",
-                                 vllm_gpu_memory_utilization="auto", sampler_batch_tokens="auto", batch_size=64, fsdp=False)
+    args = types.SimpleNamespace(
+        micro_batch_size="auto",
+        gradient_checkpointing="auto",
+        reference_on_device="auto",
+        vllm_gpu_memory_utilization="auto",
+        sampler_batch_tokens="auto",
+        batch_size=64,
+        fsdp=False,
+    )
     plan = memory.size_run(args, "cpu", "unused")
     assert (args.micro_batch_size, args.gradient_checkpointing, args.reference_on_device) == (8, False, True)
     assert (args.vllm_gpu_memory_utilization, args.sampler_batch_tokens) == (0.3, 2**16)
     assert "CPU" in plan.line
-    args = types.SimpleNamespace(micro_batch_size=2, gradient_checkpointing=True, reference_on_device="auto",
-                                 vllm_gpu_memory_utilization="auto", sampler_batch_tokens="auto", batch_size=6, fsdp=False)
+    args = types.SimpleNamespace(
+        micro_batch_size=2,
+        gradient_checkpointing=True,
+        reference_on_device="auto",
+        vllm_gpu_memory_utilization="auto",
+        sampler_batch_tokens="auto",
+        batch_size=6,
+        fsdp=False,
+    )
     memory.size_run(args, "cpu", "unused", first_start={"memory": {"sampler_batch_tokens": 1234}})
     assert (args.micro_batch_size, args.gradient_checkpointing, args.sampler_batch_tokens) == (2, True, 1234)
 
@@ -181,9 +248,19 @@ def test_cuda_sizes_from_free_memory_and_the_models_config(monkeypatch, capsys):
     """size_run on a (faked) 80 GiB GPU: the model's config from its directory, free memory from CUDA."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(79.5 * GiB), 80 * GiB))
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path, **kw: QWEN_1_5B)
-    args = types.SimpleNamespace(micro_batch_size="auto", gradient_checkpointing="auto", reference_on_device="auto",
-                                 vllm_gpu_memory_utilization="auto", sampler_batch_tokens="auto", batch_size=128,
-                                 fsdp=False, context=2048, backend="hf", beta=1e-4, precision="auto")
+    args = types.SimpleNamespace(
+        micro_batch_size="auto",
+        gradient_checkpointing="auto",
+        reference_on_device="auto",
+        vllm_gpu_memory_utilization="auto",
+        sampler_batch_tokens="auto",
+        batch_size=128,
+        fsdp=False,
+        context=2048,
+        backend="hf",
+        beta=1e-4,
+        precision="auto",
+    )
     plan = memory.size_run(args, "cuda", "some/model")
     expected = long_cot_plan(80, backend="hf", element=4)  # no bf16 on the faked GPU: the sampler's KV in fp32
     assert plan.settings() == expected.settings()
@@ -227,7 +304,9 @@ def test_readme_table_is_what_memory_plan_prints():
     assert block == f"{module.table()}\n\n{module.tree_iteration()}", "run: python benchmarks/memory_plan.py --write"
 
 
-def test_resume_repeats_with_the_sampler_batch_auto_chose_at_the_first_start(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+def test_resume_repeats_with_the_sampler_batch_auto_chose_at_the_first_start(
+    tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch
+):
     """auto may size the sampler's batches differently on the machine that resumes; the run keeps its first choice,
     so the resumed run samples what the uninterrupted one did."""
     from pathlib import Path
@@ -236,12 +315,24 @@ def test_resume_repeats_with_the_sampler_batch_auto_chose_at_the_first_start(tin
     from conftest import smoke_args
 
     def run(name: str, **settings) -> Path:
-        settings = {"iterations": 2, "context": 160, "save_samples": 1, "save_questions": 3, "eval_before": False, **settings}
+        settings = {
+            "iterations": 2,
+            "context": 160,
+            "save_samples": 1,
+            "save_questions": 3,
+            "eval_before": False,
+            **settings,
+        }
         return Path(grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / name, **settings))["run_dir"])
 
     def responses(run_dir: Path) -> list:
-        return [[json.loads(line)["token_ids"] for line in (run_dir / "samples" / f"iter_{i}.jsonl").read_text().splitlines()]
-                for i in (1, 2)]
+        return [
+            [
+                json.loads(line)["token_ids"]
+                for line in (run_dir / "samples" / f"iter_{i}.jsonl").read_text().splitlines()
+            ]
+            for i in (1, 2)
+        ]
 
     monkeypatch.setattr(memory, "CPU_SAMPLER_TOKENS", 48)  # the first machine's choice: one row of a prompt per batch
     full, first = run("full"), run("first", iterations=1)

@@ -12,7 +12,9 @@ import pytest
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
-spec = importlib.util.spec_from_file_location("padding_benchmark", Path(__file__).resolve().parents[1] / "benchmarks" / "padding.py")
+spec = importlib.util.spec_from_file_location(
+    "padding_benchmark", Path(__file__).resolve().parents[1] / "benchmarks" / "padding.py"
+)
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
@@ -22,8 +24,14 @@ def _samples():
     samples = []
     for prompt in ([10, 11, 12, 13], [20, 21], [30, 31, 32]):
         for n in (2, 5, 3):
-            samples.append({"prompt_ids": prompt, "response_ids": torch.randint(4, 60, (n,), generator=g).tolist(),
-                            "advantages": torch.randn(n, generator=g), "loss_mask": torch.ones(n, dtype=torch.bool)})
+            samples.append(
+                {
+                    "prompt_ids": prompt,
+                    "response_ids": torch.randint(4, 60, (n,), generator=g).tolist(),
+                    "advantages": torch.randn(n, generator=g),
+                    "loss_mask": torch.ones(n, dtype=torch.bool),
+                }
+            )
     return samples
 
 

@@ -1,6 +1,7 @@
 """The paper's settings: every script's defaults are its first paper run, --dry-run compares any command line with
 the matching run and loads nothing, the README's table is generated from the same data, and the worked examples
 in the pure functions' docstrings hold."""
+
 import dataclasses
 import doctest
 import subprocess
@@ -57,18 +58,34 @@ def test_dry_run_marks_each_difference_and_falls_back_to_the_model_run(tmp_path,
     lines = capsys.readouterr().out.splitlines()
     marked = [line.split()[1] for line in lines if line.startswith("*")]
     assert marked == [f"--{name.replace('_', '-')}" for name in result["differences"]]
-    assert any(line.startswith("* --eval-top-p") and line.split()[2] == "0.95" and line.endswith("paper: 0.9") for line in lines)
+    assert any(
+        line.startswith("* --eval-top-p") and line.split()[2] == "0.95" and line.endswith("paper: 0.9")
+        for line in lines
+    )
     assert lines[-1].startswith(f"{len(result['differences'])} difference(s) from the paper")
 
-    off_task = grpo_baseline.main(grpo_baseline.Args(task="rg:chain_sum", model="deepseek-r1-distill-qwen-1.5b", dry_run=True))
+    off_task = grpo_baseline.main(
+        grpo_baseline.Args(task="rg:chain_sum", model="deepseek-r1-distill-qwen-1.5b", dry_run=True)
+    )
     assert off_task["paper_run"] == "math"  # no paper run on the task: the one of the same model
     assert "task" in off_task["differences"]
 
 
 def test_dry_run_from_the_command_line_loads_nothing(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "ppo_baseline.py"), "--dry-run", "--lam", "0.96", "--output-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "ppo_baseline.py"),
+            "--dry-run",
+            "--lam",
+            "0.96",
+            "--output-dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "* --lam" in result.stdout and "1 difference(s) from the paper; nothing was loaded" in result.stdout

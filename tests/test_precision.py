@@ -1,5 +1,6 @@
 """--precision: every forward pass of a run (rollouts, MC values / trees, log-probs, the update, evaluation) follows
 the chosen precision, the master weights stay fp32, and the choice is recorded with each start of the run."""
+
 import json
 from pathlib import Path
 
@@ -35,10 +36,14 @@ def lm_head_dtypes(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
-def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(script, tiny_model_dir, gsm8k_jsonl, tmp_path, lm_head_dtypes):
+def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(
+    script, tiny_model_dir, gsm8k_jsonl, tmp_path, lm_head_dtypes
+):
     summary = script.main(smoke_args(script, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="bf16"))
     run_dir = Path(summary["run_dir"])
-    assert lm_head_dtypes and set(lm_head_dtypes) == {torch.bfloat16}  # sampler, log-prob passes, update and evaluation alike
+    assert lm_head_dtypes and set(lm_head_dtypes) == {
+        torch.bfloat16
+    }  # sampler, log-prob passes, update and evaluation alike
     start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[-1])
     assert "cpu bf16 autocast (--precision bf16)" in start["precision"]
     weights, _ = models.load_model(str(run_dir / "checkpoint"))
@@ -47,7 +52,9 @@ def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(scr
 
 
 def test_fp32_run_computes_in_fp32(tiny_model_dir, gsm8k_jsonl, tmp_path, lm_head_dtypes):
-    summary = grpo_baseline.main(smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="fp32"))
+    summary = grpo_baseline.main(
+        smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="fp32")
+    )
     assert lm_head_dtypes and set(lm_head_dtypes) == {torch.float32}
     start = json.loads((Path(summary["run_dir"]) / "starts.jsonl").read_text().splitlines()[-1])
     assert "cpu fp32 (--precision fp32)" in start["precision"]

@@ -9,7 +9,10 @@ from plumbing import models, training
 
 
 def test_resident_and_parked_references_give_the_same_log_probs(tiny_model_dir):
-    samples = [{"prompt_ids": [10, 11, 12], "response_ids": [13, 14]}, {"prompt_ids": [20], "response_ids": [21, 22, 23]}]
+    samples = [
+        {"prompt_ids": [10, 11, 12], "response_ids": [13, 14]},
+        {"prompt_ids": [20], "response_ids": [21, 22, 23]},
+    ]
     logps = {}
     for on_device in (True, False):
         _, _, reference = models.load_policy(str(tiny_model_dir), None, "cpu", 1e-4, reference_on_device=on_device)
@@ -30,7 +33,9 @@ def test_a_parked_reference_visits_the_device_and_keeps_its_cpu_tensors(tiny_mod
     assert len(pinned) == len(tensors) > 0  # every parameter and buffer, once, at load
     host = [t.data_ptr() for t in tensors]  # where each tensor's data lives (t.data is a new alias at each call)
     # the copies to the device: recorded, and made on the CPU
-    monkeypatch.setattr(torch.Tensor, "to", lambda tensor, *args, **kwargs: copies.append((args, kwargs)) or tensor.clone())
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda tensor, *args, **kwargs: copies.append((args, kwargs)) or tensor.clone()
+    )
     with models.on_device(reference):
         assert all(t.data_ptr() != pointer for t, pointer in zip(tensors, host))
     assert copies == [((torch.device("cuda"),), {"non_blocking": True})] * len(tensors)  # in, asynchronously; none back

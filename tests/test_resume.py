@@ -1,4 +1,5 @@
 """--resume RUN keeps the run's own settings (RUN/args.json) in every script; only safe settings may change."""
+
 import json
 import subprocess
 import sys
@@ -74,15 +75,47 @@ def test_a_run_saved_before_a_new_setting_resumes_only_if_that_setting_cannot_ch
 
 
 def _cli(*flags, cwd):
-    return subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), *flags], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "grpo_baseline.py"), *flags], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_cli_resume_continues_the_run_and_records_every_start(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    first = _cli("--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl), "--backend", "hf", "--iterations", "1",
-                 "--questions", "2", "--group-size", "2", "--max-new-tokens", "4", "--context", "96", "--batch-size", "4",
-                 "--micro-batch-size", "2", "--epochs", "1", "--eval-every", "1", "--eval-samples", "1", "--eval-limit", "2",
-                 "--save-every", "1", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
+    first = _cli(
+        "--model",
+        str(tiny_model_dir),
+        "--task",
+        str(gsm8k_jsonl),
+        "--backend",
+        "hf",
+        "--iterations",
+        "1",
+        "--questions",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--context",
+        "96",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--epochs",
+        "1",
+        "--eval-every",
+        "1",
+        "--eval-samples",
+        "1",
+        "--eval-limit",
+        "2",
+        "--save-every",
+        "1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stderr
     [run_dir] = (tmp_path / "runs").iterdir()
     saved = json.loads((run_dir / "args.json").read_text())
@@ -107,10 +140,26 @@ def test_cli_resume_continues_the_run_and_records_every_start(tiny_model_dir, gs
 def test_damaged_checkpoint_falls_back_to_the_old_one_or_names_the_file(tiny_model_dir, gsm8k_jsonl, tmp_path):
     import shutil
 
-    summary = grpo_baseline.main(grpo_baseline.Args(
-        model=str(tiny_model_dir), task=str(gsm8k_jsonl), backend="hf", iterations=1, questions=2, group_size=2,
-        max_new_tokens=4, context=128, batch_size=4, micro_batch_size=2, epochs=1, eval_every=1000, eval_samples=1,
-        eval_limit=2, save_every=1, output_dir=str(tmp_path / "runs")))
+    summary = grpo_baseline.main(
+        grpo_baseline.Args(
+            model=str(tiny_model_dir),
+            task=str(gsm8k_jsonl),
+            backend="hf",
+            iterations=1,
+            questions=2,
+            group_size=2,
+            max_new_tokens=4,
+            context=128,
+            batch_size=4,
+            micro_batch_size=2,
+            epochs=1,
+            eval_every=1000,
+            eval_samples=1,
+            eval_limit=2,
+            save_every=1,
+            output_dir=str(tmp_path / "runs"),
+        )
+    )
     run_dir, checkpoint = Path(summary["run_dir"]), Path(summary["checkpoint"])
     assert checkpoints.latest_checkpoint(run_dir) == checkpoint and checkpoints.checkpoint_problem(checkpoint) is None
     shutil.copytree(checkpoint, run_dir / "checkpoint.old")
@@ -125,7 +174,11 @@ def test_damaged_checkpoint_falls_back_to_the_old_one_or_names_the_file(tiny_mod
     state.write_bytes(state.read_bytes()[: len(state.read_bytes()) // 2])
     with pytest.raises(UsageError, match="checkpoint.old/trainer_state.pt is damaged.*no intact checkpoint is left"):
         checkpoints.latest_checkpoint(run_dir)
-    resumed = subprocess.run([sys.executable, str(ROOT / "grpo_baseline.py"), "--resume", str(run_dir)],
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "grpo_baseline.py"), "--resume", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 1 and "Traceback" not in resumed.stderr
     assert "model.safetensors is truncated" in resumed.stderr.strip().splitlines()[-1]

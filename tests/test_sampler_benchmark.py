@@ -19,7 +19,10 @@ def case(hf_sampler: float, generate: float) -> dict:
 
 
 def test_bf16_sampler_is_compared_with_fp32_generate_case_by_case():
-    precisions = {"fp32": {"mc": case(14.0, 39.0), "tree": case(9.0, 20.0)}, "bf16": {"mc": case(11.0, 28.0), "tree": case(5.0, 14.0)}}
+    precisions = {
+        "fp32": {"mc": case(14.0, 39.0), "tree": case(9.0, 20.0)},
+        "bf16": {"mc": case(11.0, 28.0), "tree": case(5.0, 14.0)},
+    }
     assert bench.bf16_over_fp32_generate(precisions) == {"mc": 39.0 / 11.0, "tree": 20.0 / 5.0}
 
 
@@ -34,4 +37,6 @@ def test_committed_results_hold_the_comparison_their_seconds_give():
     assert files
     for path in files:
         results = json.loads(path.read_text())
-        assert results["hf_sampler_bf16_over_generate_fp32"] == bench.bf16_over_fp32_generate(results["precisions"]), path.name
+        assert results["hf_sampler_bf16_over_generate_fp32"] == bench.bf16_over_fp32_generate(results["precisions"]), (
+            path.name
+        )

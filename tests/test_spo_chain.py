@@ -92,7 +92,12 @@ def test_prob_mask_is_strictly_greater_and_off_means_nothing_masked():
     probs = [0.5, 0.9, 0.95, 0.3]  # p_1 == threshold: not low (no cutpoint) and not masked (not > threshold)
     assert spo.find_cutpoints(probs, threshold=0.9, interval=1) == [-1, 2]
     assert spo.chain_advantages(probs, [-1, 2], [0.5, 0.25], 1.0, threshold=0.9) == [-0.25, -0.25, 0.0, 0.75]
-    assert spo.chain_advantages(probs, [-1, 2], [0.5, 0.25], 1.0, threshold=0.9, prob_mask=False) == [-0.25, -0.25, -0.25, 0.75]
+    assert spo.chain_advantages(probs, [-1, 2], [0.5, 0.25], 1.0, threshold=0.9, prob_mask=False) == [
+        -0.25,
+        -0.25,
+        -0.25,
+        0.75,
+    ]
 
 
 def test_edge_cases_cutpoint_at_last_token_and_bad_cutpoints():
@@ -123,7 +128,12 @@ def test_matches_the_spec_definitions_on_random_cases():
         reward = rng.choice([0.0, 1.0, rng.random()])
         for mask in (True, False):
             got = spo.chain_advantages(probs, cutpoints, values, reward, threshold, mask)
-            assert got == reference_advantages(probs, cutpoints, values, reward, threshold, mask), (case, probs, cutpoints, values)
+            assert got == reference_advantages(probs, cutpoints, values, reward, threshold, mask), (
+                case,
+                probs,
+                cutpoints,
+                values,
+            )
 
 
 def test_loss_mask_and_whitening_follow_the_prob_mask():
@@ -131,7 +141,12 @@ def test_loss_mask_and_whitening_follow_the_prob_mask():
     probs = torch.tensor([0.95, 0.5, 0.89, 0.1])
     assert spo.loss_mask(response, probs, 0.9, prob_mask=False).tolist() == [True, True, True, False]
     assert spo.loss_mask(response, probs, 0.9, prob_mask=True).tolist() == [False, True, True, False]
-    assert spo.loss_mask(response, torch.tensor([0.95, 0.99, 0.91, 0.1]), 0.9, True).tolist() == [True, True, True, False]
+    assert spo.loss_mask(response, torch.tensor([0.95, 0.99, 0.91, 0.1]), 0.9, True).tolist() == [
+        True,
+        True,
+        True,
+        False,
+    ]
     out = spo.whiten(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([True, True, False]))
     assert out[:2].tolist() == pytest.approx([-1.0, 1.0], abs=1e-6)
 
@@ -145,12 +160,23 @@ class ScriptedSampler:
     def __init__(self, script):
         self.script, self.calls = script, []
 
-    def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None, generated=0):
-        self.calls.append({"prompts": [list(p) for p in prompts], "n": n, "max_new_tokens": max_new_tokens, "context": context,
-                           "generated": generated})
+    def sample(
+        self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None, generated=0
+    ):
+        self.calls.append(
+            {
+                "prompts": [list(p) for p in prompts],
+                "n": n,
+                "max_new_tokens": max_new_tokens,
+                "context": context,
+                "generated": generated,
+            }
+        )
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
-        return [[self.cut(self.script(list(p), i), min(b, context - len(p)) if context else b) for i in range(n)]
-                for p, b in zip(prompts, budgets)]
+        return [
+            [self.cut(self.script(list(p), i), min(b, context - len(p)) if context else b) for i in range(n)]
+            for p, b in zip(prompts, budgets)
+        ]
 
     @staticmethod
     def cut(completion, budget):  # like the real samplers: a completion never runs past its budget
@@ -169,12 +195,21 @@ def test_identical_prefixes_are_estimated_once_and_graded_with_their_response_pr
     eos = tokenizer.eos_token_id
     prompt_a, prompt_b = ids("Q: 40+2?"), ids("Q: 6+1?")
     # continuation i of every prefix spells "2" for i < 3, else "9": with prefix "4" that is "42" three times in four
-    sampler = ScriptedSampler(lambda prefix, i: engines.Completion(ids=ids("2" if i < 3 else "9") + [eos], finish_reason="stop"))
+    sampler = ScriptedSampler(
+        lambda prefix, i: engines.Completion(ids=ids("2" if i < 3 else "9") + [eos], finish_reason="stop")
+    )
     states = [
-        (prompt_a, [], "42"), (prompt_a, ids("4"), "42"), (prompt_a, [], "42"), (prompt_a, ids("4"), "42"),
-        (prompt_a, ids("5"), "42"), (prompt_b, [], "7"), (prompt_a, [], "42"),
+        (prompt_a, [], "42"),
+        (prompt_a, ids("4"), "42"),
+        (prompt_a, [], "42"),
+        (prompt_a, ids("4"), "42"),
+        (prompt_a, ids("5"), "42"),
+        (prompt_b, [], "7"),
+        (prompt_a, [], "42"),
     ]
-    settings = dict(mc_samples=4, temperature=0.6, top_p=0.9, max_new_tokens=10, context=100, task="data.jsonl", stop=[])
+    settings = dict(
+        mc_samples=4, temperature=0.6, top_p=0.9, max_new_tokens=10, context=100, task="data.jsonl", stop=[]
+    )
     values, stats = spo.mc_values(sampler, tokenizer, states, **settings)
     assert len(sampler.calls) == 1 and sampler.calls[0]["n"] == 4  # one call for the whole batch
     requested = sampler.calls[0]["prompts"]
@@ -220,11 +255,16 @@ def _samples(tokenizer, n=6, seed=0):
         prompt = tokenizer(f"question {i}:")["input_ids"]
         response = torch.randint(4, len(tokenizer), (3 + i % 4,), generator=g).tolist() + [tokenizer.eos_token_id]
         length = len(response)
-        samples.append({
-            "prompt_ids": prompt, "response_ids": response,
-            "old_logps": -torch.rand(length, generator=g) * 3, "ref_logps": -torch.rand(length, generator=g) * 3,
-            "advantages": torch.randn(length, generator=g), "loss_mask": torch.rand(length, generator=g) > 0.2,
-        })
+        samples.append(
+            {
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "old_logps": -torch.rand(length, generator=g) * 3,
+                "ref_logps": -torch.rand(length, generator=g) * 3,
+                "advantages": torch.randn(length, generator=g),
+                "loss_mask": torch.rand(length, generator=g) > 0.2,
+            }
+        )
     return samples
 
 
@@ -234,14 +274,25 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
     grads = []
     for micro in (1, 2, 6):
         model.zero_grad()
-        spo.accumulate_gradients(model, samples, micro_batch_size=micro, temperature=0.7, clip_eps=0.2, beta=0.1,
-                                 pad_id=tokenizer.pad_token_id)
+        spo.accumulate_gradients(
+            model,
+            samples,
+            micro_batch_size=micro,
+            temperature=0.7,
+            clip_eps=0.2,
+            beta=0.1,
+            pad_id=tokenizer.pad_token_id,
+        )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
-    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(grads[0], grads[2], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5) and torch.allclose(
+        grads[0], grads[2], rtol=1e-5, atol=1e-5
+    )
 
 
-def test_a_non_finite_batch_skips_its_update_but_steps_the_scheduler_and_three_in_a_row_stop(tiny_model_dir, monkeypatch):
+def test_a_non_finite_batch_skips_its_update_but_steps_the_scheduler_and_three_in_a_row_stop(
+    tiny_model_dir, monkeypatch
+):
     model, tokenizer = models.load_model(str(tiny_model_dir))
     samples, args = _samples(tokenizer, n=4), spo.Args(epochs=2, batch_size=2, micro_batch_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -279,7 +330,10 @@ def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
     result = spo.main(spo.Args(dry_run=True, output_dir=str(out)))
     assert result["paper_run"] == "gsm8k" and result["differences"] == []  # the defaults are the paper's GSM8K run
     assert result["resolved"] == {"eval_task": "gsm8k", "model_id": models.ALIASES["rho-1b-sft-gsm8k"]}
-    assert spo.main(spo.Args(dry_run=True, interval=2, mc_samples=4, output_dir=str(out)))["differences"] == ["mc_samples", "interval"]
+    assert spo.main(spo.Args(dry_run=True, interval=2, mc_samples=4, output_dir=str(out)))["differences"] == [
+        "mc_samples",
+        "interval",
+    ]
     math_run = spo.main(spo.Args(dry_run=True, task="math", output_dir=str(out)))
     assert math_run["settings"]["eval_task"] == "math500"  # MATH trains, MATH500 evaluates (the paper's protocol)
     assert not out.exists()
@@ -289,7 +343,10 @@ def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
 def test_cli_bad_input_prints_one_error_line(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "spo_chain.py"), "--interval", "0", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: --interval (0) must be at least 1")
@@ -299,7 +356,9 @@ def test_cli_bad_input_prints_one_error_line(tmp_path):
 # ---- main
 
 
-def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
+def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(
+    tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch
+):
     requests, real_sample = [], engines.HFSampler.sample
 
     def counting_sample(self, prompts, n, **kwargs):
@@ -350,7 +409,9 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, 
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
 
-    resumed = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir)))
+    resumed = spo.main(
+        smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir))
+    )
     assert resumed["run_dir"] == str(run_dir)
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 3
     assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers, MC values included
@@ -362,28 +423,64 @@ def test_reward_rises_on_a_trivially_learnable_task(tmp_path):
     # chain advantages (MC values of the cutpoint states): a sign or alignment error there would not learn.
     model_dir = make_tiny_model(tmp_path / "digits", alphabet="0123456789 ")
     data = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
-    summary = spo.main(spo.Args(
-        model=str(model_dir), task=str(data), backend="hf", iterations=12, questions=8, group_size=8, max_new_tokens=3,
-        context=64, batch_size=64, micro_batch_size=64, epochs=1, lr=1e-2, beta=0.0, warmup_ratio=0.0, mc_samples=4,
-        interval=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6, save_every=1000,
-        output_dir=str(tmp_path / "runs"),
-    ))
+    summary = spo.main(
+        spo.Args(
+            model=str(model_dir),
+            task=str(data),
+            backend="hf",
+            iterations=12,
+            questions=8,
+            group_size=8,
+            max_new_tokens=3,
+            context=64,
+            batch_size=64,
+            micro_batch_size=64,
+            epochs=1,
+            lr=1e-2,
+            beta=0.0,
+            warmup_ratio=0.0,
+            mc_samples=4,
+            interval=1,
+            eval_every=1000,
+            eval_samples=4,
+            eval_limit=8,
+            eval_temperature=0.6,
+            save_every=1000,
+            output_dir=str(tmp_path / "runs"),
+        )
+    )
     rewards = [m["charts/reward"] for m in read_metrics(summary["run_dir"]) if "charts/reward" in m]
     assert rewards[0] < 0.1
     assert sum(rewards[-3:]) / 3 > 0.4
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.3
 
 
-def test_max_minutes_stops_early_and_save_samples_writes_cutpoints_values_and_advantages(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1,
-                             save_questions=1, max_new_tokens=12, context=128))
+def test_max_minutes_stops_early_and_save_samples_writes_cutpoints_values_and_advantages(
+    tiny_model_dir, gsm8k_jsonl, tmp_path
+):
+    summary = spo.main(
+        smoke_args(
+            spo,
+            tiny_model_dir,
+            gsm8k_jsonl,
+            tmp_path,
+            iterations=5,
+            max_minutes=1e-6,
+            save_samples=1,
+            save_questions=1,
+            max_new_tokens=12,
+            context=128,
+        )
+    )
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1] and [m["iteration"] for m in lines if "eval/accuracy" in m] == [0, 1]
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
     assert train[0]["time/train_seconds"] == train[0]["time/iteration_seconds"] > 0
-    assert train[0]["charts/generated_tokens"] == train[0]["charts/response_tokens"] * 3 * 4 + train[0]["charts/mc_tokens"]
+    assert (
+        train[0]["charts/generated_tokens"] == train[0]["charts/response_tokens"] * 3 * 4 + train[0]["charts/mc_tokens"]
+    )
 
     records = [json.loads(line) for line in (run_dir / "samples" / "iter_1.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(r["algorithm"] == "spo_chain" and r["question_index"] == 0 for r in records)

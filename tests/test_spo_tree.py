@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # parse_tree
 
 
-@pytest.mark.parametrize("spec, expected", [("6,6,6", [6, 6, 6]), (" 6 , 6,6 ", [6, 6, 6]), ("3", [3]), ("2,1,4", [2, 1, 4])])
+@pytest.mark.parametrize(
+    "spec, expected", [("6,6,6", [6, 6, 6]), (" 6 , 6,6 ", [6, 6, 6]), ("3", [3]), ("2,1,4", [2, 1, 4])]
+)
 def test_parse_tree_accepts_positive_branch_factors(spec, expected):
     assert spo.parse_tree(spec) == expected
 
@@ -45,11 +47,14 @@ def test_parse_tree_rejects_bad_specs_with_a_readable_message(spec):
 
 def irregular_tree() -> spo.Node:
     """Prompt [1, 2]; A is a leaf at depth 1 (finished early), B has three leaf children, C two."""
-    return spo.Node([1, 2], [
-        spo.Node([3], reward=1.0),  # A
-        spo.Node([4], [spo.Node([5], reward=0.0), spo.Node([6], reward=1.0), spo.Node([7], reward=0.0)]),  # B
-        spo.Node([8], [spo.Node([9], reward=0.0), spo.Node([10], reward=0.0)]),  # C
-    ])
+    return spo.Node(
+        [1, 2],
+        [
+            spo.Node([3], reward=1.0),  # A
+            spo.Node([4], [spo.Node([5], reward=0.0), spo.Node([6], reward=1.0), spo.Node([7], reward=0.0)]),  # B
+            spo.Node([8], [spo.Node([9], reward=0.0), spo.Node([10], reward=0.0)]),  # C
+        ],
+    )
 
 
 def test_backup_values_is_recursive_mean_not_leaf_weighted():
@@ -64,8 +69,11 @@ def test_backup_values_is_recursive_mean_not_leaf_weighted():
 def test_tree_segments_rloo_on_an_irregular_tree():
     segments = spo.tree_segments(irregular_tree())  # depth-first pre-order; C's children agree (both 0): dropped
     expected = [
-        ([1, 2], [3], 5 / 9), ([1, 2], [4], -1 / 9),
-        ([1, 2, 4], [5], -1 / 3), ([1, 2, 4], [6], 2 / 3), ([1, 2, 4], [7], -1 / 3),
+        ([1, 2], [3], 5 / 9),
+        ([1, 2], [4], -1 / 9),
+        ([1, 2, 4], [5], -1 / 3),
+        ([1, 2, 4], [6], 2 / 3),
+        ([1, 2, 4], [7], -1 / 3),
         ([1, 2], [8], -4 / 9),
     ]
     assert [(q, s) for q, s, _ in segments] == [(q, s) for q, s, _ in expected]
@@ -76,16 +84,28 @@ def test_tree_segments_grpo_divides_by_the_siblings_population_std():
     segments = spo.tree_segments(irregular_tree(), advantage="grpo")
     top = statistics.pstdev([1.0, 1 / 3, 0.0])
     b_children = statistics.pstdev([0.0, 1.0, 0.0])
-    expected = [5 / 9 / (top + 1e-8), -1 / 9 / (top + 1e-8), -1 / 3 / (b_children + 1e-8), 2 / 3 / (b_children + 1e-8),
-                -1 / 3 / (b_children + 1e-8), -4 / 9 / (top + 1e-8)]
+    expected = [
+        5 / 9 / (top + 1e-8),
+        -1 / 9 / (top + 1e-8),
+        -1 / 3 / (b_children + 1e-8),
+        2 / 3 / (b_children + 1e-8),
+        -1 / 3 / (b_children + 1e-8),
+        -4 / 9 / (top + 1e-8),
+    ]
     assert [a for _, _, a in segments] == pytest.approx(expected)
 
 
 def test_query_ids_concatenate_the_prompt_and_every_ancestor_segment():
-    root = spo.Node([100], [
-        spo.Node([1, 2], [spo.Node([3], [spo.Node([4, 5], reward=1.0), spo.Node([6], reward=0.0)]), spo.Node([7], reward=0.0)]),
-        spo.Node([8], reward=0.0),
-    ])
+    root = spo.Node(
+        [100],
+        [
+            spo.Node(
+                [1, 2],
+                [spo.Node([3], [spo.Node([4, 5], reward=1.0), spo.Node([6], reward=0.0)]), spo.Node([7], reward=0.0)],
+            ),
+            spo.Node([8], reward=0.0),
+        ],
+    )
     by_segment = {tuple(s): q for q, s, _ in spo.tree_segments(root)}
     assert by_segment[(4, 5)] == [100, 1, 2, 3] and by_segment[(6,)] == [100, 1, 2, 3]
     assert by_segment[(3,)] == [100, 1, 2] and by_segment[(1, 2)] == [100]
@@ -171,9 +191,21 @@ def nodes_by_depth(tree: spo.Node) -> dict[int, list[spo.Node]]:
 def test_rollout_on_the_tiny_model_builds_the_tree_shape_2_2(tiny_model_dir):
     model, tokenizer = models.load_model(str(tiny_model_dir))
     sampler = engines.HFSampler(model, tokenizer, seed=0)
-    prompts = [tokenizer("question 1:")["input_ids"], tokenizer("another question:")["input_ids"], tokenizer("q3")["input_ids"]]
+    prompts = [
+        tokenizer("question 1:")["input_ids"],
+        tokenizer("another question:")["input_ids"],
+        tokenizer("q3")["input_ids"],
+    ]
     trees, seconds = spo.grow_trees(
-        sampler, prompts, [2, 2], segment_tokens=4, max_new_tokens=10, context=96, temperature=1.0, top_p=1.0, stop=[],
+        sampler,
+        prompts,
+        [2, 2],
+        segment_tokens=4,
+        max_new_tokens=10,
+        context=96,
+        temperature=1.0,
+        top_p=1.0,
+        stop=[],
     )
     assert len(trees) == 3 and len(seconds) == 2
     for prompt, tree in zip(prompts, trees):
@@ -197,9 +229,15 @@ class ScriptedSampler:
     def __init__(self, script):
         self.script, self.calls = script, []
 
-    def sample(self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None, generated=0):
-        self.calls.append({"prompts": prompts, "n": n, "max_new_tokens": max_new_tokens, "context": context, "generated": generated})
-        groups = [[engines.Completion(list(ids), finish) for ids, finish in self.script(p, max_new_tokens)] for p in prompts]
+    def sample(
+        self, prompts, n, *, temperature, top_p, max_new_tokens, stop=(), context=None, progress=None, generated=0
+    ):
+        self.calls.append(
+            {"prompts": prompts, "n": n, "max_new_tokens": max_new_tokens, "context": context, "generated": generated}
+        )
+        groups = [
+            [engines.Completion(list(ids), finish) for ids, finish in self.script(p, max_new_tokens)] for p in prompts
+        ]
         assert all(len(group) == n for group in groups)
         return groups
 
@@ -210,23 +248,44 @@ EOS = 1
 def test_scripted_rollout_early_leaves_context_limits_and_unfinished_last_level():
     script = {
         (50, 51): [([10, 11, EOS], "stop"), ([12, 13, 14], "length")],  # an early leaf, an open node
-        (50, 51, 12, 13, 14): [([15, EOS], "stop"), ([16, 17, 18, 19, 20, 21, 22], "length")],  # last level: one unfinished
+        (50, 51, 12, 13, 14): [
+            ([15, EOS], "stop"),
+            ([16, 17, 18, 19, 20, 21, 22], "length"),
+        ],  # last level: one unfinished
         (60,) * 8: [([30, 31], "length"), ([32, EOS], "stop")],  # context 10: cut after 2 tokens, cannot be expanded
-        (70,) * 7: [([40, 41, 42], "length"), ([43, 44, 45], "length")],  # full M tokens, but no room left in the context
+        (70,) * 7: [
+            ([40, 41, 42], "length"),
+            ([43, 44, 45], "length"),
+        ],  # full M tokens, but no room left in the context
     }
     sampler = ScriptedSampler(lambda prefix, budget: script[tuple(prefix)])
     prompts = [[50, 51], [60] * 8, [70] * 7]
     trees, _ = spo.grow_trees(
-        sampler, prompts, [2, 2], segment_tokens=3, max_new_tokens=10, context=10, temperature=0.6, top_p=1.0, stop=[],
+        sampler,
+        prompts,
+        [2, 2],
+        segment_tokens=3,
+        max_new_tokens=10,
+        context=10,
+        temperature=0.6,
+        top_p=1.0,
+        stop=[],
     )
     first, second, third = trees
-    assert [(c.tokens, c.finish_reason, len(c.children)) for c in first.children] == [([10, 11, EOS], "stop", 0), ([12, 13, 14], "length", 2)]
+    assert [(c.tokens, c.finish_reason, len(c.children)) for c in first.children] == [
+        ([10, 11, EOS], "stop", 0),
+        ([12, 13, 14], "length", 2),
+    ]
     assert [(c.tokens, c.finish_reason, c.depth) for c in first.children[1].children] == [
-        ([15, EOS], "stop", 2), ([16, 17, 18, 19, 20, 21, 22], "length", 2)]
+        ([15, EOS], "stop", 2),
+        ([16, 17, 18, 19, 20, 21, 22], "length", 2),
+    ]
     assert all(not c.children for c in second.children + third.children)
     # One call per level across all trees: level 0 has M = 3 new tokens, the last level the rest of the budget.
     assert [(c["prompts"], c["n"], c["max_new_tokens"], c["context"]) for c in sampler.calls] == [
-        (prompts, 2, 3, 10), ([[50, 51, 12, 13, 14]], 2, 7, 10)]
+        (prompts, 2, 3, 10),
+        ([[50, 51, 12, 13, 14]], 2, 7, 10),
+    ]
 
 
 def test_grade_trees_scores_full_paths_and_zero_for_unfinished_leaves():
@@ -254,8 +313,15 @@ def test_stop_string_straddling_a_segment_boundary_ends_the_response():
     }
     sampler = ScriptedSampler(lambda prefix, budget: script[tokenizer.decode(prefix)])
     (tree,), _ = spo.grow_trees(
-        sampler, [ids("Q")], [2, 2], segment_tokens=len(ids("1 + 1 = 2\n\n")), max_new_tokens=40, context=100,
-        temperature=0.6, top_p=1.0, stop=stop,
+        sampler,
+        [ids("Q")],
+        [2, 2],
+        segment_tokens=len(ids("1 + 1 = 2\n\n")),
+        max_new_tokens=40,
+        context=100,
+        temperature=0.6,
+        top_p=1.0,
+        stop=stop,
     )
     straddled, unfinished = tree.children[0].children
     assert sampler.calls[0]["generated"] == [0]
@@ -272,8 +338,12 @@ def test_stop_string_straddling_a_segment_boundary_ends_the_response():
 
 
 def test_sample_buffer_ages_edges_out_and_caps_each_question():
-    buffer = [{"question": q, "born": born, "id": i} for i, (q, born) in enumerate(
-        [("a", 7), ("a", 8), ("a", 9), ("a", 10), ("a", 10), ("a", 10), ("b", 7), ("b", 10), ("c", 8)])]
+    buffer = [
+        {"question": q, "born": born, "id": i}
+        for i, (q, born) in enumerate(
+            [("a", 7), ("a", 8), ("a", 9), ("a", 10), ("a", 10), ("a", 10), ("b", 7), ("b", 10), ("c", 8)]
+        )
+    ]
     taken, remaining = spo.sample_buffer(buffer, iteration=10, max_age=3, per_question=2, rng=random.Random(0))
     ids = lambda edges: [e["id"] for e in edges]  # noqa: E731
     assert 0 not in ids(taken + remaining) and 6 not in ids(taken + remaining)  # born 7: age 3 = max_age, gone
@@ -287,7 +357,10 @@ def test_sample_buffer_ages_edges_out_and_caps_each_question():
 def test_buffer_loop_trains_each_edge_at_most_once_and_never_too_old():
     rng, buffer, seen = random.Random(1), [], []
     for iteration in range(1, 30):
-        new = [{"question": (iteration + k) % 5, "born": iteration, "id": (iteration, k)} for k in range(rng.randint(0, 12))]
+        new = [
+            {"question": (iteration + k) % 5, "born": iteration, "id": (iteration, k)}
+            for k in range(rng.randint(0, 12))
+        ]
         taken, buffer = spo.sample_buffer(buffer + new, iteration, max_age=4, per_question=3, rng=rng)
         assert all(iteration - e["born"] < 4 for e in taken + buffer)
         assert all(sum(e["question"] == q for e in taken) <= 3 for q in range(5))
@@ -325,6 +398,7 @@ def test_fill_samples_takes_a_random_subset_and_returns_the_rest_to_the_buffer()
 def test_fill_samples_by_hand():
     taken = edges((10, 2), (11, 2), (12, 2))
     remaining = edges((1, 1), (13, 2))
+
     # Choose positions {0, 2}: 11 goes back, behind 13 (same iteration), after the older 1.
     class Fixed(random.Random):
         def sample(self, population, k):
@@ -341,7 +415,9 @@ def test_fill_samples_repeats_edges_when_the_buffer_offers_fewer():
     samples, buffer = spo.fill_samples(taken, remaining, 7, random.Random(5))
     reference_rng = random.Random(5)
     assert ids(samples) == [1, 2] + [reference_rng.choice([1, 2]) for _ in range(5)]  # every edge once, then draws
-    assert samples[0] is taken[0] and all(s is taken[0] or s is taken[1] for s in samples)  # repeats are the edges themselves
+    assert samples[0] is taken[0] and all(
+        s is taken[0] or s is taken[1] for s in samples
+    )  # repeats are the edges themselves
     assert buffer is remaining  # nothing goes back: all taken edges are trained
 
 
@@ -358,7 +434,10 @@ def test_fill_samples_leaves_equal_empty_and_n_0_unchanged(taken, n):
 def test_buffer_loop_with_fill_trains_exactly_n_per_iteration_and_each_edge_in_one_iteration():
     rng, buffer, trained_in = random.Random(2), [], {}
     for iteration in range(1, 40):
-        new = [{"question": (iteration + k) % 4, "born": iteration, "id": (iteration, k)} for k in range(rng.randint(0, 14))]
+        new = [
+            {"question": (iteration + k) % 4, "born": iteration, "id": (iteration, k)}
+            for k in range(rng.randint(0, 14))
+        ]
         taken, buffer = spo.sample_buffer(buffer + new, iteration, max_age=3, per_question=3, rng=rng)
         samples, buffer = spo.fill_samples(taken, buffer, 6, rng)
         assert len(samples) == (6 if taken else 0)
@@ -379,8 +458,9 @@ def test_repeats_count_once_per_copy_in_the_whitening_and_the_reference_runs_onc
         return [torch.full((len(s["response_ids"]),), -2.0) for s in samples]
 
     monkeypatch.setattr(spo, "sample_logprobs", fake_logprobs)
-    spo.attach_targets([a, b, a, a], object(), micro_batch_size=4, temperature=1.0, pad_id=0,
-                       prob_threshold=0.9, prob_mask=True)
+    spo.attach_targets(
+        [a, b, a, a], object(), micro_batch_size=4, temperature=1.0, pad_id=0, prob_threshold=0.9, prob_mask=True
+    )
     assert calls == [2]  # two edges, not four samples
     # Token advantages [1, -1, 1, 1]: mean 0.5, std sqrt(0.75) (the copies of a count three times).
     assert a["advantages"].tolist() == pytest.approx([0.5 / math.sqrt(0.75)], rel=1e-6)
@@ -397,7 +477,12 @@ def test_prob_mask_and_fallback():
     probs = torch.tensor([0.95, 0.5, 0.89, 0.1])
     assert spo.loss_mask(response, probs, 0.9, prob_mask=False).tolist() == [True, True, True, False]
     assert spo.loss_mask(response, probs, 0.9, prob_mask=True).tolist() == [False, True, True, False]
-    assert spo.loss_mask(response, torch.tensor([0.95, 0.99, 0.91, 0.1]), 0.9, prob_mask=True).tolist() == [True, True, True, False]
+    assert spo.loss_mask(response, torch.tensor([0.95, 0.99, 0.91, 0.1]), 0.9, prob_mask=True).tolist() == [
+        True,
+        True,
+        True,
+        False,
+    ]
 
 
 def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
@@ -405,18 +490,32 @@ def test_gradient_does_not_depend_on_micro_batch_split(tiny_model_dir):
     g = torch.Generator().manual_seed(0)
     samples = []
     for i in range(6):  # edges: queries of different depths, constant advantage per edge
-        response = torch.randint(4, len(tokenizer), (2 + i % 3,), generator=g).tolist() + ([tokenizer.eos_token_id] if i % 2 else [])
+        response = torch.randint(4, len(tokenizer), (2 + i % 3,), generator=g).tolist() + (
+            [tokenizer.eos_token_id] if i % 2 else []
+        )
         n = len(response)
-        samples.append({
-            "prompt_ids": tokenizer(f"question {i}:" + "x" * i)["input_ids"], "response_ids": response,
-            "old_logps": -torch.rand(n, generator=g) * 3, "ref_logps": -torch.rand(n, generator=g) * 3,
-            "advantages": torch.full((n,), float(torch.randn(1, generator=g))), "loss_mask": torch.rand(n, generator=g) > 0.2,
-        })
+        samples.append(
+            {
+                "prompt_ids": tokenizer(f"question {i}:" + "x" * i)["input_ids"],
+                "response_ids": response,
+                "old_logps": -torch.rand(n, generator=g) * 3,
+                "ref_logps": -torch.rand(n, generator=g) * 3,
+                "advantages": torch.full((n,), float(torch.randn(1, generator=g))),
+                "loss_mask": torch.rand(n, generator=g) > 0.2,
+            }
+        )
     grads = []
     for micro in (1, 2, 6):
         model.zero_grad()
-        spo.accumulate_gradients(model, samples, micro_batch_size=micro, temperature=0.7, clip_eps=0.2, beta=0.1,
-                                 pad_id=tokenizer.pad_token_id)
+        spo.accumulate_gradients(
+            model,
+            samples,
+            micro_batch_size=micro,
+            temperature=0.7,
+            clip_eps=0.2,
+            beta=0.1,
+            pad_id=tokenizer.pad_token_id,
+        )
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-6) and torch.allclose(grads[0], grads[2], atol=1e-6)
@@ -437,7 +536,9 @@ def sevens(tmp_path_factory):
 
 def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(sevens, tmp_path):
     model_dir, data = sevens
-    summary = spo.main(smoke_args(spo, model_dir, data, tmp_path, samples_per_iteration=0))  # 0: every edge offered, once
+    summary = spo.main(
+        smoke_args(spo, model_dir, data, tmp_path, samples_per_iteration=0)
+    )  # 0: every edge offered, once
     metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
@@ -446,7 +547,9 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
     assert all(m["charts/unique_samples"] == m["charts/samples"] for m in train)
     for m in train:  # tree 4,3: every depth-1 node that did not stop has 3 children (the context never binds here)
         open_nodes = 4 - m["tree/early_leaves_depth1"]
-        assert m["tree/nodes"] == pytest.approx(4 + 3 * open_nodes) and m["tree/leaves"] == pytest.approx(4 - open_nodes + 3 * open_nodes)
+        assert m["tree/nodes"] == pytest.approx(4 + 3 * open_nodes) and m["tree/leaves"] == pytest.approx(
+            4 - open_nodes + 3 * open_nodes
+        )
         assert m["charts/samples"] <= 3 * 4 * 2 and 0 <= m["charts/zero_advantage_fraction"] <= 1
     assert train[0]["charts/zero_advantage_fraction"] < 1  # iteration 2 may train on iteration 1's leftover edges only
     state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
@@ -467,7 +570,9 @@ def test_no_grad_passes_sized_to_memory_and_a_parked_reference_make_the_same_upd
     for name, budget, on_device in (("micro-batches", None, True), ("token budget", 90, False)):
         passes = []
         monkeypatch.setattr(training, "no_grad_batch_tokens", lambda *a, budget=budget, **k: passes.append(1) or budget)
-        summary = spo.main(smoke_args(spo, model_dir, data, tmp_path / name, samples_per_iteration=0, reference_on_device=on_device))
+        summary = spo.main(
+            smoke_args(spo, model_dir, data, tmp_path / name, samples_per_iteration=0, reference_on_device=on_device)
+        )
         runs[name] = read_metrics(summary["run_dir"]), models.load_model(summary["checkpoint"])[0].state_dict()
         assert passes  # every no-grad pass asked for its budget
     (metrics, weights), (budget_metrics, budget_weights) = runs.values()
@@ -498,7 +603,9 @@ def test_samples_per_iteration_trains_exactly_that_many_samples(sevens, tmp_path
     assert [len(batch) for batch in trained] == [5, 5]  # batch 8: one optimizer step of 5 samples per iteration
     assert len({id(s) for s in trained[0]}) == 4  # the repeats are trained as copies
     state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
-    assert len(state["buffer"]) == train[-1]["buffer/size"] >= 1  # the edge that went back is kept for the next iteration
+    assert (
+        len(state["buffer"]) == train[-1]["buffer/size"] >= 1
+    )  # the edge that went back is kept for the next iteration
     assert not any("loss_mask" in edge for edge in state["buffer"])  # and was not trained on
 
 
@@ -532,19 +639,43 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
     assert read_metrics(run_dir) == expected  # same seed: same numbers with or without the kill
     train = [m for m in expected if "charts/samples" in m]
     assert [m["charts/samples"] for m in train] == [5, 5, 5]
-    assert train[1]["buffer/size"] > 0 and train[2]["buffer/taken_mean_age"] > 0  # iteration 3 trained on edges the checkpoint kept
+    assert (
+        train[1]["buffer/size"] > 0 and train[2]["buffer/taken_mean_age"] > 0
+    )  # iteration 3 trained on edges the checkpoint kept
 
 
 @pytest.mark.slow
 def test_reward_rises_on_a_trivially_learnable_task(sevens, tmp_path):
     # Every answer is 7 and the vocabulary is digits: "7<eos>" (or "7" then <eos> one level down) is always right.
     model_dir, data = sevens
-    summary = spo.main(spo.Args(
-        model=str(model_dir), task=str(data), backend="hf", iterations=14, questions=8, tree="4,4", segment_tokens=1,
-        max_new_tokens=3, context=64, batch_size=64, micro_batch_size=64, lr=1e-2, beta=0.0, warmup_ratio=0.0,
-        edges_per_question=8, samples_per_iteration=0, buffer_max_age=1, eval_every=1000, eval_samples=4, eval_limit=8, eval_temperature=0.6,
-        save_every=1000, output_dir=str(tmp_path / "runs"), seed=0,  # seeds 0 and 2 reach ~0.9 by iteration 10; seed 1 is slower
-    ))
+    summary = spo.main(
+        spo.Args(
+            model=str(model_dir),
+            task=str(data),
+            backend="hf",
+            iterations=14,
+            questions=8,
+            tree="4,4",
+            segment_tokens=1,
+            max_new_tokens=3,
+            context=64,
+            batch_size=64,
+            micro_batch_size=64,
+            lr=1e-2,
+            beta=0.0,
+            warmup_ratio=0.0,
+            edges_per_question=8,
+            samples_per_iteration=0,
+            buffer_max_age=1,
+            eval_every=1000,
+            eval_samples=4,
+            eval_limit=8,
+            eval_temperature=0.6,
+            save_every=1000,
+            output_dir=str(tmp_path / "runs"),
+            seed=0,  # seeds 0 and 2 reach ~0.9 by iteration 10; seed 1 is slower
+        )
+    )
     values = [m["charts/root_value"] for m in read_metrics(summary["run_dir"]) if "charts/root_value" in m]
     assert sum(values[:3]) / 3 < 0.15
     assert sum(values[-3:]) / 3 > 0.5
@@ -553,22 +684,56 @@ def test_reward_rises_on_a_trivially_learnable_task(sevens, tmp_path):
 
 def test_dry_run_resolves_the_paper_config_and_loads_nothing(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "spo_tree.py"), "--model", "deepseek-r1-distill-qwen-1.5b", "--tree", "6,6,6", "--dry-run",
-         "--output-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [
+            sys.executable,
+            str(ROOT / "spo_tree.py"),
+            "--model",
+            "deepseek-r1-distill-qwen-1.5b",
+            "--tree",
+            "6,6,6",
+            "--dry-run",
+            "--output-dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stderr
     assert "0 difference(s)" in result.stdout.strip().splitlines()[-1], result.stdout
     assert "nodes_per_full_tree 258" in result.stdout
     assert not (tmp_path / "runs").exists()
 
-    config = spo.main(spo.Args(model="deepseek-r1-distill-qwen-1.5b", tree="6,6,6", dry_run=True, output_dir=str(tmp_path / "runs")))
+    config = spo.main(
+        spo.Args(model="deepseek-r1-distill-qwen-1.5b", tree="6,6,6", dry_run=True, output_dir=str(tmp_path / "runs"))
+    )
     resolved, settings = config["resolved"], config["settings"]
     assert resolved["model_id"] == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" and resolved["eval_task"] == "math500"
-    assert resolved["branches"] == [6, 6, 6] and resolved["nodes_per_full_tree"] == 6 + 36 + 216 and resolved["leaves_per_full_tree"] == 216
-    assert (settings["task"], settings["segment_tokens"], settings["context"], settings["questions"]) == ("math", 600, 2048, 32)
-    assert (settings["batch_size"], settings["epochs"], settings["temperature"], settings["top_p"]) == (128, 1, 0.6, 1.0)
-    assert (settings["lr"], settings["beta"], settings["prob_mask"], settings["samples_per_iteration"]) == (1e-6, 1e-4, True, 512)
+    assert (
+        resolved["branches"] == [6, 6, 6]
+        and resolved["nodes_per_full_tree"] == 6 + 36 + 216
+        and resolved["leaves_per_full_tree"] == 216
+    )
+    assert (settings["task"], settings["segment_tokens"], settings["context"], settings["questions"]) == (
+        "math",
+        600,
+        2048,
+        32,
+    )
+    assert (settings["batch_size"], settings["epochs"], settings["temperature"], settings["top_p"]) == (
+        128,
+        1,
+        0.6,
+        1.0,
+    )
+    assert (settings["lr"], settings["beta"], settings["prob_mask"], settings["samples_per_iteration"]) == (
+        1e-6,
+        1e-4,
+        True,
+        512,
+    )
     assert config["paper_run"] == "math" and config["differences"] == []
     assert not (tmp_path / "runs").exists()
 
@@ -576,11 +741,15 @@ def test_dry_run_resolves_the_paper_config_and_loads_nothing(tmp_path):
 def test_bad_tree_on_the_command_line_is_one_clear_error_line(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "spo_tree.py"), "--tree", "6,0,6", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "error: --tree '6,0,6': branch factor '0' at depth 1 is not a positive integer (write one per depth, e.g. 6,6,6)"]
+        "error: --tree '6,0,6': branch factor '0' at depth 1 is not a positive integer (write one per depth, e.g. 6,6,6)"
+    ]
 
 
 def test_impossible_configurations_are_one_clear_error():
@@ -598,7 +767,11 @@ def test_impossible_configurations_are_one_clear_error():
 
 
 def test_max_minutes_stops_early_and_save_samples_writes_the_trees(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2))
+    summary = spo.main(
+        smoke_args(
+            spo, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=5, max_minutes=1e-6, save_samples=1, save_questions=2
+        )
+    )
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
@@ -614,7 +787,9 @@ def test_max_minutes_stops_early_and_save_samples_writes_the_trees(tiny_model_di
         if depth:
             assert node["advantage"] == pytest.approx(node["value"] - parent_value, abs=1e-4)  # rloo
         if node["children"]:
-            assert node["value"] == pytest.approx(sum(c["value"] for c in node["children"]) / len(node["children"]), abs=1e-4)
+            assert node["value"] == pytest.approx(
+                sum(c["value"] for c in node["children"]) / len(node["children"]), abs=1e-4
+            )
             assert len(node["children"]) == (4 if depth == 0 else 3) and node["reward"] is None
         else:
             assert node["value"] == node["reward"] and node["finish_reason"] in ("stop", "length")

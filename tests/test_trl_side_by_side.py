@@ -23,11 +23,29 @@ _spec.loader.exec_module(bench)
 
 
 def test_prompts_for_steps_are_the_questions_grpo_baseline_trains_on(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    summary = grpo.main(grpo.Args(
-        model=str(tiny_model_dir), task=str(gsm8k_jsonl), backend="hf", iterations=2, questions=3, group_size=2,
-        max_new_tokens=2, context=128, batch_size=6, micro_batch_size=6, epochs=1, eval_every=1000, eval_limit=1,
-        eval_samples=1, save_every=1000, save_samples=1, save_questions=3, output_dir=str(tmp_path), seed=5,
-    ))
+    summary = grpo.main(
+        grpo.Args(
+            model=str(tiny_model_dir),
+            task=str(gsm8k_jsonl),
+            backend="hf",
+            iterations=2,
+            questions=3,
+            group_size=2,
+            max_new_tokens=2,
+            context=128,
+            batch_size=6,
+            micro_batch_size=6,
+            epochs=1,
+            eval_every=1000,
+            eval_limit=1,
+            eval_samples=1,
+            save_every=1000,
+            save_samples=1,
+            save_questions=3,
+            output_dir=str(tmp_path),
+            seed=5,
+        )
+    )
     examples = ev.load_task(str(gsm8k_jsonl), "train", seed=5)
     expected = bench.prompts_for_steps(examples, questions=3, steps=2, seed=5)
     for iteration in (1, 2):
@@ -39,7 +57,7 @@ def test_prompts_for_steps_are_the_questions_grpo_baseline_trains_on(tiny_model_
 
 def test_intervals_are_differences_between_first_appearances():
     marks = [
-        {"lines": 1, "wall": 5.0, "cpu": 8.0},    # record 0 (e.g. the evaluation before training)
+        {"lines": 1, "wall": 5.0, "cpu": 8.0},  # record 0 (e.g. the evaluation before training)
         {"lines": 2, "wall": 15.0, "cpu": 27.0},  # step 1
         {"lines": 4, "wall": 26.0, "cpu": 49.0},  # steps 2 and 3 seen in the same poll
     ]
@@ -51,10 +69,18 @@ def test_intervals_are_differences_between_first_appearances():
 
 def _run(side, round_index, walls, cpus, peak, tokens=100, rewards=None):
     rewards = rewards or [0.0] * len(walls)
-    steps = [{"step": k, "wall_seconds": w, "cpu_seconds": c, "generated_tokens": tokens, "reward": r}
-             for k, (w, c, r) in enumerate(zip(walls, cpus, rewards), 1)]
-    return {"side": side, "round": round_index, "steps": steps, "peak_rss_train_gb": peak,
-            "peak_rss_overall_gb": peak + 0.5, "peak_tree_rss_gb": peak + 1.0}
+    steps = [
+        {"step": k, "wall_seconds": w, "cpu_seconds": c, "generated_tokens": tokens, "reward": r}
+        for k, (w, c, r) in enumerate(zip(walls, cpus, rewards), 1)
+    ]
+    return {
+        "side": side,
+        "round": round_index,
+        "steps": steps,
+        "peak_rss_train_gb": peak,
+        "peak_rss_overall_gb": peak + 0.5,
+        "peak_tree_rss_gb": peak + 1.0,
+    }
 
 
 def test_summary_medians_skip_the_warm_up_step_and_ratios_meet_targets():
@@ -106,10 +132,31 @@ def test_side_by_side_run_on_a_tiny_model(tiny_model_dir, gsm8k_jsonl, tmp_path)
     pytest.importorskip("trl")  # requirements-bench.txt only
     out = tmp_path / "result.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "trl_side_by_side.py"), "--model", str(tiny_model_dir), "--task", str(gsm8k_jsonl),
-         "--questions", "2", "--group-size", "4", "--max-new-tokens", "8", "--micro-batch-size", "4", "--steps", "2",
-         "--rounds", "1", "--out", str(out)],
-        check=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "trl_side_by_side.py"),
+            "--model",
+            str(tiny_model_dir),
+            "--task",
+            str(gsm8k_jsonl),
+            "--questions",
+            "2",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--micro-batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+        timeout=600,
     )
     result = json.loads(out.read_text())
     assert [r["side"] for r in result["runs"]] == ["ours", "trl"]

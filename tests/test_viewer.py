@@ -19,8 +19,31 @@ import viewer
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 # Text pieces a real tokenizer produces, including ones that break naive HTML: tags, entities, quotes, newlines.
-PIECES = [" The", " answer", " is", " 3", " +", " 4", " =", " 7", ".", "\n", " <script>", "alert(1)", "</script>",
-          " &amp;", ' "q"', " 'x'", " \u00e9t\u00e9", "", " Let", " x", " <b>", "\n\n", " #### 7"]
+PIECES = [
+    " The",
+    " answer",
+    " is",
+    " 3",
+    " +",
+    " 4",
+    " =",
+    " 7",
+    ".",
+    "\n",
+    " <script>",
+    "alert(1)",
+    "</script>",
+    " &amp;",
+    ' "q"',
+    " 'x'",
+    " \u00e9t\u00e9",
+    "",
+    " Let",
+    " x",
+    " <b>",
+    "\n\n",
+    " #### 7",
+]
 THRESHOLD = 0.9
 
 
@@ -47,22 +70,46 @@ def chain_record(rng, iteration, question_index, reward, interval=1) -> dict:
     if not cutpoints:
         advantages = [0.0] * len(ids)
     return {
-        "algorithm": "spo_chain", "iteration": iteration, "question_index": question_index,
-        "question": f'Question {question_index}: what is 3 + 4? (a < b & "c")', "reference": "7",
-        "prompt": "[MATH_TASK] Problem:\n<3 + 4>\n\nSolution:", "reward": reward,
-        "finish_reason": "stop" if reward else rng.choice(["stop", "length"]), "token_ids": ids, "tokens": tokens,
-        "probs": probs, "advantages": advantages, "loss_mask": [p < THRESHOLD for p in probs], "prob_threshold": THRESHOLD,
-        "cutpoints": cutpoints, "cutpoint_values": values, "values": None,
+        "algorithm": "spo_chain",
+        "iteration": iteration,
+        "question_index": question_index,
+        "question": f'Question {question_index}: what is 3 + 4? (a < b & "c")',
+        "reference": "7",
+        "prompt": "[MATH_TASK] Problem:\n<3 + 4>\n\nSolution:",
+        "reward": reward,
+        "finish_reason": "stop" if reward else rng.choice(["stop", "length"]),
+        "token_ids": ids,
+        "tokens": tokens,
+        "probs": probs,
+        "advantages": advantages,
+        "loss_mask": [p < THRESHOLD for p in probs],
+        "prob_threshold": THRESHOLD,
+        "cutpoints": cutpoints,
+        "cutpoint_values": values,
+        "values": None,
     }
 
 
 def grpo_record(rng, iteration, question_index, reward, advantage) -> dict:
     ids, tokens, probs = fake_response(rng, rng.randint(8, 20))
     return {
-        "algorithm": "grpo", "iteration": iteration, "question_index": question_index, "question": "What is 3 + 4?",
-        "reference": "7", "prompt": "Problem: 3 + 4", "reward": reward, "finish_reason": "stop", "token_ids": ids,
-        "tokens": tokens, "probs": probs, "advantages": [advantage] * len(ids), "loss_mask": [True] * len(ids),
-        "prob_threshold": THRESHOLD, "cutpoints": None, "cutpoint_values": None, "values": None,
+        "algorithm": "grpo",
+        "iteration": iteration,
+        "question_index": question_index,
+        "question": "What is 3 + 4?",
+        "reference": "7",
+        "prompt": "Problem: 3 + 4",
+        "reward": reward,
+        "finish_reason": "stop",
+        "token_ids": ids,
+        "tokens": tokens,
+        "probs": probs,
+        "advantages": [advantage] * len(ids),
+        "loss_mask": [True] * len(ids),
+        "prob_threshold": THRESHOLD,
+        "cutpoints": None,
+        "cutpoint_values": None,
+        "values": None,
     }
 
 
@@ -71,10 +118,23 @@ def ppo_record(rng, iteration, question_index, reward) -> dict:
     values = [round(rng.random(), 4) for _ in ids]
     advantages = [round((values[t + 1] if t + 1 < len(ids) else reward) - values[t], 4) for t in range(len(ids))]
     return {
-        "algorithm": "ppo", "iteration": iteration, "question_index": question_index, "question": "What is 3 + 4?",
-        "reference": "7", "prompt": "Problem: 3 + 4", "reward": reward, "finish_reason": "stop", "token_ids": ids,
-        "tokens": tokens, "probs": probs, "advantages": advantages, "loss_mask": [True] * len(ids),
-        "prob_threshold": THRESHOLD, "cutpoints": None, "cutpoint_values": None, "values": values,
+        "algorithm": "ppo",
+        "iteration": iteration,
+        "question_index": question_index,
+        "question": "What is 3 + 4?",
+        "reference": "7",
+        "prompt": "Problem: 3 + 4",
+        "reward": reward,
+        "finish_reason": "stop",
+        "token_ids": ids,
+        "tokens": tokens,
+        "probs": probs,
+        "advantages": advantages,
+        "loss_mask": [True] * len(ids),
+        "prob_threshold": THRESHOLD,
+        "cutpoints": None,
+        "cutpoint_values": None,
+        "values": values,
     }
 
 
@@ -87,8 +147,12 @@ def tree_node(rng, depth, branches) -> dict:
         node = {"reward": reward, "finish_reason": finish_reason, "value": reward, "children": []}
     else:
         children = [tree_node(rng, depth + 1, branches) for _ in range(branches[depth])]
-        node = {"reward": None, "finish_reason": None, "children": children,
-                "value": sum(c["value"] for c in children) / len(children)}
+        node = {
+            "reward": None,
+            "finish_reason": None,
+            "children": children,
+            "value": sum(c["value"] for c in children) / len(children),
+        }
         for child in children:
             child["advantage"] = round(child["value"] - node["value"], 5)
     return {"token_ids": ids, "tokens": tokens, "probs": probs, "advantage": None, **node}
@@ -96,8 +160,14 @@ def tree_node(rng, depth, branches) -> dict:
 
 def tree_record(rng, iteration, question_index) -> dict:
     return {
-        "algorithm": "spo_tree", "iteration": iteration, "question_index": question_index, "question": "What is 3 + 4?",
-        "reference": "7", "prompt": "Problem: 3 + 4", "prob_threshold": THRESHOLD, "tree": tree_node(rng, 0, [3, 2]),
+        "algorithm": "spo_tree",
+        "iteration": iteration,
+        "question_index": question_index,
+        "question": "What is 3 + 4?",
+        "reference": "7",
+        "prompt": "Problem: 3 + 4",
+        "prob_threshold": THRESHOLD,
+        "tree": tree_node(rng, 0, [3, 2]),
     }
 
 
@@ -105,8 +175,14 @@ def make_run(directory: Path, algorithm: str, iterations=(1, 2), questions=2, gr
     """runs/<name>/{args.json, metrics.jsonl, samples/iter_<k>.jsonl} as the training scripts write them."""
     rng = random.Random(seed)
     (directory / "samples").mkdir(parents=True)
-    args = {"exp_name": algorithm, "model": "tiny", "task": "rg:chain_sum", "seed": seed, "prob_threshold": THRESHOLD,
-            "prob_mask": algorithm in ("spo_chain", "spo_tree")}
+    args = {
+        "exp_name": algorithm,
+        "model": "tiny",
+        "task": "rg:chain_sum",
+        "seed": seed,
+        "prob_threshold": THRESHOLD,
+        "prob_mask": algorithm in ("spo_chain", "spo_tree"),
+    }
     (directory / "args.json").write_text(json.dumps(args))
     for k in iterations:
         records = []
@@ -129,9 +205,17 @@ def make_run(directory: Path, algorithm: str, iterations=(1, 2), questions=2, gr
     total = 0.0
     for k in range(1, 6):
         total += 20.0 + k
-        metrics.append({"iteration": k, "charts/reward": 0.1 * k + 0.05 * seed * rng.random(), "losses/kl": 1e-4 * k * (1 + seed),
-                        "charts/response_tokens": 30 + k + 3 * seed, "time/iteration_seconds": 20.0 + k,
-                        "time/train_seconds": total, "charts/generated_tokens": 100})
+        metrics.append(
+            {
+                "iteration": k,
+                "charts/reward": 0.1 * k + 0.05 * seed * rng.random(),
+                "losses/kl": 1e-4 * k * (1 + seed),
+                "charts/response_tokens": 30 + k + 3 * seed,
+                "time/iteration_seconds": 20.0 + k,
+                "time/train_seconds": total,
+                "charts/generated_tokens": 100,
+            }
+        )
     metrics.append({"iteration": 5, "eval/accuracy": 0.3 + 0.05 * seed})
     (directory / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     return directory
@@ -139,12 +223,16 @@ def make_run(directory: Path, algorithm: str, iterations=(1, 2), questions=2, gr
 
 @pytest.fixture
 def four_runs(tmp_path) -> list[Path]:
-    return [make_run(tmp_path / "runs" / f"{algorithm}_run", algorithm, seed=i)
-            for i, algorithm in enumerate(["spo_chain", "spo_tree", "grpo", "ppo"])]
+    return [
+        make_run(tmp_path / "runs" / f"{algorithm}_run", algorithm, seed=i)
+        for i, algorithm in enumerate(["spo_chain", "spo_tree", "grpo", "ppo"])
+    ]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "viewer.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "viewer.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def count_tree(node) -> tuple[int, int]:
@@ -159,10 +247,26 @@ def count_tree(node) -> tuple[int, int]:
 def render_in_chromium(page: str, profile: Path) -> tuple[str, list[str]]:
     """The DOM after the page's scripts ran (--dump-dom) and Chromium's console lines (an error or uncaught exception)."""
     result = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
-         "--enable-logging=stderr", "--v=0", "--window-size=1200,900", "--dump-dom", page],
-        capture_output=True, text=True, timeout=120,
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--window-size=1200,900",
+            "--dump-dom",
+            page,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     # Console messages come out as "...:INFO:CONSOLE:<line>] "message", source: file:///...": the page logs nothing, so any is an error.
@@ -173,7 +277,9 @@ def render_in_chromium(page: str, profile: Path) -> tuple[str, list[str]]:
 # ---- the page in a real browser
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it"
+)
 def test_page_renders_every_algorithm_in_headless_chromium_without_errors(four_runs, tmp_path):
     output = tmp_path / "view.html"
     result = cli("html", *map(str, four_runs), "-o", str(output))
@@ -184,8 +290,10 @@ def test_page_renders_every_algorithm_in_headless_chromium_without_errors(four_r
         assert 'id="js-error"' not in dom
         assert f'data-rendered="{iteration}"' in dom  # render() ran to its last line
         # Every saved token became one span, every cutpoint one bar, every tree node one line.
-        records = [[json.loads(line) for line in (run / "samples" / f"iter_{iteration}.jsonl").read_text().splitlines()]
-                   for run in four_runs]
+        records = [
+            [json.loads(line) for line in (run / "samples" / f"iter_{iteration}.jsonl").read_text().splitlines()]
+            for run in four_runs
+        ]
         responses = [r for run in records for r in run if "tree" not in r]
         trees = [count_tree(r["tree"]) for run in records for r in run if "tree" in r]
         assert dom.count('<span class="tok') == sum(len(r["tokens"]) for r in responses) + sum(t[1] for t in trees)
@@ -204,7 +312,9 @@ def with_script(page: Path, script: str) -> Path:
     return copy
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it"
+)
 def test_hovering_a_token_shows_its_probability_advantage_and_critic_value(four_runs, tmp_path):
     page = tmp_path / "view.html"
     page.write_text(viewer.build_page([viewer.load_samples(four_runs[3])]))  # the PPO run
@@ -219,16 +329,20 @@ def test_hovering_a_token_shows_its_probability_advantage_and_critic_value(four_
     assert "advantage  " in tip and f"critic V   {record['values'][0]:g}" in tip
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it"
+)
 def test_a_large_tree_opens_one_level_and_draws_a_subtree_when_expanded(tmp_path):
     run = make_run(tmp_path / "run", "spo_tree", iterations=(1,), questions=1)
     path = run / "samples" / "iter_1.jsonl"
     record = json.loads(path.read_text())
     rng = random.Random(1)
+
     def lengthen(node):  # long segments, as in the paper's long-CoT trees (600 tokens): over 5000 tokens in all
         if node["token_ids"]:
             node["token_ids"], node["tokens"], node["probs"] = fake_response(rng, 2000)
         node["children"] and [lengthen(child) for child in node["children"]]
+
     lengthen(record["tree"])
     path.write_text(json.dumps(record) + "\n")
     page = tmp_path / "view.html"
@@ -242,12 +356,18 @@ def test_a_large_tree_opens_one_level_and_draws_a_subtree_when_expanded(tmp_path
     assert console == [] and dom.count('class="nline"') == 1 + first_level + len(collapsed["children"])
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it"
+)
 def test_chromium_check_catches_a_script_error(tmp_path):
     """The check above would see a broken page: both the console line and the page's own error box."""
     page = tmp_path / "broken.html"
-    page.write_text(viewer.PAGE.replace("__JS__", "undefinedFunction();").replace("__DATA__", "{}")
-                    .replace("__CSS__", "").replace("__TITLE__", "broken"))
+    page.write_text(
+        viewer.PAGE.replace("__JS__", "undefinedFunction();")
+        .replace("__DATA__", "{}")
+        .replace("__CSS__", "")
+        .replace("__TITLE__", "broken")
+    )
     dom, console = render_in_chromium(page.as_uri(), tmp_path / "profile")
     assert any("undefinedFunction" in line for line in console)
     assert 'id="js-error"' in dom and "undefinedFunction" in dom
@@ -327,8 +447,10 @@ def test_run_without_samples_says_how_to_get_them(tmp_path):
     (tmp_path / "run").mkdir()
     result = cli("html", str(tmp_path / "run"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == (f"error: {tmp_path / 'run'} has no samples/iter_<k>.jsonl; "
-                                     "train with --save-samples N to save the rollouts of every N-th iteration")
+    assert result.stderr.strip() == (
+        f"error: {tmp_path / 'run'} has no samples/iter_<k>.jsonl; "
+        "train with --save-samples N to save the rollouts of every N-th iteration"
+    )
     assert "is not a directory" in cli("html", str(tmp_path / "missing")).stderr
     run = make_run(tmp_path / "saved", "ppo", iterations=(2, 4))
     with pytest.raises(viewer.UsageError, match="has no samples for iterations 3; it has iterations 2, 4"):
@@ -339,7 +461,9 @@ def test_run_without_samples_says_how_to_get_them(tmp_path):
 
 
 def test_curves_of_two_runs_write_a_png(tmp_path):
-    runs = [make_run(tmp_path / name, "grpo", iterations=(1,)) for name in ("a", "_b")]  # "_": a label matplotlib would hide
+    runs = [
+        make_run(tmp_path / name, "grpo", iterations=(1,)) for name in ("a", "_b")
+    ]  # "_": a label matplotlib would hide
     for x in ("iteration", "seconds", "tokens"):
         output = tmp_path / f"curves_{x}.png"
         plotted = viewer.plot_curves(runs, output, x=x, smooth=0.5 if x == "tokens" else 0.0)
@@ -364,7 +488,10 @@ def test_curves_without_metrics_is_one_clear_error(tmp_path):
     (tmp_path / "b").mkdir()
     result = cli("curves", str(good), str(tmp_path / "b"), "-o", str(tmp_path / "c.png"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == f"error: {tmp_path / 'b'} has no metrics.jsonl; pass a run directory the training scripts wrote (runs/<run_name>)"
+    assert (
+        result.stderr.strip()
+        == f"error: {tmp_path / 'b'} has no metrics.jsonl; pass a run directory the training scripts wrote (runs/<run_name>)"
+    )
     assert not (tmp_path / "c.png").exists()
 
 
@@ -377,16 +504,30 @@ def test_curve_labels_come_from_the_runs_args(tmp_path):
     assert viewer.run_label(tmp_path / "bare") == "bare"  # no args.json: the directory name
 
 
-@pytest.mark.parametrize("command,text", [
-    (["html", "RUN", "-o", "page.txt"], "-o page.txt: give a file name ending in .html, .htm"),
-    (["curves", "RUN", "-o", "out"], "-o out: give a file name ending in .png, .pdf, .svg"),  # wrote out.png, said "wrote out"
-    (["html", "RUN", "-o", "AFILE/page.html"], "cannot write the page AFILE/page.html: AFILE is a file, not a folder"),
-    (["curves", "RUN", "-o", "AFILE/curves.png"], "cannot write the plot AFILE/curves.png: AFILE is a file, not a folder"),
-])
+@pytest.mark.parametrize(
+    "command,text",
+    [
+        (["html", "RUN", "-o", "page.txt"], "-o page.txt: give a file name ending in .html, .htm"),
+        (
+            ["curves", "RUN", "-o", "out"],
+            "-o out: give a file name ending in .png, .pdf, .svg",
+        ),  # wrote out.png, said "wrote out"
+        (
+            ["html", "RUN", "-o", "AFILE/page.html"],
+            "cannot write the page AFILE/page.html: AFILE is a file, not a folder",
+        ),
+        (
+            ["curves", "RUN", "-o", "AFILE/curves.png"],
+            "cannot write the plot AFILE/curves.png: AFILE is a file, not a folder",
+        ),
+    ],
+)
 def test_outputs_that_cannot_be_written_are_one_line_and_leave_nothing(command, text, tmp_path):
     make_run(tmp_path / "RUN", "grpo")
     (tmp_path / "AFILE").write_text("a file, not a folder")
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = subprocess.run([sys.executable, str(ROOT / "viewer.py"), *command], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "viewer.py"), *command], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
     assert result.returncode == 1 and result.stderr.strip() == f"error: {text}", result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -31,6 +31,7 @@ The fake also reproduces how 0.30 handles stop strings (v1/engine/detokenizer.py
 token_ids keep the token(s) that complete the stop string, finish_reason is "stop",
 and stop_reason is the matched string.
 """
+
 import hashlib
 import os
 import random
@@ -53,8 +54,26 @@ from plumbing.training import reseed
 # ----------------------------------------------------------------------------- tokenizer
 # Word-level vocab whose decoder simply concatenates token strings, so decoded text
 # positions are easy to reason about. No download.
-VOCAB = ["<eos>", "<unk>", "The", " answer", " is", " 42", ".", "\n\n", "Q", ":",
-         " 2", "+", "=", " 4", "</s", "olution>", "</solution>", "x"]
+VOCAB = [
+    "<eos>",
+    "<unk>",
+    "The",
+    " answer",
+    " is",
+    " 42",
+    ".",
+    "\n\n",
+    "Q",
+    ":",
+    " 2",
+    "+",
+    "=",
+    " 4",
+    "</s",
+    "olution>",
+    "</solution>",
+    "x",
+]
 T = {t: i for i, t in enumerate(VOCAB)}
 EOS = T["<eos>"]
 
@@ -77,8 +96,16 @@ class FakeTokensPrompt(TypedDict):  # vllm/inputs/llm.py TokensPrompt (TypedDict
 class FakeSamplingParams:
     # Names and defaults match vllm 0.30.0 SamplingParams for the fields the glue sets.
     # The checks are a subset of SamplingParams._verify_args.
-    def __init__(self, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int | None = 16, stop: str | list[str] | None = None, seed: int | None = None):
+    def __init__(
+        self,
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int | None = 16,
+        stop: str | list[str] | None = None,
+        seed: int | None = None,
+    ):
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
         if not 0.0 < top_p <= 1.0:
@@ -133,7 +160,9 @@ class FakeWorker:
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format: bool = True):
         assert not isinstance(weights_iterator, (list, tuple, dict)), "weights must stream, not be materialised"
         # On a GPU this writes into unmapped memory (the weights' pool is asleep): a crash, or nothing kept.
-        assert "weights" not in self.sleeping_tags, "reload_weights while the weights sleep: wake_up(tags=['weights']) first"
+        assert "weights" not in self.sleeping_tags, (
+            "reload_weights while the weights sleep: wake_up(tags=['weights']) first"
+        )
         received, previous = [], None
         for name, tensor in weights_iterator:
             # The glue keeps no reference to a tensor it has handed over: no second copy of the model builds up.
@@ -171,6 +200,7 @@ class FakeEngine:
     """State shared by the fake module; `script(prompt_ids, index)` yields the tokens the
     'model' would sample for sample `index` of that prompt (None: random tokens, from the
     sample's seed when the request has one)."""
+
     script: Any = None
     reset_ok: bool = True  # what reset_prefix_cache returns (False: blocks still in use)
     weights: Any = None  # {name: shape} the engine's model loads, checked by FakeWorker
@@ -184,20 +214,39 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
     eos = tok.eos_token_id
 
     class FakeLLM:
-        def __init__(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", seed: int = 0,
-                     gpu_memory_utilization: float = 0.92, enforce_eager: bool = False,
-                     max_model_len: int | None = None, enable_prefix_caching: bool | None = None,
-                     enable_sleep_mode: bool = False, distributed_executor_backend: str | None = None):
+        def __init__(
+            self,
+            model: str,
+            *,
+            tensor_parallel_size: int = 1,
+            dtype: str = "auto",
+            seed: int = 0,
+            gpu_memory_utilization: float = 0.92,
+            enforce_eager: bool = False,
+            max_model_len: int | None = None,
+            enable_prefix_caching: bool | None = None,
+            enable_sleep_mode: bool = False,
+            distributed_executor_backend: str | None = None,
+        ):
             # In-process engine core is required for passing tensors through collective_rpc.
             assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-            engine.log.append(("LLM", model, dict(seed=seed, dtype=dtype,
-                                                  gpu_memory_utilization=gpu_memory_utilization,
-                                                  max_model_len=max_model_len,
-                                                  enable_prefix_caching=enable_prefix_caching,
-                                                  enable_sleep_mode=enable_sleep_mode,
-                                                  enforce_eager=enforce_eager,
-                                                  tensor_parallel_size=tensor_parallel_size,
-                                                  distributed_executor_backend=distributed_executor_backend)))
+            engine.log.append(
+                (
+                    "LLM",
+                    model,
+                    dict(
+                        seed=seed,
+                        dtype=dtype,
+                        gpu_memory_utilization=gpu_memory_utilization,
+                        max_model_len=max_model_len,
+                        enable_prefix_caching=enable_prefix_caching,
+                        enable_sleep_mode=enable_sleep_mode,
+                        enforce_eager=enforce_eager,
+                        tensor_parallel_size=tensor_parallel_size,
+                        distributed_executor_backend=distributed_executor_backend,
+                    ),
+                )
+            )
             engine.log.append(("world", self._join_world(distributed_executor_backend, tensor_parallel_size)))
             self.max_model_len = max_model_len
             self.enable_sleep_mode = enable_sleep_mode
@@ -214,7 +263,9 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
 
             world = dist.get_world_size() if dist.is_initialized() else 1
             if backend != "external_launcher":
-                assert world == 1, f"a single-process engine in a torch.distributed world of {world}: use external_launcher"
+                assert world == 1, (
+                    f"a single-process engine in a torch.distributed world of {world}: use external_launcher"
+                )
                 return {"world_size": world}
             missing = [v for v in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
             assert not missing, f"external_launcher outside torchrun: no {missing}"
@@ -223,14 +274,28 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
             # Building the engine is collective (new_group for vLLM's groups; the minimum free memory over ranks).
             free = torch.tensor([int(os.environ["RANK"]) + 1])
             dist.all_reduce(free, op=dist.ReduceOp.MIN, group=dist.new_group(backend="gloo"))
-            return {"world_size": world, "rank": int(os.environ["RANK"]), "local_rank": int(os.environ["LOCAL_RANK"]),
-                    "torch_rank": dist.get_rank(), "min_over_ranks": int(free)}
+            return {
+                "world_size": world,
+                "rank": int(os.environ["RANK"]),
+                "local_rank": int(os.environ["LOCAL_RANK"]),
+                "torch_rank": dist.get_rank(),
+                "min_over_ranks": int(free),
+            }
 
         def get_tokenizer(self):
             return tok
 
-        def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None,
-                     priority=None, tokenization_kwargs=None, mm_processor_kwargs=None):
+        def generate(
+            self,
+            prompts,
+            sampling_params=None,
+            *,
+            use_tqdm=True,
+            lora_request=None,
+            priority=None,
+            tokenization_kwargs=None,
+            mm_processor_kwargs=None,
+        ):
             assert not self.worker.sleeping_tags, f"generate while {sorted(self.worker.sleeping_tags)} sleep"
             assert self.worker.weights_state != DISCARDED, "generate with the weights a level-2 sleep discarded"
             engine.log.append(("generate", prompts, sampling_params, use_tqdm))
@@ -264,7 +329,7 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
                     finish = "stop"
                 elif hits := [s for s in sp.stop if s in text]:
                     finish, reason = "stop", min(hits, key=lambda s: text.find(s) + len(s))
-                    text = text[:text.find(reason)]
+                    text = text[: text.find(reason)]
                 elif len(out) >= sp.max_tokens or len(p) + len(out) >= self.max_model_len:
                     finish = "length"
                 if finish:
@@ -316,7 +381,9 @@ def engine(monkeypatch):
     # the glue sets these; monkeypatch restores the original environment afterwards
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    monkeypatch.setattr(gpu, "vllm_build", lambda: None)  # the fake is no installed distribution (test_gpu_preflight.py)
+    monkeypatch.setattr(
+        gpu, "vllm_build", lambda: None
+    )  # the fake is no installed distribution (test_gpu_preflight.py)
     return eng
 
 
@@ -336,9 +403,17 @@ def test_constructor(engine, monkeypatch):
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     [(_, model, kw)] = calls(engine, "LLM")
     assert model == "/ckpt/model"
-    assert kw == dict(seed=7, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=64,
-                      enable_prefix_caching=True, enable_sleep_mode=True, enforce_eager=False,
-                      tensor_parallel_size=1, distributed_executor_backend=None)  # one process: vLLM's own executor
+    assert kw == dict(
+        seed=7,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        max_model_len=64,
+        enable_prefix_caching=True,
+        enable_sleep_mode=True,
+        enforce_eager=False,
+        tensor_parallel_size=1,
+        distributed_executor_backend=None,
+    )  # one process: vLLM's own executor
     assert calls(engine, "world") == [("world", {"world_size": 1})]
     assert s.tokenizer is engine.llm.get_tokenizer()
 
@@ -360,8 +435,7 @@ def test_token_id_prompts_n_and_context_clamp(engine):
     engine.script = lambda p, i: cycle(T["x"])
     s = VLLMSampler("m", max_model_len=64)
     prompts = [[T["Q"]] * 5, [T["Q"]] * 14, [T["Q"]] * 18]
-    out = s.sample(prompts, 3, temperature=0.9, top_p=0.95, max_new_tokens=10, context=20,
-                   stop=["\n\nQ:"])
+    out = s.sample(prompts, 3, temperature=0.9, top_p=0.95, max_new_tokens=10, context=20, stop=["\n\nQ:"])
     [(_, sent, params, use_tqdm)] = calls(engine, "generate")
     assert sent == [{"prompt_token_ids": p} for p in prompts]
     assert use_tqdm is False
@@ -385,7 +459,10 @@ def test_prompts_without_room_get_empty_length_completions(engine):
     prompts = [[T["Q"]] * 20, [T["Q"]] * 4, [T["Q"]] * 40]
     out = s.sample(prompts, 2, temperature=1.0, top_p=1.0, max_new_tokens=8, context=20)
     assert [[(c.ids, c.finish_reason) for c in row] for row in out] == [
-        [([], "length")] * 2, [([T["x"]] * 8, "length")] * 2, [([], "length")] * 2]
+        [([], "length")] * 2,
+        [([T["x"]] * 8, "length")] * 2,
+        [([], "length")] * 2,
+    ]
     [(_, sent, params, _)] = calls(engine, "generate")
     assert sent == [{"prompt_token_ids": prompts[1]}] and [sp.max_tokens for sp in params] == [8]
 
@@ -395,7 +472,9 @@ def test_prompts_without_room_get_empty_length_completions(engine):
     assert len(out[0][0].ids) == 4
 
     n_calls = len(calls(engine, "generate"))
-    assert s.sample([[T["Q"]] * 32], 3, temperature=1.0, top_p=1.0, max_new_tokens=8) == [[Completion([], "length")] * 3]
+    assert s.sample([[T["Q"]] * 32], 3, temperature=1.0, top_p=1.0, max_new_tokens=8) == [
+        [Completion([], "length")] * 3
+    ]
     assert s.sample([], 4, temperature=1.0, top_p=1.0, max_new_tokens=8) == []
     assert len(calls(engine, "generate")) == n_calls  # nothing to do: vLLM not called
 
@@ -515,8 +594,15 @@ def test_load_weights_pushes_every_parameter_then_resets_prefix_cache(engine):
 @pytest.mark.parametrize("tied,dtype", [(False, "bfloat16"), (True, "bfloat16"), (False, "float32")])
 def test_load_weights_sends_the_checkpoint_names_shapes_and_engine_dtype(engine, tmp_path, tied, dtype):
     # vLLM's loader takes the names and shapes a checkpoint directory holds: what save_pretrained wrote.
-    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as checkpoint:
         engine.weights = {name: tuple(checkpoint.get_slice(name).get_shape()) for name in checkpoint.keys()}
@@ -545,8 +631,11 @@ def test_load_weights_never_holds_a_second_copy(engine):
 
 def memory_calls(eng) -> list:
     """The engine's sleep / wake / weight-load calls, in order."""
-    return [c[0] if c[0] in ("reload_weights", "reset_prefix_cache") else c for c in eng.log
-            if c[0] in ("sleep", "sleep ignored", "wake_up", "wake_up ignored", "reload_weights", "reset_prefix_cache")]
+    return [
+        c[0] if c[0] in ("reload_weights", "reset_prefix_cache") else c
+        for c in eng.log
+        if c[0] in ("sleep", "sleep ignored", "wake_up", "wake_up ignored", "reload_weights", "reset_prefix_cache")
+    ]
 
 
 def test_sleep_discards_the_weights_and_wake_up_reloads_them_before_the_kv_cache(engine):
@@ -581,7 +670,12 @@ def test_sleep_after_a_wake_up_without_weights_releases_them_again(engine):
     s.sleep()
     s.wake_up()
     s.sleep()
-    assert memory_calls(engine) == [("sleep", 2, "abort"), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), ("sleep", 2, "abort")]
+    assert memory_calls(engine) == [
+        ("sleep", 2, "abort"),
+        ("wake_up", ["weights"]),
+        ("wake_up", ["kv_cache"]),
+        ("sleep", 2, "abort"),
+    ]
     s.wake_up()
     s.load_weights(lm)
     s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)
@@ -662,7 +756,9 @@ def test_reseeded_sampler_repeats_its_samples(engine):
     prompts = [ids("Q", ":"), ids("Q", ":"), ids("The")]  # two identical prompts: still two different draws
 
     def draw():
-        return [[tuple(c.ids) for c in row] for row in s.sample(prompts, 4, temperature=1.0, top_p=1.0, max_new_tokens=8)]
+        return [
+            [tuple(c.ids) for c in row] for row in s.sample(prompts, 4, temperature=1.0, top_p=1.0, max_new_tokens=8)
+        ]
 
     reseed(3, 5, s)
     first, second = draw(), draw()

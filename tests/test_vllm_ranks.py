@@ -19,8 +19,15 @@ from plumbing import models
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            str(ROOT / "tests" / "vllm_ranks_run.py")]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    str(ROOT / "tests" / "vllm_ranks_run.py"),
+]
 
 
 def ranks(out: Path, *command: str) -> list[dict]:
@@ -34,18 +41,35 @@ def engine_built_for_its_rank(record: dict, rank: int) -> None:
     assert record["llm"]["tensor_parallel_size"] == 1 and record["llm"]["enable_sleep_mode"] is True
     # torchrun's RANK and LOCAL_RANK are this process's, in the world init_distributed made before the engine,
     # and both ranks built their engines together (the minimum over ranks of RANK + 1 is 1).
-    assert record["world"] == {"world_size": 2, "rank": rank, "local_rank": rank, "torch_rank": rank, "min_over_ranks": 1}
+    assert record["world"] == {
+        "world_size": 2,
+        "rank": rank,
+        "local_rank": rank,
+        "torch_rank": rank,
+        "min_over_ranks": 1,
+    }
 
 
 @pytest.mark.parametrize("sharding", ["replicas", "fsdp"])
 def test_each_rank_samples_its_questions_with_its_own_engine_and_receives_the_trained_weights(
-        sharding, tiny_model_dir, gsm8k_jsonl, tmp_path):
+    sharding, tiny_model_dir, gsm8k_jsonl, tmp_path
+):
     iterations = 2
-    settings = {**SMOKE_SETTINGS["grpo_baseline"], "questions": 4, "batch_size": 8, "micro_batch_size": 4,
-                "max_new_tokens": 10, "context": 160, "iterations": iterations, "model": str(tiny_model_dir),
-                "task": str(gsm8k_jsonl), "output_dir": str(tmp_path / "runs"),
-                # replicas: --backend auto chooses vLLM under torchrun; fsdp: --backend vllm is not refused there
-                "backend": "auto" if sharding == "replicas" else "vllm", **({"fsdp": True} if sharding == "fsdp" else {})}
+    settings = {
+        **SMOKE_SETTINGS["grpo_baseline"],
+        "questions": 4,
+        "batch_size": 8,
+        "micro_batch_size": 4,
+        "max_new_tokens": 10,
+        "context": 160,
+        "iterations": iterations,
+        "model": str(tiny_model_dir),
+        "task": str(gsm8k_jsonl),
+        "output_dir": str(tmp_path / "runs"),
+        # replicas: --backend auto chooses vLLM under torchrun; fsdp: --backend vllm is not refused there
+        "backend": "auto" if sharding == "replicas" else "vllm",
+        **({"fsdp": True} if sharding == "fsdp" else {}),
+    }
     records = ranks(tmp_path, "script", "grpo_baseline.py", *cli_flags(settings))
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])["backend"] == "vllm"
@@ -61,7 +85,9 @@ def test_each_rank_samples_its_questions_with_its_own_engine_and_receives_the_tr
     evals = [[call["prompts"] for call in record["generate"] if call["n"] == 1] for record in records]
     rollouts = [[call["prompts"] for call in record["generate"] if call["n"] == 4] for record in records]
     assert [len(calls) for calls in evals] == [1 + iterations] * 2  # before training, and after each iteration
-    assert [len(evals[0][0]), len(evals[1][0])] == [1, 2] and not set(map(tuple, evals[0][0])) & set(map(tuple, evals[1][0]))
+    assert [len(evals[0][0]), len(evals[1][0])] == [1, 2] and not set(map(tuple, evals[0][0])) & set(
+        map(tuple, evals[1][0])
+    )
     assert [[len(prompts) for prompts in calls] for calls in rollouts] == [[2] * iterations] * 2
     assert all(mine != theirs for mine, theirs in zip(*rollouts))
 

@@ -26,6 +26,7 @@ the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is n
 The wheel is ~315 MB, so this runs only with SPO_VLLM_SOURCE_CHECK=1 (CI sets it). With
 SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl a local wheel is read instead of downloading one.
 """
+
 import ast
 import dataclasses
 import importlib.util
@@ -40,14 +41,22 @@ from pathlib import Path
 import pytest
 
 from plumbing import gpu
-from test_vllm_glue import (FakeCompletionOutput, FakeEngine, FakeRequestOutput, FakeSamplingParams,
-                            FakeTokensPrompt, FakeWorker, make_fake_vllm)
+from test_vllm_glue import (
+    FakeCompletionOutput,
+    FakeEngine,
+    FakeRequestOutput,
+    FakeSamplingParams,
+    FakeTokensPrompt,
+    FakeWorker,
+    make_fake_vllm,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
     os.environ.get("SPO_VLLM_SOURCE_CHECK") != "1",
     reason="reads the pinned vllm wheel (~315 MB download): set SPO_VLLM_SOURCE_CHECK=1 to run, "
-           "and SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl to use a local wheel instead")
+    "and SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl to use a local wheel instead",
+)
 
 
 def pinned_version() -> str:
@@ -109,8 +118,13 @@ class Source:
 
 def method(where: tuple[str, ast.ClassDef], name: str) -> ast.FunctionDef:
     path, cls = where
-    defs = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name
-            and not any("overload" in ast.unparse(d) for d in n.decorator_list)]
+    defs = [
+        n
+        for n in cls.body
+        if isinstance(n, ast.FunctionDef)
+        and n.name == name
+        and not any("overload" in ast.unparse(d) for d in n.decorator_list)
+    ]
     assert defs, f"{path}: class {cls.name} has no method {name}"
     return defs[-1]
 
@@ -160,10 +174,17 @@ def glue_calls() -> list[tuple[str, ast.Call]]:
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VLLMSampler")
     out = []
     for node in ast.walk(cls):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
-                "LLM", "SamplingParams", "TokensPrompt"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("LLM", "SamplingParams", "TokensPrompt")
+        ):
             out.append((node.func.id, node))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "self.llm":
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and ast.unparse(node.func.value) == "self.llm"
+        ):
             out.append(("LLM." + node.func.attr, node))
     return out
 
@@ -179,19 +200,24 @@ def literal(node: ast.expr):
 def assert_fake_fits(fake, real: tuple[list[str], dict[str, ast.expr | None], bool], where: str):
     """Every parameter of `fake` (a function, self dropped) exists in `real`, in place if positional, with
     the same default where both are literals; a fake default for a parameter vLLM requires is an error."""
-    params = [p for p in inspect.signature(fake).parameters.values() if p.name != "self"
-              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    params = [
+        p
+        for p in inspect.signature(fake).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     real_positional, real_named, _ = real
     for i, p in enumerate(q for q in params if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)):
-        assert real_positional[i:i + 1] == [p.name], (
-            f"{where}: the fake takes {p.name!r} as positional parameter {i}, vllm {PIN} has {real_positional[i:i + 1]}")
+        assert real_positional[i : i + 1] == [p.name], (
+            f"{where}: the fake takes {p.name!r} as positional parameter {i}, vllm {PIN} has {real_positional[i : i + 1]}"
+        )
     for p in params:
         assert p.name in real_named, f"{where}: the fake accepts {p.name!r}, vllm {PIN} has no such parameter"
         if p.default is not p.empty:
             assert real_named[p.name] is not None, f"{where}: the fake defaults {p.name!r}, vllm {PIN} requires it"
             real_default = literal(real_named[p.name])
             assert real_default is p.empty or real_default == p.default, (
-                f"{where}: {p.name!r} defaults to {real_default!r} in vllm {PIN}, to {p.default!r} in the fake")
+                f"{where}: {p.name!r} defaults to {real_default!r} in vllm {PIN}, to {p.default!r} in the fake"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +225,24 @@ def src(tmp_path_factory) -> Source:
     if local := os.environ.get("SPO_VLLM_WHEEL"):
         return Source(Path(local)) if Path(local).is_file() else Source(error=f"SPO_VLLM_WHEEL={local}: no such file")
     directory = tmp_path_factory.mktemp("vllm_wheel")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"vllm=={PIN}", "-d", str(directory)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        f"vllm=={PIN}",
+        "-d",
+        str(directory),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(directory.glob("vllm-*.whl"))
     if done.returncode or not wheels:
-        return Source(error=f"could not download the vllm {PIN} wheel ({' '.join(cmd)} exited {done.returncode}); "
-                            f"offline? point SPO_VLLM_WHEEL at a local wheel.\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+        return Source(
+            error=f"could not download the vllm {PIN} wheel ({' '.join(cmd)} exited {done.returncode}); "
+            f"offline? point SPO_VLLM_WHEEL at a local wheel.\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
+        )
     return Source(wheels[0])
 
 
@@ -224,16 +262,23 @@ def test_top_level_export(src, name):
 
 def test_glue_calls_fit_the_real_signatures(src):
     calls = glue_calls()
-    assert {"LLM", "SamplingParams", "TokensPrompt"} <= {kind for kind, _ in calls}, "VLLMSampler calls not found in plumbing/engines.py"
+    assert {"LLM", "SamplingParams", "TokensPrompt"} <= {kind for kind, _ in calls}, (
+        "VLLMSampler calls not found in plumbing/engines.py"
+    )
     for kind, call in calls:
         if kind == "LLM":
             where, (positional, named, _) = f"{src.export('LLM')[0]}: LLM.__init__ (or EngineArgs)", llm_init(src)
         elif kind.startswith("LLM."):
-            where, (positional, named, _) = f"{src.export('LLM')[0]}: {kind}", signature(method(src.export("LLM"), kind[4:]))
+            where, (positional, named, _) = (
+                f"{src.export('LLM')[0]}: {kind}",
+                signature(method(src.export("LLM"), kind[4:])),
+            )
         else:
             path, cls = src.export(kind)
             where, positional, named = f"{path}: {kind}", [], fields(src, (path, cls))
-        assert len(call.args) <= len(positional), f"{where}: plumbing/engines.py line {call.lineno} passes {len(call.args)} positional arguments"
+        assert len(call.args) <= len(positional), (
+            f"{where}: plumbing/engines.py line {call.lineno} passes {len(call.args)} positional arguments"
+        )
         for kw in call.keywords:
             assert kw.arg in named, f"{where} has no parameter {kw.arg!r} (plumbing/engines.py line {call.lineno})"
 
@@ -241,19 +286,31 @@ def test_glue_calls_fit_the_real_signatures(src):
 def test_llm_api_the_glue_relies_on(src):
     llm = src.export("LLM")
     assert llm_init(src)[0][:1] == ["model"], f"{llm[0]}: LLM.__init__'s first parameter is not 'model'"
-    for name, wanted in {"generate": ["prompts", "sampling_params", "use_tqdm"], "get_tokenizer": [],
-                         "collective_rpc": ["method", "timeout", "args", "kwargs"], "reset_prefix_cache": [],
-                         "sleep": ["level"], "wake_up": ["tags"]}.items():
+    for name, wanted in {
+        "generate": ["prompts", "sampling_params", "use_tqdm"],
+        "get_tokenizer": [],
+        "collective_rpc": ["method", "timeout", "args", "kwargs"],
+        "reset_prefix_cache": [],
+        "sleep": ["level"],
+        "wake_up": ["tags"],
+    }.items():
         named = signature(method(llm, name))[1]
-        assert [n for n in named if n in wanted] == wanted, f"{llm[0]}: LLM.{name}{tuple(named)} lacks {wanted} in this order"
+        assert [n for n in named if n in wanted] == wanted, (
+            f"{llm[0]}: LLM.{name}{tuple(named)} lacks {wanted} in this order"
+        )
     returns = method(llm, "reset_prefix_cache").returns
-    assert returns is not None and ast.unparse(returns) == "bool", f"{llm[0]}: LLM.reset_prefix_cache no longer returns bool"
+    assert returns is not None and ast.unparse(returns) == "bool", (
+        f"{llm[0]}: LLM.reset_prefix_cache no longer returns bool"
+    )
 
 
 def test_fields_the_glue_sets_and_reads(src):
-    for name, wanted in {"SamplingParams": ["n", "temperature", "top_p", "max_tokens", "stop", "seed"],
-                         "TokensPrompt": ["prompt_token_ids"], "CompletionOutput": ["token_ids", "finish_reason"],
-                         "RequestOutput": ["outputs"]}.items():
+    for name, wanted in {
+        "SamplingParams": ["n", "temperature", "top_p", "max_tokens", "stop", "seed"],
+        "TokensPrompt": ["prompt_token_ids"],
+        "CompletionOutput": ["token_ids", "finish_reason"],
+        "RequestOutput": ["outputs"],
+    }.items():
         path, cls = src.export(name)
         missing = set(wanted) - set(fields(src, (path, cls)))
         assert not missing, f"{path}: {name} has no {sorted(missing)}"
@@ -271,25 +328,37 @@ def test_reload_weights_reaches_the_model_runner(src):
             where = worker
             if signature(method(worker, rpc))[2]:  # Worker.<rpc>(*args, **kwargs) forwards to the model runner
                 assert f"self.model_runner.{rpc}(" in ast.unparse(method(worker, rpc)), (
-                    f"{worker[0]}: Worker.{rpc} takes **kwargs but does not call self.model_runner.{rpc}")
+                    f"{worker[0]}: Worker.{rpc} takes **kwargs but does not call self.model_runner.{rpc}"
+                )
                 where = runner
             named = signature(method(where, rpc))[1]
             for kw in (k for k in call.keywords if k.arg == "kwargs"):
-                assert isinstance(kw.value, ast.Dict), f"plumbing/engines.py line {call.lineno}: collective_rpc kwargs is not a dict literal"
+                assert isinstance(kw.value, ast.Dict), (
+                    f"plumbing/engines.py line {call.lineno}: collective_rpc kwargs is not a dict literal"
+                )
                 for key in map(ast.literal_eval, kw.value.keys):
-                    assert key in named, f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (plumbing/engines.py line {call.lineno})"
+                    assert key in named, (
+                        f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (plumbing/engines.py line {call.lineno})"
+                    )
 
 
 def test_environment_switches(src):
-    keys = {k.value for d in ast.walk(src.tree("vllm/envs.py")) if isinstance(d, ast.Dict)
-            for k in d.keys if isinstance(k, ast.Constant)}
+    keys = {
+        k.value
+        for d in ast.walk(src.tree("vllm/envs.py"))
+        if isinstance(d, ast.Dict)
+        for k in d.keys
+        if isinstance(k, ast.Constant)
+    }
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):  # in-process engine; no nvcc JIT
         assert name in keys, f"vllm/envs.py no longer reads {name}"
 
 
 def test_child_requests_get_distinct_seeds(src):
     # VLLMSampler sends one seed per prompt with n samples; the samples differ only because each child gets seed + i.
-    body = ast.unparse(method(src.find_class("vllm.v1.engine.parallel_sampling", "ParentRequest"), "_get_child_sampling_params"))
+    body = ast.unparse(
+        method(src.find_class("vllm.v1.engine.parallel_sampling", "ParentRequest"), "_get_child_sampling_params")
+    )
     assert "seed + index" in body, "vllm/v1/engine/parallel_sampling.py no longer seeds child i with seed + i"
 
 
@@ -308,19 +377,25 @@ def test_sleep_level_2_discards_the_weights_and_wakes_by_tag(src):
     # VLLMSampler.sleep uses level 2 because nothing is copied to the host there (level 1 offloads the weights).
     suspend = body(src, "vllm.device_allocator.sleep_mode_backend", "CuMemBackend", "suspend")
     assert "offload_tags=('weights',) if level == 1 else tuple()" in suspend, (
-        "vllm/device_allocator/sleep_mode_backend.py: CuMemBackend.suspend no longer offloads nothing at level 2")
+        "vllm/device_allocator/sleep_mode_backend.py: CuMemBackend.suspend no longer offloads nothing at level 2"
+    )
     # wake_up(tags=["weights"]), load, wake_up(tags=["kv_cache"]): the executor tracks the two tags, wakes each one
     # alone, and ignores a sleep while any sleeps (VLLMSampler.sleep wakes the KV cache first then).
     executor = src.find_class("vllm.v1.executor.abstract", "Executor")
     sleep, wake_up = ast.unparse(method(executor, "sleep")), ast.unparse(method(executor, "wake_up"))
-    assert "self.sleeping_tags = {'weights', 'kv_cache'}" in sleep, "Executor.sleep: the tags are not weights and kv_cache"
+    assert "self.sleeping_tags = {'weights', 'kv_cache'}" in sleep, (
+        "Executor.sleep: the tags are not weights and kv_cache"
+    )
     assert "if self.is_sleeping:" in sleep and "return" in sleep, "Executor.sleep no longer ignores a second sleep"
     assert "self.sleeping_tags.remove(tag)" in wake_up, "Executor.wake_up no longer wakes tags one at a time"
     worker = ast.unparse(src.find_class("vllm.v1.worker.gpu_worker", "Worker")[1])
     for tag in ("weights", "kv_cache"):
-        assert f"_maybe_get_memory_pool_context(tag='{tag}')" in worker, f"gpu_worker.py allocates no memory under tag {tag!r}"
+        assert f"_maybe_get_memory_pool_context(tag='{tag}')" in worker, (
+            f"gpu_worker.py allocates no memory under tag {tag!r}"
+        )
     assert "resume_scheduler" in body(src, "vllm.v1.engine.core", "EngineCore", "wake_up"), (
-        "EngineCore.wake_up no longer resumes scheduling once every tag is awake")
+        "EngineCore.wake_up no longer resumes scheduling once every tag is awake"
+    )
 
 
 def test_buffers_survive_level_2_through_the_worker_not_the_reload(src):
@@ -328,14 +403,19 @@ def test_buffers_survive_level_2_through_the_worker_not_the_reload(src):
     # puts them back when "weights" wakes; the in-place reload rewrites parameters and skips such buffers.
     sleep = body(src, "vllm.v1.worker.gpu_worker", "Worker", "sleep")
     wake_up = body(src, "vllm.v1.worker.gpu_worker", "Worker", "wake_up")
-    assert "if level == 2:" in sleep and "model.named_buffers()" in sleep, "Worker.sleep(level=2) no longer saves the buffers"
+    assert "if level == 2:" in sleep and "model.named_buffers()" in sleep, (
+        "Worker.sleep(level=2) no longer saves the buffers"
+    )
     assert "wake_weights = tags is None or 'weights' in tags" in wake_up and "_sleep_saved_buffers" in wake_up, (
-        "Worker.wake_up no longer restores the buffers when 'weights' wakes")
+        "Worker.wake_up no longer restores the buffers when 'weights' wakes"
+    )
     restore = body(src, "vllm.model_executor.model_loader.reload.layerwise", "_copy_and_restore_kernel_tensors")
     assert "if name in non_persistent and name not in loaded_tensor_names:" in restore, (
-        "layerwise.py: _copy_and_restore_kernel_tensors may now overwrite buffers the reload did not load")
-    assert "finalize_layerwise_reload(model" in body(src, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights"), (
-        "GPUModelRunner.reload_weights no longer goes through model_loader/reload/layerwise.py")
+        "layerwise.py: _copy_and_restore_kernel_tensors may now overwrite buffers the reload did not load"
+    )
+    assert "finalize_layerwise_reload(model" in body(
+        src, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights"
+    ), "GPUModelRunner.reload_weights no longer goes through model_loader/reload/layerwise.py"
 
 
 def glue_executor_backends() -> set:
@@ -349,20 +429,31 @@ def glue_executor_backends() -> set:
 
 def test_torchrun_engines_use_the_external_launcher(src):
     backends = glue_executor_backends()
-    assert backends == {"external_launcher"}, f"plumbing/engines.py passes distributed_executor_backend {sorted(backends)}"
+    assert backends == {"external_launcher"}, (
+        f"plumbing/engines.py passes distributed_executor_backend {sorted(backends)}"
+    )
     tree = src.tree("vllm/config/parallel.py")
-    literal = next(ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                   and ast.unparse(n.targets[0]) == "DistributedExecutorBackend")
+    literal = next(
+        ast.unparse(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "DistributedExecutorBackend"
+    )
     assert "'external_launcher'" in literal, f"vllm/config/parallel.py: DistributedExecutorBackend = {literal}"
     get_class = body(src, "vllm.v1.executor.abstract", "Executor", "get_class")
-    assert "distributed_executor_backend == 'external_launcher':\n        executor_class = ExecutorWithExternalLauncher" in get_class, (
-        "vllm/v1/executor/abstract.py: Executor.get_class no longer maps external_launcher to ExecutorWithExternalLauncher")
+    assert (
+        "distributed_executor_backend == 'external_launcher':\n        executor_class = ExecutorWithExternalLauncher"
+        in get_class
+    ), (
+        "vllm/v1/executor/abstract.py: Executor.get_class no longer maps external_launcher to ExecutorWithExternalLauncher"
+    )
     launcher = src.find_class("vllm.v1.executor.uniproc_executor", "ExecutorWithExternalLauncher")
     args = ast.unparse(method(launcher, "_distributed_args"))
     for needed in ("'env://'", "os.environ['RANK']", "os.environ['LOCAL_RANK']"):
         assert needed in args, f"{launcher[0]}: ExecutorWithExternalLauncher._distributed_args no longer uses {needed}"
     assert "not envs.VLLM_ENABLE_V1_MULTIPROCESSING" in ast.unparse(method(launcher, "_init_executor"))
-    assert "ReduceOp.MIN" in ast.unparse(method(launcher, "determine_available_memory"))  # collective: the fake joins one too
+    assert "ReduceOp.MIN" in ast.unparse(
+        method(launcher, "determine_available_memory")
+    )  # collective: the fake joins one too
     # The engine's GPU is the rank's own: no data-parallel offset to LOCAL_RANK for this backend.
     assert "not in ('ray', 'external_launcher')" in body(src, "vllm.v1.worker.gpu_worker", "Worker", "init_device")
 
@@ -370,22 +461,37 @@ def test_torchrun_engines_use_the_external_launcher(src):
 def test_external_launcher_engines_are_independent_in_the_training_world(src):
     # The world the training's init_distributed made is reused (not a new one of size 1 at rank RANK).
     init = body(src, "vllm.distributed.parallel_state", "init_distributed_environment")
-    assert "if not torch.distributed.is_initialized():" in init and "ranks = list(range(torch.distributed.get_world_size()))" in init, (
-        "vllm/distributed/parallel_state.py: init_distributed_environment no longer reuses an initialised world")
+    assert (
+        "if not torch.distributed.is_initialized():" in init
+        and "ranks = list(range(torch.distributed.get_world_size()))" in init
+    ), "vllm/distributed/parallel_state.py: init_distributed_environment no longer reuses an initialised world"
     # Ranks are laid out ExternalDP x DP x PP x PCP x TP: at TP = DP = PP = PCP = 1 every rank is its own engine.
     layout = body(src, "vllm.distributed.parallel_state", "initialize_model_parallel")
-    assert ("torch.arange(world_size).reshape(-1, data_parallel_size, pipeline_model_parallel_size, "
-            "prefill_context_model_parallel_size, tensor_model_parallel_size)") in layout, (
-        "initialize_model_parallel no longer puts the external data-parallel dimension first")
+    assert (
+        "torch.arange(world_size).reshape(-1, data_parallel_size, pipeline_model_parallel_size, "
+        "prefill_context_model_parallel_size, tensor_model_parallel_size)"
+    ) in layout, "initialize_model_parallel no longer puts the external data-parallel dimension first"
     # Sizes the glue relies on: tensor_parallel_size is passed (1); data, pipeline and prefill-context parallel sizes
     # keep their defaults of 1. Data parallel > 1 would step the ranks' engines together.
     parallel = src.find_class("vllm.config.parallel", "ParallelConfig")
-    for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size"):
+    for name in (
+        "tensor_parallel_size",
+        "data_parallel_size",
+        "pipeline_parallel_size",
+        "prefill_context_parallel_size",
+    ):
         default = fields(src, parallel)[name]
-        assert default is not None and "default=1" in ast.unparse(default), f"{parallel[0]}: ParallelConfig.{name} = {ast.unparse(default)}"
+        assert default is not None and "default=1" in ast.unparse(default), (
+            f"{parallel[0]}: ParallelConfig.{name} = {ast.unparse(default)}"
+        )
     engine = body(src, "vllm.v1.engine.llm_engine", "LLMEngine", "__init__")
-    assert "self.external_launcher_dp = parallel_config.data_parallel_size > 1 and executor_backend == 'external_launcher'" in engine
-    assert "has_unfinished_requests_dp" in body(src, "vllm.v1.engine.llm_engine", "LLMEngine", "has_unfinished_requests")
+    assert (
+        "self.external_launcher_dp = parallel_config.data_parallel_size > 1 and executor_backend == 'external_launcher'"
+        in engine
+    )
+    assert "has_unfinished_requests_dp" in body(
+        src, "vllm.v1.engine.llm_engine", "LLMEngine", "has_unfinished_requests"
+    )
 
 
 def readme_torch_index() -> str:
@@ -396,7 +502,9 @@ def readme_torch_index() -> str:
     commands = gpu_resolve.gpu_install((ROOT / "README.md").read_text())
     assert commands, "README.md has no ```bash block after a <!-- gpu-install comment"
     torch_install = commands[0]
-    assert "--index-url" in torch_install[:-1], f"README's torch install names no --index-url: {' '.join(torch_install)}"
+    assert "--index-url" in torch_install[:-1], (
+        f"README's torch install names no --index-url: {' '.join(torch_install)}"
+    )
     return torch_install[torch_install.index("--index-url") + 1]
 
 
@@ -411,20 +519,26 @@ def test_readme_torch_index_is_the_cuda_of_the_wheel(src):
             linked[name] = gpu.linked_cuda_majors(gpu.elf_needed(so))
     assert any(linked.values()), f"no top-level .so of the vllm {PIN} wheel links libcudart"
     wrong = {name: sorted(majors) for name, majors in linked.items() if majors and majors != {readme_major}}
-    assert not wrong, f"README installs torch for CUDA {readme_major} ({index}); vllm {PIN}'s ops link libcudart.so.N: {wrong}"
+    assert not wrong, (
+        f"README installs torch for CUDA {readme_major} ({index}); vllm {PIN}'s ops link libcudart.so.N: {wrong}"
+    )
     metadata = src.zip.read(next(n for n in src.names() if n.endswith(".dist-info/METADATA"))).decode()
     requires = [line.split(":", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     extras = gpu.extra_cuda_majors([r for r in requires if "extra ==" not in r])
-    assert extras == {readme_major}, f"vllm {PIN}'s requirements name CUDA {sorted(extras)} extras; README's torch is CUDA {readme_major}"
+    assert extras == {readme_major}, (
+        f"vllm {PIN}'s requirements name CUDA {sorted(extras)} extras; README's torch is CUDA {readme_major}"
+    )
     assert gpu.TORCH_INDEX.get(readme_major) == index, (
-        f"plumbing/gpu.py's pre-flight suggests {gpu.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; README uses {index}")
+        f"plumbing/gpu.py's pre-flight suggests {gpu.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; README uses {index}"
+    )
 
 
 FAKE_LLM = make_fake_vllm(FakeEngine()).LLM
 
 
-@pytest.mark.parametrize("name", ["__init__", "generate", "collective_rpc", "reset_prefix_cache", "sleep",
-                                  "wake_up", "get_tokenizer"])
+@pytest.mark.parametrize(
+    "name", ["__init__", "generate", "collective_rpc", "reset_prefix_cache", "sleep", "wake_up", "get_tokenizer"]
+)
 def test_fake_llm_method_matches_the_real_one(src, name):
     real = llm_init(src) if name == "__init__" else signature(method(src.export("LLM"), name))
     assert_fake_fits(getattr(FAKE_LLM, name), real, f"vllm/entrypoints/llm.py: LLM.{name}")
@@ -437,15 +551,21 @@ def test_fake_sampling_params_match_the_real_ones(src):
 
 def test_fake_worker_matches_the_model_runner(src):
     runner = src.find_class("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
-    assert_fake_fits(FakeWorker.reload_weights, signature(method(runner, "reload_weights")),
-                     "vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.reload_weights")
+    assert_fake_fits(
+        FakeWorker.reload_weights,
+        signature(method(runner, "reload_weights")),
+        "vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.reload_weights",
+    )
 
 
-@pytest.mark.parametrize("name, fake_fields", [
-    ("TokensPrompt", list(FakeTokensPrompt.__annotations__)),
-    ("CompletionOutput", [f.name for f in dataclasses.fields(FakeCompletionOutput)]),
-    ("RequestOutput", [f.name for f in dataclasses.fields(FakeRequestOutput)]),
-])
+@pytest.mark.parametrize(
+    "name, fake_fields",
+    [
+        ("TokensPrompt", list(FakeTokensPrompt.__annotations__)),
+        ("CompletionOutput", [f.name for f in dataclasses.fields(FakeCompletionOutput)]),
+        ("RequestOutput", [f.name for f in dataclasses.fields(FakeRequestOutput)]),
+    ],
+)
 def test_fake_prompt_and_outputs_have_real_fields(src, name, fake_fields):
     path, cls = src.export(name)
     missing = set(fake_fields) - set(fields(src, (path, cls)))

@@ -42,9 +42,11 @@ def digests(weights) -> dict[str, str]:
 
 def seeing_a_gpu(function):
     """`function` with torch.cuda.is_available() true while it runs: the glue's checks see a GPU, nothing else does."""
+
     def wrapped(*args, **kwargs):
         with mock.patch.object(torch.cuda, "is_available", lambda: True):
             return function(*args, **kwargs)
+
     return wrapped
 
 
@@ -59,12 +61,19 @@ def install_fake(tokenizer, script=None) -> FakeEngine:
 
 
 def record(engine: FakeEngine, **extra) -> dict:
-    events = [entry[0] if entry[0] != "wake_up" else f"wake_up {entry[1]}" for entry in engine.log
-              if entry[0] in ("sleep", "sleep ignored", "wake_up", "wake_up ignored", "reload_weights", "reset_prefix_cache")]
+    events = [
+        entry[0] if entry[0] != "wake_up" else f"wake_up {entry[1]}"
+        for entry in engine.log
+        if entry[0] in ("sleep", "sleep ignored", "wake_up", "wake_up ignored", "reload_weights", "reset_prefix_cache")
+    ]
     return {
-        "llm": calls(engine, "LLM")[0][2], "world": calls(engine, "world")[0][1], "events": events,
-        "generate": [{"prompts": [p["prompt_token_ids"] for p in prompts], "seeds": [sp.seed for sp in params],
-                      "n": params[0].n} for _, prompts, params, _ in calls(engine, "generate")],
+        "llm": calls(engine, "LLM")[0][2],
+        "world": calls(engine, "world")[0][1],
+        "events": events,
+        "generate": [
+            {"prompts": [p["prompt_token_ids"] for p in prompts], "seeds": [sp.seed for sp in params], "n": params[0].n}
+            for _, prompts, params, _ in calls(engine, "generate")
+        ],
         "syncs": [digests(received) for _, received, _, _ in calls(engine, "reload_weights")],
         **extra,
     }
