@@ -26,9 +26,10 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import tqdm

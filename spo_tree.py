@@ -43,8 +43,9 @@ import re
 import statistics
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import Literal
 
 import torch
 import tqdm

@@ -29,12 +29,11 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import tyro
 
 from plumbing import UsageError, files, ranges  # torch-free: the viewer starts instantly
-
 
 # ----------------------------------------------------------------------------------------------
 # Reading runs
@@ -772,7 +771,7 @@ def main(command: Html | Curves) -> None:
 
 if __name__ == "__main__":
     command = tyro.cli(
-        Union[Annotated[Html, tyro.conf.subcommand("html")], Annotated[Curves, tyro.conf.subcommand("curves")]]
+        Annotated[Html, tyro.conf.subcommand("html")] | Annotated[Curves, tyro.conf.subcommand("curves")]
     )
     try:
         main(command)

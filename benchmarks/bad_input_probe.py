@@ -42,10 +42,9 @@ class Args:
 
 def make_fixtures(folder: Path) -> dict[str, str]:
     """The damaged files and models the cases name, as {NAME: path}."""
-    from conftest import make_tiny_model
-
     import grpo_baseline
     import spo_tree
+    from conftest import make_tiny_model
 
     tiny = make_tiny_model(folder / "tiny")
     paths = {

@@ -86,11 +86,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from credit_assignment import pearson, rounded, sign_agreement  # noqa: E402
+
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
-from credit_assignment import pearson, rounded, sign_agreement  # noqa: E402
 from plumbing import UsageError, ranges, runs  # noqa: E402
 from plumbing.engines import Completion  # noqa: E402
 from plumbing.precision import FP32, cpu_description  # noqa: E402

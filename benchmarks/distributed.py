@@ -87,8 +87,8 @@ def time_collectives(distributed) -> list[float]:
 def worker(output_dir: str, report: str) -> None:
     """Run grpo_baseline.main in this process (started by python or torchrun) and let rank 0 write the report."""
     sys.path.insert(0, str(ROOT))
-    from plumbing import distributed, models, runs
     import grpo_baseline as grpo
+    from plumbing import distributed, models, runs
 
     collective_seconds = time_collectives(distributed)
     summary = grpo.main(runs.cli(grpo.Args, SETTINGS + ["--output-dir", output_dir]))

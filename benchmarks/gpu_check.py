@@ -45,15 +45,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import eval as ev  # noqa: E402
-from plumbing import engines, files, gpu, memory, models, ranges, training  # noqa: E402
-from plumbing.memory import model_shape  # noqa: E402
-from plumbing.precision import choose_precision, gpu_has_bf16  # noqa: E402
-from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
 from conftest import make_tokenizer  # noqa: E402
+from plumbing import engines, files, gpu, memory, models, ranges, training  # noqa: E402
+from plumbing.memory import model_shape  # noqa: E402
+from plumbing.precision import choose_precision, gpu_has_bf16  # noqa: E402
+from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
 
 # DeepSeek-R1-Distill-Qwen-1.5B's config (its config.json), for the update at the real shape
 QWEN_1_5B = dict(
@@ -375,10 +375,11 @@ def spo_tree_old_logprob_pass(model_dir: Path, device: str) -> dict:
     )
     generator = torch.Generator().manual_seed(0)
     edges = paper_tree_edges(model.config.vocab_size, questions, branches, segment, prompt, context, generator)
-    cached = lambda micro: (
-        len(micro)
-        * (max(len(edges[i]["prompt_ids"]) for i in micro) + max(len(edges[i]["response_ids"]) for i in micro))
-    )  # noqa: E731
+
+    def cached(micro: list[int]) -> int:  # positions a micro-batch's KV cache holds
+        widest_prompt = max(len(edges[i]["prompt_ids"]) for i in micro)
+        return len(micro) * (widest_prompt + max(len(edges[i]["response_ids"]) for i in micro))
+
     per_position, once = training.no_grad_pass_bytes(
         model_shape(model.config), 2 if device in precision.bf16 else 4, context
     )

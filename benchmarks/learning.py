@@ -30,11 +30,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import eval as ev  # noqa: E402
-from plumbing import files, ranges, runs as run_files  # noqa: E402
+from plumbing import files, ranges  # noqa: E402
+from plumbing import runs as run_files  # noqa: E402
 from plumbing.precision import cpu_description  # noqa: E402
 
 # Per-algorithm settings: sized so each makes several iterations in 12 minutes on 2 CPU cores.

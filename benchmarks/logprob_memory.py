@@ -29,9 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import eval as ev  # noqa: E402
-from plumbing import models, ranges  # noqa: E402
 import grpo_baseline  # noqa: E402
+from plumbing import models, ranges  # noqa: E402
 
 
 @dataclass

@@ -10,8 +10,8 @@ update's real peak where a GPU is lent.
 from __future__ import annotations
 
 import argparse
-import textwrap
 import sys
+import textwrap
 from pathlib import Path
 
 from transformers import LlamaConfig, Qwen2Config
@@ -19,11 +19,11 @@ from transformers import LlamaConfig, Qwen2Config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plumbing import UsageError, memory  # noqa: E402
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
+from plumbing import UsageError, memory  # noqa: E402
 
 SCRIPTS = [
     ("spo_tree.py", spo_tree),

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
+import grpo_baseline as grpo  # noqa: E402
 from plumbing import engines, models, training  # noqa: E402
 from plumbing.precision import FP32, choose_precision  # noqa: E402
-import grpo_baseline as grpo  # noqa: E402
 
 TASK, QUESTIONS, GROUP, NEW_TOKENS, BATCH, MICRO = (
     "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",

@@ -17,12 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import eval as ev  # noqa: E402
-from plumbing import runs  # noqa: E402
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
+from plumbing import runs  # noqa: E402
 
 SCRIPTS = [
     ("spo_chain.py", spo_chain),

@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
-from plumbing import engines, models  # noqa: E402
-from plumbing.precision import fast_bf16, choose_precision  # noqa: E402
 import grpo_baseline as grpo  # noqa: E402
+from plumbing import engines, models  # noqa: E402
+from plumbing.precision import choose_precision, fast_bf16  # noqa: E402
 
 TASK, QUESTIONS, SAMPLES, NEW_TOKENS, TEMPERATURE, THRESHOLD = (
     "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",

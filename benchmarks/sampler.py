@@ -28,7 +28,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
 from plumbing import engines, models  # noqa: E402
-from plumbing.precision import cpu_description, fast_bf16, choose_precision  # noqa: E402
+from plumbing.precision import choose_precision, cpu_description, fast_bf16  # noqa: E402
 
 REPEATS = 3
 TEMPERATURE, TOP_P = 0.6, 0.9

@@ -87,7 +87,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # eval.py lives at the repository root; imported lazily (it imports torch)
 from plumbing import ranges  # noqa: E402  (imports no torch)

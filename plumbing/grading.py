@@ -270,7 +270,7 @@ class _GradeWorker:
         self.todo = collections.deque()  # indices sent to this worker and not yet answered, in order
         self.deadline = math.inf
 
-    def wait_ready(self) -> "_GradeWorker":
+    def wait_ready(self) -> _GradeWorker:
         try:
             if self.conn.poll(_GRADE_STARTUP_TIMEOUT) and self.conn.recv() == "ready":
                 return self

@@ -22,9 +22,10 @@ import time
 import types
 import typing
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import tyro
 

@@ -18,7 +18,6 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repository root
-import eval as ev  # noqa: E402
 from plumbing import precision as precision_module  # noqa: E402
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]

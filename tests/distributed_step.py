@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import eval as ev  # noqa: E402
 from plumbing import distributed, models  # noqa: E402
 
 QUESTIONS, GROUP = 4, 4

@@ -215,8 +215,8 @@ def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8
 
 def _command_lines():
     """Every dataclass a command line of the project is parsed into: the four scripts, eval.py, viewer.py, the benchmarks."""
-    import importlib
     import dataclasses
+    import importlib
 
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     modules = {
@@ -266,8 +266,6 @@ def test_every_numeric_flag_declares_a_range_that_its_default_satisfies():
 
 def test_a_range_shows_in_help_and_rejects_non_finite_values():
     from dataclasses import dataclass
-
-    import tyro
 
     from plumbing import ranges
 

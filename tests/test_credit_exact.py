@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import credit_exact as ce  # noqa: E402
+
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402

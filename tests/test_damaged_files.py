@@ -3,18 +3,16 @@ that was kept is lost (plumbing/files.py, plumbing/runs.py, plumbing/checkpoints
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-import grpo_baseline
 import eval as ev
+import grpo_baseline
 from plumbing import UsageError, checkpoints, files, models, runs
 
 ROOT = Path(__file__).resolve().parents[1]

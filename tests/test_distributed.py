@@ -8,15 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
-from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
 
-import eval as ev
-from plumbing import distributed, models
+from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
+from plumbing import models
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 

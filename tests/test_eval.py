@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
 
 import eval as ev
-from plumbing import engines, models
+from conftest import write_jsonl
+from plumbing import UsageError, engines, models
 from plumbing import precision as precision_module
-from plumbing.precision import FP32, choose_precision
-from plumbing import UsageError
+from plumbing.precision import choose_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 

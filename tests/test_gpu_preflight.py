@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_vllm_glue import FakeEngine, calls, make_fake_vllm
 
 from plumbing import UsageError, gpu
 from plumbing.engines import VLLMSampler
-from test_vllm_glue import FakeEngine, calls, make_fake_vllm
 
 FIX = "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
 

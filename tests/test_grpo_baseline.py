@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
-from plumbing import models
-from plumbing import UsageError
 import grpo_baseline as grpo
+from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
+from plumbing import UsageError, models
 
 ROOT = Path(__file__).resolve().parents[1]
 

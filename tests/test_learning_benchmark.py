@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import read_metrics, smoke_args
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,12 +3,10 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
-import eval as ev
 from plumbing import models
-
-import pytest
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 

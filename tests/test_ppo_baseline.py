@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
-from plumbing import models, runs
-from plumbing import UsageError
 import ppo_baseline as ppo
+from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
+from plumbing import UsageError, models, runs
 
 ROOT = Path(__file__).resolve().parents[1]
 

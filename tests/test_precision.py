@@ -6,15 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, smoke_args
 
-import eval as ev
-from plumbing import models
-from plumbing import precision as precision_module
 import grpo_baseline
 import ppo_baseline
 import spo_chain
 import spo_tree
+from conftest import read_metrics, smoke_args
+from plumbing import models
+from plumbing import precision as precision_module
 
 SCRIPTS = [grpo_baseline, ppo_baseline, spo_chain, spo_tree]
 

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import eval as ev
-from plumbing import checkpoints, runs
-from plumbing import UsageError
 import grpo_baseline
 import ppo_baseline
 import spo_chain
 import spo_tree
+from plumbing import UsageError, checkpoints, runs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [spo_chain, spo_tree, grpo_baseline, ppo_baseline]

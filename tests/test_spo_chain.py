@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
-from plumbing import engines, models
-from plumbing import UsageError
 import spo_chain as spo
+from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
+from plumbing import UsageError, engines, models
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKED_PROBS = [0.99, 0.72, 1, 0.85, 1, 0.56, 0.92, 0.23, 0.98, 0.11, 1, 0.5, 0.99]  # the example

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tokenizer, read_metrics, smoke_args, write_jsonl
 
 import eval as ev
-from plumbing import engines, models, training
-from plumbing import UsageError
 import spo_tree as spo
+from conftest import make_tiny_model, make_tokenizer, read_metrics, smoke_args, write_jsonl
+from plumbing import UsageError, engines, models, training
 
 ROOT = Path(__file__).resolve().parents[1]
 

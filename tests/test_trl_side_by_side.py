@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import eval as ev
-from plumbing.precision import cpu_description
 import grpo_baseline as grpo
+from plumbing.precision import cpu_description
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 

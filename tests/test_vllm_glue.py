@@ -43,8 +43,8 @@ from typing import Any, TypedDict
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
 from safetensors import safe_open
+from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from plumbing import distributed, engines, gpu, precision

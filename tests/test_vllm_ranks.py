@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
 from vllm_ranks_run import digests
 
+from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
 from plumbing import models
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)

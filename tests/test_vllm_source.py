@@ -39,8 +39,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from plumbing import gpu
 from test_vllm_glue import (
     FakeCompletionOutput,
     FakeEngine,
@@ -50,6 +48,8 @@ from test_vllm_glue import (
     FakeWorker,
     make_fake_vllm,
 )
+
+from plumbing import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(

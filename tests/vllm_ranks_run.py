@@ -26,8 +26,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from plumbing import distributed, engines, gpu, models  # noqa: E402
 from test_vllm_glue import FakeEngine, calls, make_fake_vllm  # noqa: E402
+
+from plumbing import distributed, engines, gpu, models  # noqa: E402
 
 
 def digests(weights) -> dict[str, str]:
