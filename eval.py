@@ -33,7 +33,8 @@ from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
 from plumbing.models import load_model
 from plumbing.precision import choose_precision
-from plumbing.runs import directory_problems, run_cli
+from plumbing.cli import run_cli
+from plumbing.settings import directory_problems
 
 # ----------------------------------------------------------------------------------------------
 # Tasks

@@ -20,27 +20,35 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
+from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
 
 @dataclass
-class Args(runs.TrainArgs):
-    exp_name: str = "grpo"
-    """experiment name, part of the run name"""
+class GrpoSettings:
+    """GRPO's own settings: first in --help."""
+
     group_size: ranges.bounded(int, 2) = 8
     """responses per question (G)"""
     prob_mask: bool = False
     """GRPO+mask ablation: train only on tokens with p_t < prob_threshold"""
     prob_threshold: ranges.Probability = 0.9
     """probability threshold of the mask"""
+
+
+# GrpoSettings first in --help, then the settings every script shares (settings.TrainArgs), redeclared
+# here only where this algorithm's paper default differs.
+@dataclass
+class Args(settings.TrainArgs, GrpoSettings):
+    exp_name: str = "grpo"
+    """experiment name, part of the run name"""
 
 
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
@@ -347,7 +355,7 @@ def main(args: Args) -> dict:
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return runs.dry_run(
+        return paper.dry_run(
             args,
             PAPER_SETTINGS,
             resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
@@ -355,7 +363,10 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
-    run_dir, checkpoint = runs.open_run(args, precision.line, device)
+    run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
+    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
+    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
+    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
     model, tokenizer, reference = models.load_policy(
         args.model,
         checkpoint,
@@ -385,7 +396,7 @@ def main(args: Args) -> dict:
     # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
     # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).
     on_policy = steps_per_iteration == 1 and not args.prob_mask
-    state = checkpoints.load_trainer_state(checkpoint, model.device) if checkpoint else None
+    state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
     optimizer, scheduler = checkpoints.make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations * steps_per_iteration, state
     )
@@ -501,7 +512,7 @@ def main(args: Args) -> dict:
 
 
 def validate(args: Args) -> None:
-    problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
+    problems = settings.setting_problems(args, ev.task_problems)  # the settings every script shares
     problems += distributed.world_size_problems(
         args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
     )
@@ -588,4 +599,4 @@ def sample_records(
 
 
 if __name__ == "__main__":
-    runs.run_cli(main, runs.cli(Args))
+    cli.run_cli(main, cli.parse(Args))

@@ -27,16 +27,15 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
 import tqdm
 from transformers import Cache
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
+from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import (
     collate,
@@ -50,38 +49,32 @@ from plumbing.training import (
 
 
 @dataclass
-class Args(runs.TrainArgs):
-    exp_name: str = "ppo"
-    """experiment name, part of the run name"""
-    model: str = "rho-1b-sft-gsm8k"
-    """policy to start from (the critic starts from its weights too): model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+class PpoSettings:
+    """PPO's own settings: first in --help."""
+
     group_size: ranges.PositiveInt = 8
     """responses per question (PPO needs no groups; 8 keeps the paper's 64 x 8 samples per iteration)"""
-    lr: ranges.PositiveFloat = 1e-6
-    """policy AdamW learning rate (3% linear warmup, then linear decay)"""
-    warmup_ratio: ranges.WarmupFraction = 0.03
-    """fraction of optimizer steps spent warming up (policy and critic)"""
-    weight_decay: ranges.NonNegativeFloat = 0.0
-    """AdamW weight decay (policy and critic)"""
-    max_grad_norm: ranges.PositiveFloat = 1.0
-    """gradient clipping norm (policy and critic, each on its own)"""
-    gradient_checkpointing: Literal["auto"] | bool = "auto"
-    """recompute activations in the backward pass (policy and critic); auto: only where the update would not fit
-    otherwise"""
-    save_samples: ranges.NonNegativeInt = 0
-    """every N iterations write the first --save-questions questions' responses to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
     gamma: ranges.Fraction = 1.0
     """GAE discount (paper: 1; the reward is terminal, so anything below 1 favours short responses)"""
     lam: ranges.Fraction = 1.0
     """GAE lambda (paper: 1, i.e. A_t = R - V(s_t); 0.96 is a common, lower-variance choice)"""
     critic_lr: ranges.NonNegativeFloat = 1e-6
-    """critic AdamW learning rate (same schedule as the policy; default: the policy's learning rate)"""
+    """critic AdamW learning rate; the critic starts from the policy's weights and shares its schedule,
+    --weight-decay, --max-grad-norm (each clipped on its own) and --gradient-checkpointing"""
     value_clip_eps: ranges.PositiveFloat = 0.2
     """clipping of new values around the rollout's values in the value loss"""
     prob_mask: bool = False
     """train the policy only on tokens with p_t < prob_threshold (loss and whitening; the critic trains on every token)"""
     prob_threshold: ranges.Probability = 0.9
     """probability threshold of the mask"""
+
+
+# PpoSettings first in --help, then the settings every script shares (settings.TrainArgs), redeclared
+# here only where this algorithm's paper default differs.
+@dataclass
+class Args(settings.TrainArgs, PpoSettings):
+    exp_name: str = "ppo"
+    """experiment name, part of the run name"""
 
 
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
@@ -328,7 +321,7 @@ def load_critic(args: Args, model, checkpoint_dir: Path | None, device: str, pre
     --fsdp for policy and critic (after make_critic copied the policy's backbone)."""
     critic = make_critic(model, precision)
     if checkpoint_dir:
-        critic.load_state_dict(torch.load(checkpoint_dir / "critic.pt", map_location=device, weights_only=True))
+        critic.load_state_dict(checkpoints.load_data(checkpoint_dir / "critic.pt"))  # data only, never code
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
         critic.backbone.activation_checkpointing_enable()
@@ -572,7 +565,7 @@ def main(args: Args) -> dict:
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return runs.dry_run(
+        return paper.dry_run(
             args,
             PAPER_SETTINGS,
             resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
@@ -580,7 +573,12 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
-    run_dir, checkpoint_dir = runs.open_run(args, precision.line, device)
+    run_dir, checkpoint_dir, first_start = runs.locate_run(
+        args
+    )  # --resume: the run, its newest checkpoint, first start
+    plan = memory.size_run(args, device, precision, str(checkpoint_dir or args.model), first_start)  # the `auto` knobs
+    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
+    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
 
     model, tokenizer, reference = models.load_policy(  # checkpointing and --fsdp: load_critic, after the critic's copy
         args.model,
@@ -607,7 +605,7 @@ def main(args: Args) -> dict:
         enforce_eager=args.vllm_enforce_eager,
     )
     # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
-    state = checkpoints.load_trainer_state(checkpoint_dir, model.device) if checkpoint_dir else None
+    state = checkpoints.load_trainer_state(checkpoint_dir) if checkpoint_dir else None
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     optimizer, scheduler = checkpoints.make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state
@@ -755,7 +753,7 @@ def main(args: Args) -> dict:
 
 
 def validate(args: Args) -> None:
-    problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
+    problems = settings.setting_problems(args, ev.task_problems)  # the settings every script shares
     problems += distributed.world_size_problems(
         args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
     )
@@ -851,4 +849,4 @@ def sample_records(
 
 
 if __name__ == "__main__":
-    runs.run_cli(main, runs.cli(Args))
+    cli.run_cli(main, cli.parse(Args))

@@ -26,33 +26,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
+from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
 
 @dataclass
-class Args(runs.TrainArgs):
-    exp_name: str = "spo_chain"
-    """experiment name, part of the run name"""
-    iterations: ranges.PositiveInt = 1000
-    """training iterations (rollout + MC values + update)"""
+class SpoChainSettings:
+    """SPO-chain's own settings: first in --help."""
+
     group_size: ranges.PositiveInt = 8
     """responses per question (G)"""
-    temperature: ranges.PositiveFloat = 0.6
-    """sampling temperature of rollouts and MC continuations; log-probs divide logits by it too"""
-    top_p: ranges.Probability = 0.9
-    """nucleus sampling threshold of rollouts and MC continuations"""
-    max_new_tokens: ranges.PositiveInt = 1024
-    """response token budget (an MC continuation from s_c may add max_new_tokens - (c+1) tokens)"""
-    save_samples: ranges.NonNegativeInt = 0
-    """every N iterations write the first --save-questions questions' responses to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
     mc_samples: ranges.PositiveInt = 9
     """K: Monte-Carlo continuations per cutpoint state; V(s_c) is their mean reward"""
     interval: ranges.PositiveInt = 5
@@ -61,6 +51,14 @@ class Args(runs.TrainArgs):
     """probability mask: only tokens with p_t < prob_threshold keep an advantage, count in the loss and in whitening"""
     prob_threshold: ranges.Probability = 0.9
     """tokens with p_t < prob_threshold are low-probability: they make cutpoints and (with the mask) are trained"""
+
+
+# SpoChainSettings first in --help, then the settings every script shares (settings.TrainArgs), redeclared
+# here only where this algorithm's paper default differs.
+@dataclass
+class Args(settings.TrainArgs, SpoChainSettings):
+    exp_name: str = "spo_chain"
+    """experiment name, part of the run name"""
 
 
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
@@ -447,7 +445,7 @@ def main(args: Args) -> dict:
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:
-        return runs.dry_run(
+        return paper.dry_run(
             args,
             PAPER_SETTINGS,
             resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
@@ -455,7 +453,10 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
-    run_dir, checkpoint = runs.open_run(args, precision.line, device)
+    run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
+    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
+    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
+    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
     model, tokenizer, reference = models.load_policy(
         args.model,
         checkpoint,
@@ -481,7 +482,7 @@ def main(args: Args) -> dict:
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enforce_eager=args.vllm_enforce_eager,
     )
-    state = checkpoints.load_trainer_state(checkpoint, device) if checkpoint else None
+    state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     optimizer, scheduler = checkpoints.make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state
@@ -642,7 +643,7 @@ def main(args: Args) -> dict:
 
 
 def validate(args: Args) -> None:
-    problems = runs.setting_problems(args, ev.task_problems)  # the settings every script shares
+    problems = settings.setting_problems(args, ev.task_problems)  # the settings every script shares
     problems += distributed.world_size_problems(
         args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
     )
@@ -745,4 +746,4 @@ def sample_records(
 
 
 if __name__ == "__main__":
-    runs.run_cli(main, runs.cli(Args))
+    cli.run_cli(main, cli.parse(Args))

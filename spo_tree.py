@@ -44,58 +44,22 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, distributed, engines, models, ranges, runs
+from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
 from plumbing.precision import FP32, Precision, choose_precision
 from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
 
 
 @dataclass
-class Args(runs.TrainArgs):
-    exp_name: str = "spo_tree"
-    """experiment name, part of the run name"""
-    seed: ranges.Seed = 1
-    """seed of question sampling, rollouts, buffer sampling and initialisation (same seed on CPU gives identical metrics)"""
-    model: str = "deepseek-r1-distill-qwen-1.5b"
-    """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
-    task: str = "math"
-    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
-    eval_task: str | None = None
-    """held-out task (default: math500 for --task math, else the training task's test split)"""
-    iterations: ranges.PositiveInt = 1000
-    """training iterations (tree rollout + update)"""
-    questions: ranges.PositiveInt = 32
-    """questions per iteration, one tree each (sampled with replacement)"""
-    top_p: ranges.Probability = 1.0
-    """nucleus sampling threshold"""
-    max_new_tokens: ranges.PositiveInt = 2048
-    """response token budget of a whole root-to-leaf path (the context budget usually binds first)"""
-    context: ranges.PositiveInt = 2048
-    """total context budget (prompt + response)"""
-    lr: ranges.PositiveFloat = 1e-6
-    """AdamW learning rate (3% linear warmup, then linear decay, stepped once per iteration)"""
-    warmup_ratio: ranges.WarmupFraction = 0.03
-    """fraction of iterations spent warming up"""
-    epochs: ranges.PositiveInt = 1
-    """passes over each iteration's edges"""
-    batch_size: ranges.PositiveInt = 128
-    """sequences (edges) per optimizer step"""
-    eval_samples: ranges.PositiveInt = 1
-    """samples per held-out question (paper long-CoT protocol: 1 at temperature 0.6, top_p 0.95)"""
-    eval_temperature: ranges.NonNegativeFloat = 0.6
-    """evaluation sampling temperature"""
-    eval_top_p: ranges.Probability = 0.95
-    """evaluation nucleus threshold"""
-    save_samples: ranges.NonNegativeInt = 0
-    """every N iterations write the first --save-questions questions' trees to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
-    save_questions: ranges.PositiveInt = 2
-    """questions whose trees --save-samples writes"""
+class SpoTreeSettings:
+    """SPO-tree's own settings: first in --help."""
+
     tree: str = "6,6,6"
     """branch factor per depth, b_0,b_1,...: depth = number of entries (paper: 6,6,6). Size per iteration,
     --questions x product of the branches leaves: above 50,000 a warning gives the estimate (the paper's: 6,912);
@@ -114,6 +78,36 @@ class Args(runs.TrainArgs):
     """edges taken from the buffer per question per iteration, at random; the rest wait"""
     samples_per_iteration: ranges.NonNegativeInt = 512
     """segment samples trained on per iteration (paper: 512 MATH, 1024 GSM8K): a random subset of the edges the buffer offers when it offers more (the rest stay in the buffer), edges repeated at random when it offers fewer; 0: every edge the buffer offers, once"""
+
+
+# SpoTreeSettings first in --help, then the settings every script shares (settings.TrainArgs), redeclared
+# here only where this algorithm's paper default differs.
+@dataclass
+class Args(settings.TrainArgs, SpoTreeSettings):
+    exp_name: str = "spo_tree"
+    """experiment name, part of the run name"""
+    model: str = "deepseek-r1-distill-qwen-1.5b"
+    """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    task: str = "math"
+    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    questions: ranges.PositiveInt = 32
+    """questions per iteration, one tree each (sampled with replacement)"""
+    top_p: ranges.Probability = 1.0
+    """nucleus sampling threshold"""
+    max_new_tokens: ranges.PositiveInt = 2048
+    """response token budget of a whole root-to-leaf path (the context budget usually binds first)"""
+    context: ranges.PositiveInt = 2048
+    """total context budget (prompt + response)"""
+    epochs: ranges.PositiveInt = 1
+    """passes over each iteration's edges"""
+    batch_size: ranges.PositiveInt = 128
+    """sequences (edges) per optimizer step"""
+    eval_samples: ranges.PositiveInt = 1
+    """samples per held-out question (paper long-CoT protocol: 1 at temperature 0.6, top_p 0.95)"""
+    eval_temperature: ranges.NonNegativeFloat = 0.6
+    """evaluation sampling temperature"""
+    eval_top_p: ranges.Probability = 0.95
+    """evaluation nucleus threshold"""
 
 
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
@@ -674,7 +668,7 @@ def main(args: Args) -> dict:
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
         full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level without early leaves
-        return runs.dry_run(
+        return paper.dry_run(
             args,
             PAPER_SETTINGS,
             resolved={
@@ -688,7 +682,10 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
-    run_dir, checkpoint = runs.open_run(args, precision.line, device)
+    run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
+    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
+    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
+    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
 
     model, tokenizer, reference = models.load_policy(
         args.model,
@@ -717,7 +714,7 @@ def main(args: Args) -> dict:
     )
     # The schedule steps once per iteration (see the docstring). On the CPU: the buffer's log-probs stay there with
     # the new edges'; the optimizer moves its state to the parameters.
-    state = checkpoints.load_trainer_state(checkpoint, "cpu") if checkpoint else None
+    state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
     optimizer, scheduler = checkpoints.make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, state
     )
@@ -860,7 +857,7 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> list[int]:
     """Check the configuration; return the branch factors of --tree."""
-    problems, branches = runs.setting_problems(args, ev.task_problems), []  # the settings every script shares first
+    problems, branches = settings.setting_problems(args, ev.task_problems), []  # the settings every script shares first
     try:
         branches = parse_tree(args.tree)
     except ValueError as error:
@@ -1031,4 +1028,4 @@ def sample_records(
 
 
 if __name__ == "__main__":
-    runs.run_cli(main, runs.cli(Args))
+    cli.run_cli(main, cli.parse(Args))

@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 import eval as ev  # noqa: E402
 import grpo_baseline  # noqa: E402
 import spo_tree  # noqa: E402
-from plumbing import UsageError, engines, models, ranges, runs  # noqa: E402
+from plumbing import UsageError, cli, engines, models, ranges, runs  # noqa: E402
 from plumbing.precision import choose_precision, cpu_description  # noqa: E402
 
 
@@ -686,4 +686,4 @@ def plot(results: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    runs.run_cli(main, ranges.cli(Args))
+    cli.run_cli(main, ranges.cli(Args))

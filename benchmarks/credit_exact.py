@@ -92,7 +92,7 @@ import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
-from plumbing import UsageError, ranges, runs  # noqa: E402
+from plumbing import UsageError, cli, ranges, runs  # noqa: E402
 from plumbing.engines import Completion  # noqa: E402
 from plumbing.precision import FP32, cpu_description  # noqa: E402
 from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
@@ -1303,4 +1303,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    runs.run_cli(main, ranges.cli(Args))
+    cli.run_cli(main, ranges.cli(Args))

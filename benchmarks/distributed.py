@@ -88,10 +88,10 @@ def worker(output_dir: str, report: str) -> None:
     """Run grpo_baseline.main in this process (started by python or torchrun) and let rank 0 write the report."""
     sys.path.insert(0, str(ROOT))
     import grpo_baseline as grpo
-    from plumbing import distributed, models, runs
+    from plumbing import cli, distributed, models
 
     collective_seconds = time_collectives(distributed)
-    summary = grpo.main(runs.cli(grpo.Args, SETTINGS + ["--output-dir", output_dir]))
+    summary = grpo.main(cli.parse(grpo.Args, SETTINGS + ["--output-dir", output_dir]))
     seconds = distributed.gather([collective_seconds[0]])
     # The gradient all-reduce alone, ranks started together (no waiting for a slower rank): the transfer cost
     # of one optimizer step's communication.

@@ -365,7 +365,7 @@ def spo_tree_old_logprob_pass(model_dir: Path, device: str) -> dict:
     on the small model: the paper's long-CoT trees (6,6,6, 600-token segments, 200-token prompts, 2K context: 258
     edges each), 8 of them, of which 16 edges each are trained (the paper: 512 of 32 trees') in one batch of 128 in
     micro-batches of 8. The pass in micro-batches of 8 (the scripts before) and sized to the free memory (now): its
-    seconds, passes, peak GPU memory against the estimate (training.no_grad_pass_bytes), and its share of pass +
+    seconds, passes, peak GPU memory against the estimate (memory.no_grad_pass_bytes), and its share of pass +
     update; the largest difference of the two passes' log-probs."""
     toy = device == "cpu"
     model, _ = models.load_model(str(model_dir), dtype=torch.float32, device=device)  # fp32 master weights, as training
@@ -380,7 +380,7 @@ def spo_tree_old_logprob_pass(model_dir: Path, device: str) -> dict:
         widest_prompt = max(len(edges[i]["prompt_ids"]) for i in micro)
         return len(micro) * (widest_prompt + max(len(edges[i]["response_ids"]) for i in micro))
 
-    per_position, once = training.no_grad_pass_bytes(
+    per_position, once = memory.no_grad_pass_bytes(
         model_shape(model.config), 2 if device in precision.bf16 else 4, context
     )
     results = {

@@ -21,7 +21,7 @@ import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
-from plumbing import runs  # noqa: E402
+from plumbing import paper  # noqa: E402
 
 SCRIPTS = [
     ("spo_chain.py", spo_chain),
@@ -36,17 +36,17 @@ RUN_NAMES = {"gsm8k": "GSM8K", "math": "MATH"}
 
 def table() -> str:
     """Markdown: one row per setting any run states (in the scripts' Args order), one column per paper run."""
-    columns = [(script, run, paper) for script, module in SCRIPTS for run, paper in module.PAPER_SETTINGS.items()]
+    columns = [(script, run, values) for script, module in SCRIPTS for run, values in module.PAPER_SETTINGS.items()]
     rows = []
     for _, module in SCRIPTS:
         rows += [f.name for f in dataclasses.fields(module.Args) if f.name not in rows]
-    rows = [name for name in rows if any(name in paper for _, _, paper in columns)]
+    rows = [name for name in rows if any(name in values for _, _, values in columns)]
     lines = [
         "| setting | " + " | ".join(f"`{script}` {RUN_NAMES.get(run, run)}" for script, run, _ in columns) + " |",
         "|---|" + "---|" * len(columns),
     ]
     for name in rows:
-        cells = [runs.format_setting(paper[name]) if name in paper else "" for _, _, paper in columns]
+        cells = [paper.format_setting(values[name]) if name in values else "" for _, _, values in columns]
         lines.append(f"| `--{name.replace('_', '-')}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ scheduler, iteration, world size and whatever the script adds, e.g. SPO-tree's r
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import warnings
 import zipfile
@@ -18,12 +19,42 @@ from transformers import get_linear_schedule_with_warmup
 from plumbing import UsageError, distributed
 
 
+def load_data(path: Path, mmap: bool = False):
+    """A .pt file of a run (trainer_state.pt, PPO's critic.pt) as data only, on the CPU: torch.load with weights_only,
+    which takes tensors, numbers, strings and containers of them (the optimizer's and scheduler's state, SPO-tree's
+    replay buffer) and refuses anything else. A run directory may come from someone else: a pickled object in it,
+    which could run code as it loads, is refused unread, in one line naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UsageError(
+            f"{path} holds objects other than tensors and numbers, which could run code as they load, so it was not "
+            "loaded: use the file the training script wrote, or start a new run"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as error:
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise UsageError(f"{path} cannot be read ({reason}): it is damaged; restore it or start a new run") from None
+
+
+def load_trainer_state(checkpoint: Path, mmap: bool = False) -> dict:
+    """A checkpoint's trainer_state.pt (load_data: data only, tensors on the CPU; the optimizer moves its state to its
+    parameters' device as it loads it)."""
+    state = load_data(checkpoint / "trainer_state.pt", mmap=mmap)
+    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int):
+        raise UsageError(
+            f"{checkpoint / 'trainer_state.pt'} is not a trainer state (no iteration): restore it or start a new run"
+        )
+    return state
+
+
 def trained_iterations(run_dir: Path) -> int:
-    """The iteration of the run's latest complete checkpoint (0: none)."""
+    """The iteration of the run's latest complete checkpoint (0: none, or none that reads)."""
     for candidate in (run_dir / "checkpoint", run_dir / "checkpoint.old"):  # as latest_checkpoint()
         if (candidate / "trainer_state.pt").exists() and checkpoint_problem(candidate) is None:
-            state = torch.load(candidate / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
-            return int(state["iteration"])
+            try:
+                return load_trainer_state(candidate, mmap=True)["iteration"]
+            except UsageError:
+                continue
     return 0
 
 
@@ -112,11 +143,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if damaged:
         raise UsageError(f"--resume {run_dir}: {'; '.join(damaged)}, and no intact checkpoint is left; start a new run")
     return None
-
-
-def load_trainer_state(checkpoint: Path, device) -> dict:
-    """A checkpoint's trainer_state.pt, its tensors on `device`."""
-    return torch.load(checkpoint / "trainer_state.pt", map_location=device, weights_only=False)
 
 
 def make_optimizer(

@@ -123,11 +123,9 @@ def world_size_problems(args, per_rank: dict[str, int]) -> list[str]:
     ]
 
 
-def check_world_size(checkpoint: Path) -> None:
-    """Refuse to resume a checkpoint at another world size: each rank's questions and random streams depend on it,
-    so the run would not continue as it started (checkpoints from before torchrun support count as world size 1)."""
-    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", mmap=True, weights_only=False)
-    saved = state.get("world_size", 1)
+def check_world_size(checkpoint: Path, saved: int) -> None:
+    """Refuse to resume a checkpoint trained by `saved` processes at another world size: each rank's questions and
+    random streams depend on it, so the run would not continue as it started."""
     if saved != world_size():
         launch = (
             "python SCRIPT.py"

@@ -22,7 +22,7 @@ The formula (bytes; P parameters, L layers, hidden h, MLP width I, vocab V, r = 
   margin              5 % of the GPU and 1 GiB: the CUDA context, the allocator's fragmentation
 During rollout the update's activations are gone (emptied from torch's cache) and the engine gets what is left once
 the no-grad passes, which run while it is awake, have their room (the reference 4 P, autocast's copies, an LM-head
-chunk, four full-context rows: training.no_grad_pass_bytes):
+chunk, four full-context rows: no_grad_pass_bytes):
 vLLM's share = (free - weights 4 P - AdamW 8 P - no-grad room - margin) / total, capped at 0.9; the HF sampler's
 batch caches 2 L r h bytes x 2 (bf16) per position. tests/test_memory.py checks the activation term against the
 bytes autograd saves for the backward pass (bf16 autocast on a CPU, small Qwen2 models: within 10 %).
@@ -39,7 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig
+
+from plumbing import UsageError, distributed, engines, models
+from plumbing.precision import Precision
 
 GiB = 2**30
 CPU_SAMPLER_TOKENS = 2**16  # the HF sampler's batch on a CPU (benchmarks/sampler.py)
@@ -103,6 +110,35 @@ def pass_bytes(shape: ModelShape, tokens: int, checkpointing: bool) -> int:
 def kv_bytes_per_position(shape: ModelShape, element: int = 2) -> int:
     """Keys and values of one position in every layer (element: 2 for bf16/fp16, 4 for fp32)."""
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * element
+
+
+def no_grad_pass_bytes(shape, element: int, context: int, sharded: bool = False) -> tuple[int, int]:
+    """(bytes per cached position, bytes once per pass) of a no-grad log-prob pass (training.response_logprobs) of a model of
+    `shape` (ModelShape); element: 2 under bf16 autocast, 4 without; context: the longest prompt +
+    the longest response; sharded: an FSDP model (gathered), whose forward keeps every layer's hidden state.
+
+    Per cached position (rows x (longest prompt + longest response), see training.micro_batches); L layers, hidden h, MLP
+    width I, q / kv heads of head_dim d, e = element:
+      keys (fp32: transformers' RoPE leaves them so under autocast) and values (e) of every layer   L kv d (4 + e)
+      one layer's attention: fp32 queries, keys and values repeated to every query head (SDPA with    q d (8 + 4 e)
+        a mask gets no GQA), their autocast copies, its output
+      the fp32 residual stream, RMSNorm's fp32 temporaries, the final hidden states the LM head      28 h
+        reads (the prompts', the responses', the two joined)
+      one layer's MLP: gate, up and their product                                                    3 e I
+      the attention mask (bool) and SDPA's additive copy, one entry per key                          (1 + 2 e) context
+      sharded: every layer's hidden state (output_hidden_states)                                     4 (L + 1) h
+    Once: a chunk of the LM head, 512 positions x vocab x (e + 12) (its logits, in fp32, divided by the temperature,
+    their log-sum-exp), and under autocast the e-byte copies of the weights it caches for the pass."""
+    e, d = element, shape.head_dim
+    per_position = (
+        shape.layers * shape.kv_heads * d * (4 + e)
+        + shape.heads * d * (8 + 4 * e)
+        + 28 * shape.hidden
+        + 3 * e * shape.intermediate
+        + (1 + 2 * e) * context
+        + (4 * (shape.layers + 1) * shape.hidden if sharded else 0)
+    )
+    return per_position, LOGIT_CHUNK * shape.vocab * (e + 12) + (shape.params * e if e == 2 else 0)
 
 
 @dataclass(frozen=True)
@@ -174,8 +210,6 @@ def plan(
     docstring. `requested`: the command line's values ("auto" or a value, which is kept). backend: the rollout engine
     ("hf" or "vllm"). critic: PPO's value model (a second copy of the training state and activations). element: bytes
     of a bf16/fp16 value (2), or 4 where the GPU computes in fp32. Raises UsageError when nothing fits."""
-    from plumbing import UsageError
-
     P, copies = shape.params, 2 if critic else 1
     margin = 0.05 * total + GiB
     sharded = fsdp_ranks > 1
@@ -186,9 +220,7 @@ def plan(
 
     # The no-grad passes (old log-probs, reference, PPO's values) run while the engine is awake: vLLM's share must
     # leave them the reference (resident, or its copy visiting), autocast's weight copies, an LM-head chunk and a
-    # pass of at least one full-context row (training.no_grad_pass_bytes).
-    from plumbing.training import no_grad_pass_bytes
-
+    # pass of at least one full-context row (no_grad_pass_bytes).
     per_position, once = no_grad_pass_bytes(shape, element, context, sharded)
     no_grad_reserve = reference + once + 4 * context * per_position  # `once` holds autocast's weight copies
 
@@ -267,29 +299,25 @@ KNOBS = (
 )
 
 
-def size_run(args, device, model_path: str, first_start: dict | None = None) -> Plan:
-    """Replace every `auto` memory knob of `args` (a training script's Args) with its value for this device, in place,
-    and return the plan (its .line is printed and recorded in RUN/starts.jsonl; args.json keeps "auto").
+def size_run(args, device, precision: Precision, model_path: str, first_start: dict | None = None) -> Plan:
+    """The plan for every memory knob of `args` (a training script's Args) on this device: a value given on the command
+    line is kept, an `auto` one is computed. `args` is not changed: main() takes the plan's settings (its .line is
+    printed and recorded in RUN/starts.jsonl; args.json keeps "auto").
 
-    model_path: the model the run trains (its config gives the shape). first_start: the run's first starts.jsonl
-    entry when resuming: its sampler batch is kept, so that a resumed run samples what the uninterrupted one would.
-    Under torchrun every rank takes the same values, from the least free memory of any rank."""
-    import torch
-
-    from plumbing import distributed, engines, models
-    from plumbing.precision import gpu_has_bf16
-
+    precision: what main() chose (bf16 values are 2 bytes, fp32 ones 4). model_path: the model the run trains (its
+    config gives the shape). first_start: the run's first starts.jsonl entry when resuming: its sampler batch is kept,
+    so that a resumed run samples what the uninterrupted one would. Under torchrun every rank takes the same values,
+    from the least free memory of any rank."""
     requested = {name: getattr(args, name) for name in KNOBS}
     earlier = (first_start or {}).get("memory") or {}
     if requested["sampler_batch_tokens"] == "auto" and isinstance(earlier.get("sampler_batch_tokens"), int):
         requested["sampler_batch_tokens"] = earlier["sampler_batch_tokens"]
     batch_per_rank = max(1, args.batch_size // distributed.world_size())
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         result = cpu_plan(batch_per_rank, requested)
     else:
-        from transformers import AutoConfig
-
-        free, total = torch.cuda.mem_get_info(torch.device(device))
+        free, total = torch.cuda.mem_get_info(device)
         free = min(distributed.gather([free]))  # every rank must take the same micro-batches (collectives match)
         shape = model_shape(AutoConfig.from_pretrained(models.resolve_model(model_path)))
         result = plan(
@@ -303,16 +331,11 @@ def size_run(args, device, model_path: str, first_start: dict | None = None) -> 
             requested=requested,
             critic=hasattr(args, "critic_lr"),
             fsdp_ranks=distributed.world_size() if args.fsdp else 1,
-            element=2 if gpu_has_bf16() and args.precision != "fp32" else 4,
+            element=2 if device.type in precision.bf16 else 4,
         )
-    for name, value in result.settings().items():
-        setattr(args, name, value)
     distributed.print0(result.line)
     if not result.fits:
-        import warnings
-
         warnings.warn(
-            f"the memory settings given may not fit ({result.line}); if the update runs out of memory, "
-            "leave them at auto"
+            f"the memory settings given may not fit ({result.line}); if the update runs out of memory, leave them at auto"
         )
     return result

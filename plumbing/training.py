@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Cache
 
 from plumbing import UsageError, distributed
-from plumbing.memory import LOGIT_CHUNK, model_shape
+from plumbing.memory import KEPT_LOGITS, LOGIT_CHUNK, model_shape, no_grad_pass_bytes
 from plumbing.precision import FP32, Precision
 
 
@@ -130,8 +130,8 @@ def response_logprobs(
     model,
     batch: dict,
     temperature: float,
-    chunk_tokens: int = 512,
-    recompute_above: int = 2**28,
+    chunk_tokens: int = LOGIT_CHUNK,
+    recompute_above: int = KEPT_LOGITS,
     precision: Precision = FP32,
 ) -> torch.Tensor:
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
@@ -144,7 +144,7 @@ def response_logprobs(
     prompt itself.)
 
     The LM head runs on chunks of `chunk_tokens` response positions. When the micro-batch's fp32 logits would
-    hold more than `recompute_above` entries (2**28: 1 GiB), each chunk is recomputed in the backward pass, so
+    hold more than `recompute_above` entries (KEPT_LOGITS, 2**28: 1 GiB), each chunk is recomputed in the backward pass, so
     the [rows, R, vocab] logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch) never
     exist at once; smaller logits (16 x 128 x 49,152 x 4 bytes = 0.4 GB for SmolLM2) are kept for the backward
     pass, which saves a second LM-head pass. Either way the result is the same as from the model's full logits.
@@ -202,35 +202,6 @@ NO_GRAD_SHARE = 0.8  # of the free memory a no-grad pass may take: the allocator
 NO_GRAD_ROWS = (
     4096  # rows per no-grad pass at most: SDPA's memory-efficient kernel takes at most 65,535 (a CUDA grid limit)
 )
-
-
-def no_grad_pass_bytes(shape, element: int, context: int, sharded: bool = False) -> tuple[int, int]:
-    """(bytes per cached position, bytes once per pass) of a no-grad log-prob pass (response_logprobs) of a model of
-    `shape` (plumbing.memory.ModelShape); element: 2 under bf16 autocast, 4 without; context: the longest prompt +
-    the longest response; sharded: an FSDP model (gathered), whose forward keeps every layer's hidden state.
-
-    Per cached position (rows x (longest prompt + longest response), see micro_batches); L layers, hidden h, MLP
-    width I, q / kv heads of head_dim d, e = element:
-      keys (fp32: transformers' RoPE leaves them so under autocast) and values (e) of every layer   L kv d (4 + e)
-      one layer's attention: fp32 queries, keys and values repeated to every query head (SDPA with    q d (8 + 4 e)
-        a mask gets no GQA), their autocast copies, its output
-      the fp32 residual stream, RMSNorm's fp32 temporaries, the final hidden states the LM head      28 h
-        reads (the prompts', the responses', the two joined)
-      one layer's MLP: gate, up and their product                                                    3 e I
-      the attention mask (bool) and SDPA's additive copy, one entry per key                          (1 + 2 e) context
-      sharded: every layer's hidden state (output_hidden_states)                                     4 (L + 1) h
-    Once: a chunk of the LM head, 512 positions x vocab x (e + 12) (its logits, in fp32, divided by the temperature,
-    their log-sum-exp), and under autocast the e-byte copies of the weights it caches for the pass."""
-    e, d = element, shape.head_dim
-    per_position = (
-        shape.layers * shape.kv_heads * d * (4 + e)
-        + shape.heads * d * (8 + 4 * e)
-        + 28 * shape.hidden
-        + 3 * e * shape.intermediate
-        + (1 + 2 * e) * context
-        + (4 * (shape.layers + 1) * shape.hidden if sharded else 0)
-    )
-    return per_position, LOGIT_CHUNK * shape.vocab * (e + 12) + (shape.params * e if e == 2 else 0)
 
 
 def no_grad_batch_tokens(model, samples: list[dict], precision: Precision = FP32, config=None) -> int | None:

@@ -138,7 +138,11 @@ def test_exact_gradient_is_the_finite_difference_of_the_exact_expected_reward(wo
         shifted(1.0)  # back
         return (high - low) / (2 * eps)
 
-    assert directional(gradient / gradient.norm()) == pytest.approx(float(gradient.norm()), rel=1e-4)
+    # Richardson extrapolation cancels the central difference's eps^2 error term (it was 2e-4 of the value on some
+    # CPUs, whose toy policy trains to other weights), leaving eps^4 and the noise above.
+    unit = gradient / gradient.norm()
+    extrapolated = (4 * directional(unit, 5e-4) - directional(unit, 1e-3)) / 3
+    assert extrapolated == pytest.approx(float(gradient.norm()), rel=1e-4)
     offset = 0
     for name, parameter in model64.named_parameters():  # each tensor on its own: along its part of the gradient
         part = torch.zeros_like(gradient)

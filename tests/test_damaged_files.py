@@ -13,7 +13,8 @@ import pytest
 
 import eval as ev
 import grpo_baseline
-from plumbing import UsageError, checkpoints, files, models, runs
+from plumbing import UsageError, checkpoints, files, memory, models, runs, settings
+from plumbing.precision import FP32
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,7 @@ def test_args_json_of_the_wrong_shape_is_one_line(content, message, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "args.json").write_text(content)
     with pytest.raises(UsageError, match=message):
-        runs.saved_settings(grpo_baseline.Args, tmp_path / "run")
+        settings.saved_settings(grpo_baseline.Args, tmp_path / "run")
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_args_json_with_a_value_of_the_wrong_type_is_one_line(field, value, tmp_
     saved = {**json.loads(json.dumps(grpo_baseline.Args().__dict__)), field: value}
     (tmp_path / "run" / "args.json").write_text(json.dumps(saved))
     with pytest.raises(UsageError, match=f"holds values of the wrong type \\({field} = "):
-        runs.saved_settings(grpo_baseline.Args, tmp_path / "run")
+        settings.saved_settings(grpo_baseline.Args, tmp_path / "run")
 
 
 def test_a_torn_or_blank_log_tail_is_dropped_and_cut_before_the_next_append(tmp_path):
@@ -217,7 +218,8 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_model_dir, 
 
 def test_new_runs_get_their_own_directory_lock_it_and_record_how_they_run(tmp_path):
     args = grpo_baseline.Args(output_dir=str(tmp_path), backend="hf")
-    first, _ = runs.open_run(args, "precision: fp32", "cpu")
+    run_dir, _, _ = runs.locate_run(args)
+    first = runs.open_run(run_dir, args, "precision: fp32", "cpu", memory.size_run(args, "cpu", FP32, args.model))
     lock = json.loads((first / "lock").read_text())
     assert lock["pid"] == os.getpid()
     runs.release_run()
@@ -269,12 +271,12 @@ SLEEPER = """
 import sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from plumbing import runs
+from plumbing import cli, runs
 def main(args):
     runs.record_start(Path({run!r}), resumed=False)
     print("started", flush=True)
     time.sleep(60)
-runs.run_cli(main, None)
+cli.run_cli(main, None)
 """
 
 

@@ -12,7 +12,7 @@ import torch
 
 import eval as ev
 from conftest import write_jsonl
-from plumbing import UsageError, engines, models
+from plumbing import UsageError, engines, hf_engine, models
 from plumbing import precision as precision_module
 from plumbing.precision import choose_precision
 
@@ -214,7 +214,7 @@ def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(ti
     in bf16, and every step's logits are exactly those of a cache that keeps fp32 keys."""
     model, tokenizer = tiny
     bf16 = choose_precision("bf16", "cpu")
-    prompts, real_init = [tokenizer("12+7=")["input_ids"], tokenizer("x")["input_ids"]], engines._GrowingKV.__init__
+    prompts, real_init = [tokenizer("12+7=")["input_ids"], tokenizer("x")["input_ids"]], hf_engine._GrowingKV.__init__
 
     def sample(keep_fp32_keys: bool):
         layers, logits = [], []
@@ -223,7 +223,7 @@ def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(ti
             real_init(self, *args, dtype=None if keep_fp32_keys else dtype, **kwargs)
             layers.append(self)
 
-        monkeypatch.setattr(engines._GrowingKV, "__init__", init)
+        monkeypatch.setattr(hf_engine._GrowingKV, "__init__", init)
         hook = model.lm_head.register_forward_hook(lambda module, inputs, out: logits.append(out.float().clone()))
         try:
             groups = engines.HFSampler(model, tokenizer, precision=bf16).sample(
@@ -292,7 +292,7 @@ def test_next_tokens_draws_exactly_from_the_nucleus(top_p, candidates):
     kept = sorted_probs.cumsum(-1) - sorted_probs <= top_p  # SPEC: the mass before a kept token is at most top_p
     expected = torch.zeros(8).index_put_((order[kept],), sorted_probs[kept])
     expected /= expected.sum()
-    chosen = engines._next_tokens(
+    chosen = hf_engine._next_tokens(
         logits.repeat(rows, 1), temperature, top_p, torch.Generator().manual_seed(0), candidates=candidates
     )
     seen = torch.bincount(chosen, minlength=8).double() / rows

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from plumbing import UsageError, memory, training
-from plumbing.precision import choose_precision
+from plumbing.precision import FP32, choose_precision
 
 GiB = 2**30
 # DeepSeek-R1-Distill-Qwen-1.5B (the long-CoT runs) and Rho-1B (TinyLlama shape: the GSM8K runs), from their configs.
@@ -168,7 +168,7 @@ def test_24_gib_fits_the_1b_gsm8k_run_with_the_hf_sampler_by_recomputing_and_par
 def test_vllm_share_leaves_the_no_grad_passes_their_room():
     """The old-log-prob and reference passes run while the engine is awake, after the first update made AdamW's
     state: weights, AdamW, the engine's share and those passes' room must fit together."""
-    from plumbing.training import no_grad_pass_bytes
+    from plumbing.memory import no_grad_pass_bytes
 
     shape = memory.model_shape(QWEN_1_5B)
     for total in (80, 141):
@@ -227,10 +227,11 @@ def test_cpu_keeps_todays_values():
         batch_size=64,
         fsdp=False,
     )
-    plan = memory.size_run(args, "cpu", "unused")
-    assert (args.micro_batch_size, args.gradient_checkpointing, args.reference_on_device) == (8, False, True)
-    assert (args.vllm_gpu_memory_utilization, args.sampler_batch_tokens) == (0.3, 2**16)
+    plan = memory.size_run(args, "cpu", FP32, "unused")
+    assert (plan.micro_batch_size, plan.gradient_checkpointing, plan.reference_on_device) == (8, False, True)
+    assert (plan.vllm_gpu_memory_utilization, plan.sampler_batch_tokens) == (0.3, 2**16)
     assert "CPU" in plan.line
+    assert args.micro_batch_size == "auto"  # args is left as given: main() takes the plan's settings
     args = types.SimpleNamespace(
         micro_batch_size=2,
         gradient_checkpointing=True,
@@ -240,8 +241,8 @@ def test_cpu_keeps_todays_values():
         batch_size=6,
         fsdp=False,
     )
-    memory.size_run(args, "cpu", "unused", first_start={"memory": {"sampler_batch_tokens": 1234}})
-    assert (args.micro_batch_size, args.gradient_checkpointing, args.sampler_batch_tokens) == (2, True, 1234)
+    plan = memory.size_run(args, "cpu", FP32, "unused", first_start={"memory": {"sampler_batch_tokens": 1234}})
+    assert (plan.micro_batch_size, plan.gradient_checkpointing, plan.sampler_batch_tokens) == (2, True, 1234)
 
 
 def test_cuda_sizes_from_free_memory_and_the_models_config(monkeypatch, capsys):
@@ -261,33 +262,38 @@ def test_cuda_sizes_from_free_memory_and_the_models_config(monkeypatch, capsys):
         beta=1e-4,
         precision="auto",
     )
-    plan = memory.size_run(args, "cuda", "some/model")
-    expected = long_cot_plan(80, backend="hf", element=4)  # no bf16 on the faked GPU: the sampler's KV in fp32
+    plan = memory.size_run(args, "cuda", FP32, "some/model")  # fp32 chosen: the sampler's KV in fp32
+    expected = long_cot_plan(80, backend="hf", element=4)
     assert plan.settings() == expected.settings()
-    assert args.micro_batch_size == 4 and args.gradient_checkpointing is False
+    assert plan.micro_batch_size == 4 and plan.gradient_checkpointing is False
     assert "micro-batch 4" in capsys.readouterr().out
 
 
 def test_a_run_records_its_sizing_keeps_auto_in_its_settings_and_resumes_with_its_sampler_batch(tmp_path, capsys):
     import grpo_baseline as grpo
-    from plumbing import runs
+    from plumbing import runs, settings
+
+    def open_run(args):  # as each script's main() opens its run
+        run_dir, checkpoint, first_start = runs.locate_run(args)
+        plan = memory.size_run(args, "cpu", FP32, str(checkpoint or args.model), first_start)
+        return runs.open_run(run_dir, args, "precision line", "cpu", plan), plan
 
     args = grpo.Args(output_dir=str(tmp_path), batch_size=6)
-    run_dir, _ = runs.open_run(args, "precision line", "cpu")
+    run_dir, plan = open_run(args)
     runs.release_run()
     saved = json.loads((run_dir / "args.json").read_text())
     assert saved["micro_batch_size"] == "auto" and saved["sampler_batch_tokens"] == "auto"
-    assert args.micro_batch_size == 6  # resolved in place for this process
+    assert plan.micro_batch_size == 6 and args.micro_batch_size == "auto"  # the plan resolves; args stays as given
     start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])
     assert start["memory"]["micro_batch_size"] == 6 and start["memory"]["sampler_batch_tokens"] == 2**16
     # A resumed run takes the sampler batch its first start chose, whatever this machine would choose now.
     start["memory"]["sampler_batch_tokens"] = 777
     (run_dir / "starts.jsonl").write_text(json.dumps(start) + "\n")
-    resumed = runs.saved_settings(grpo.Args, run_dir)
+    resumed = settings.saved_settings(grpo.Args, run_dir)
     resumed.resume = str(run_dir)
-    runs.open_run(resumed, "precision line", "cpu")
+    _, plan = open_run(resumed)
     runs.release_run()
-    assert resumed.sampler_batch_tokens == 777
+    assert plan.sampler_batch_tokens == 777
     assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[1])["memory"]["sampler_batch_tokens"] == 777
 
 
@@ -347,9 +353,9 @@ def test_a_run_from_before_the_sampler_batch_setting_resumes_with_the_batch_it_s
     from dataclasses import asdict
 
     import grpo_baseline as grpo
-    from plumbing import runs
+    from plumbing import settings
 
     saved = asdict(grpo.Args(model="my/model", task="my.jsonl"))
     del saved["sampler_batch_tokens"]
     (tmp_path / "args.json").write_text(json.dumps(saved))
-    assert runs.saved_settings(grpo.Args, tmp_path).sampler_batch_tokens == 2**16
+    assert settings.saved_settings(grpo.Args, tmp_path).sampler_batch_tokens == 2**16

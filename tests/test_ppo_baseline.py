@@ -12,7 +12,7 @@ import torch
 import eval as ev
 import ppo_baseline as ppo
 from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
-from plumbing import UsageError, models, runs
+from plumbing import UsageError, cli, models
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -317,7 +317,7 @@ def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
     assert (
         ppo.main(ppo.Args(dry_run=True, output_dir=str(runs_dir)))["differences"] == []
     )  # the defaults are the paper's run
-    result = ppo.main(runs.cli(ppo.Args, ["--dry-run", "--lam", "0.96", "--output-dir", str(runs_dir)]))
+    result = ppo.main(cli.parse(ppo.Args, ["--dry-run", "--lam", "0.96", "--output-dir", str(runs_dir)]))
     assert result["differences"] == ["lam"]
     assert result["resolved"] == {"eval_task": "gsm8k", "model_id": "realtreetune/rho-1b-sft-GSM8K"}
     assert "* --lam" in capsys.readouterr().out

@@ -12,7 +12,7 @@ import grpo_baseline
 import ppo_baseline
 import spo_chain
 import spo_tree
-from plumbing import UsageError, checkpoints, runs
+from plumbing import UsageError, checkpoints, cli, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [spo_chain, spo_tree, grpo_baseline, ppo_baseline]
@@ -28,48 +28,48 @@ def _saved_run(module, run_dir: Path, **settings):
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
 def test_resume_takes_the_runs_settings_and_explicit_safe_flags(module, tmp_path):
     saved = _saved_run(module, tmp_path / "run")
-    args = runs.cli(module.Args, ["--resume", str(tmp_path / "run")])
+    args = cli.parse(module.Args, ["--resume", str(tmp_path / "run")])
     assert asdict(args) == {**asdict(saved), "resume": str(tmp_path / "run")}  # not the script's defaults
-    args = runs.cli(module.Args, [f"--resume={tmp_path / 'run'}", "--iterations", "9", "--max-minutes", "5"])
+    args = cli.parse(module.Args, [f"--resume={tmp_path / 'run'}", "--iterations", "9", "--max-minutes", "5"])
     assert (args.iterations, args.max_minutes, args.model, args.lr) == (9, 5.0, "my/model", 3e-6)
-    runs.check_resume_settings(args, tmp_path / "run")  # safe changes pass
+    settings.check_resume_settings(args, tmp_path / "run")  # safe changes pass
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
 def test_resume_refuses_a_setting_that_changes_the_algorithm(module, tmp_path):
     _saved_run(module, tmp_path / "run")
-    args = runs.cli(module.Args, ["--resume", str(tmp_path / "run"), "--seed", "8", "--lr", "1e-3"])
+    args = cli.parse(module.Args, ["--resume", str(tmp_path / "run"), "--seed", "8", "--lr", "1e-3"])
     with pytest.raises(UsageError, match=r"--seed 8 \(the run has 7\), --lr 0.001 \(the run has 3e-06\) would change"):
-        runs.check_resume_settings(args, tmp_path / "run")
+        settings.check_resume_settings(args, tmp_path / "run")
 
 
 def test_resume_of_another_scripts_run_is_one_clear_error(tmp_path):
     _saved_run(grpo_baseline, tmp_path / "run")
     with pytest.raises(UsageError, match="resume a run with the script that started it"):
-        runs.saved_settings(spo_tree.Args, tmp_path / "run")
+        settings.saved_settings(spo_tree.Args, tmp_path / "run")
     with pytest.raises(UsageError, match="nothing-here: not a directory; give a run directory"):
-        runs.saved_settings(spo_tree.Args, tmp_path / "nothing-here")
+        settings.saved_settings(spo_tree.Args, tmp_path / "nothing-here")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match=r"the run's settings .*empty/args.json does not exist"):
-        runs.saved_settings(spo_tree.Args, tmp_path / "empty")
+        settings.saved_settings(spo_tree.Args, tmp_path / "empty")
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
 def test_saved_settings_round_trip(module, tmp_path):
     saved = _saved_run(module, tmp_path / "run", eval_limit=5)
-    assert runs.saved_settings(module.Args, tmp_path / "run") == saved
+    assert settings.saved_settings(module.Args, tmp_path / "run") == saved
 
 
 def test_a_run_saved_before_a_new_setting_resumes_only_if_that_setting_cannot_change_the_algorithm(tmp_path):
     saved = _saved_run(spo_tree, tmp_path / "run")
-    settings = json.loads((tmp_path / "run" / "args.json").read_text())
-    settings.pop("dry_run")  # a run started before --dry-run existed
-    (tmp_path / "run" / "args.json").write_text(json.dumps(settings))
-    assert runs.saved_settings(spo_tree.Args, tmp_path / "run") == saved
-    settings.pop("samples_per_iteration")  # one before --samples-per-iteration: its default would change the run
-    (tmp_path / "run" / "args.json").write_text(json.dumps(settings))
+    values = json.loads((tmp_path / "run" / "args.json").read_text())
+    values.pop("dry_run")  # a run started before --dry-run existed
+    (tmp_path / "run" / "args.json").write_text(json.dumps(values))
+    assert settings.saved_settings(spo_tree.Args, tmp_path / "run") == saved
+    values.pop("samples_per_iteration")  # one before --samples-per-iteration: its default would change the run
+    (tmp_path / "run" / "args.json").write_text(json.dumps(values))
     with pytest.raises(UsageError, match=r"differing: samples_per_iteration\)"):
-        runs.saved_settings(spo_tree.Args, tmp_path / "run")
+        settings.saved_settings(spo_tree.Args, tmp_path / "run")
 
 
 def _cli(*flags, cwd):

@@ -1,4 +1,4 @@
-"""Contract test for the vLLM glue in plumbing/engines.py (VLLMSampler).
+"""Contract test for the vLLM glue in plumbing/vllm_engine.py (VLLMSampler).
 
 vLLM cannot run here: it needs a GPU and is not installed. This test puts a small
 fake `vllm` module in sys.modules instead. The fake exposes only the names the glue

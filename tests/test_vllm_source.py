@@ -1,4 +1,4 @@
-"""Hold plumbing/engines.py's VLLMSampler and the fake `vllm` of test_vllm_glue.py to the real vLLM source.
+"""Hold plumbing/vllm_engine.py's VLLMSampler and the fake `vllm` of test_vllm_glue.py to the real vLLM source.
 
 test_vllm_glue.py runs the glue against a hand-written fake, because vLLM needs a GPU and cannot be
 installed here. Nothing there ties the fake to the real package: a keyword vLLM renamed, or one the fake
@@ -6,7 +6,7 @@ accepts and vLLM does not, passes there and breaks only on a GPU machine. This f
 the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is never imported) and checks:
   - the wheel is the pinned version; vllm exports LLM, SamplingParams and TokensPrompt (followed through
     vllm/__init__.py's lazy export map and re-exports to the file that defines each);
-  - every call VLLMSampler makes (found by parsing plumbing/engines.py) fits the real signature: LLM(...) keywords are
+  - every call VLLMSampler makes (found by parsing plumbing/vllm_engine.py) fits the real signature: LLM(...) keywords are
     parameters of LLM.__init__ or, through its **kwargs, EngineArgs fields; collective_rpc("reload_weights",
     kwargs=...) names a Worker method whose GPUModelRunner counterpart takes those keywords;
   - the rest the glue relies on: parameter order of collective_rpc, reset_prefix_cache() -> bool, the
@@ -170,7 +170,7 @@ def llm_init(src: Source) -> tuple[list[str], dict[str, ast.expr | None], bool]:
 
 def glue_calls() -> list[tuple[str, ast.Call]]:
     """('LLM' | 'SamplingParams' | 'TokensPrompt' | 'LLM.<method>', call) for each such call in VLLMSampler."""
-    tree = ast.parse((ROOT / "plumbing" / "engines.py").read_text())
+    tree = ast.parse((ROOT / "plumbing" / "vllm_engine.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VLLMSampler")
     out = []
     for node in ast.walk(cls):
@@ -263,7 +263,7 @@ def test_top_level_export(src, name):
 def test_glue_calls_fit_the_real_signatures(src):
     calls = glue_calls()
     assert {"LLM", "SamplingParams", "TokensPrompt"} <= {kind for kind, _ in calls}, (
-        "VLLMSampler calls not found in plumbing/engines.py"
+        "VLLMSampler calls not found in plumbing/vllm_engine.py"
     )
     for kind, call in calls:
         if kind == "LLM":
@@ -277,10 +277,10 @@ def test_glue_calls_fit_the_real_signatures(src):
             path, cls = src.export(kind)
             where, positional, named = f"{path}: {kind}", [], fields(src, (path, cls))
         assert len(call.args) <= len(positional), (
-            f"{where}: plumbing/engines.py line {call.lineno} passes {len(call.args)} positional arguments"
+            f"{where}: plumbing/vllm_engine.py line {call.lineno} passes {len(call.args)} positional arguments"
         )
         for kw in call.keywords:
-            assert kw.arg in named, f"{where} has no parameter {kw.arg!r} (plumbing/engines.py line {call.lineno})"
+            assert kw.arg in named, f"{where} has no parameter {kw.arg!r} (plumbing/vllm_engine.py line {call.lineno})"
 
 
 def test_llm_api_the_glue_relies_on(src):
@@ -334,11 +334,11 @@ def test_reload_weights_reaches_the_model_runner(src):
             named = signature(method(where, rpc))[1]
             for kw in (k for k in call.keywords if k.arg == "kwargs"):
                 assert isinstance(kw.value, ast.Dict), (
-                    f"plumbing/engines.py line {call.lineno}: collective_rpc kwargs is not a dict literal"
+                    f"plumbing/vllm_engine.py line {call.lineno}: collective_rpc kwargs is not a dict literal"
                 )
                 for key in map(ast.literal_eval, kw.value.keys):
                     assert key in named, (
-                        f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (plumbing/engines.py line {call.lineno})"
+                        f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (plumbing/vllm_engine.py line {call.lineno})"
                     )
 
 
@@ -430,7 +430,7 @@ def glue_executor_backends() -> set:
 def test_torchrun_engines_use_the_external_launcher(src):
     backends = glue_executor_backends()
     assert backends == {"external_launcher"}, (
-        f"plumbing/engines.py passes distributed_executor_backend {sorted(backends)}"
+        f"plumbing/vllm_engine.py passes distributed_executor_backend {sorted(backends)}"
     )
     tree = src.tree("vllm/config/parallel.py")
     literal = next(

@@ -1,0 +1,92 @@
+"""The command line of the training scripts: tyro, with a run's own settings as the defaults on --resume; one-line
+errors instead of tracebacks; Ctrl-C and SIGTERM as one line that says what was kept and how to resume.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+from collections.abc import Sequence
+
+import tyro
+
+from plumbing import UsageError, checkpoints, files, runs
+from plumbing.settings import saved_settings
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm, docker stop, timeout): handled as Ctrl-C is."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def run_cli(main, args) -> None:
+    """Run a script's main(args): a UsageError becomes one clear error line instead of a traceback, and Ctrl-C or
+    SIGTERM one line that says what was kept and how to resume (no extra checkpoint is written). A new run that
+    failed before it trained leaves nothing behind; the run directory's lock is released however main ends."""
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        main(args)
+    except UsageError as error:
+        _discard_untrained_run()
+        sys.exit(f"error: {error}")
+    except KeyboardInterrupt as interrupt:
+        print(f"\n{_interrupted_message()}", file=sys.stderr)
+        sys.exit(143 if isinstance(interrupt, Terminated) else 130)  # the shell's codes for SIGTERM and SIGINT
+    finally:
+        runs.release_run()
+
+
+def _interrupted_message() -> str:
+    if not runs.active_run:
+        return "interrupted before a run directory was made: nothing was kept"
+    run_dir, script = runs.active_run["run_dir"], runs.active_run["script"]
+    resume = f"python {script} --resume {run_dir}"
+    iteration = checkpoints.trained_iterations(run_dir)
+    if iteration:
+        return f"interrupted: {run_dir} keeps its checkpoint of iteration {iteration}; continue with: {resume}"
+    return f"interrupted before the first checkpoint: {run_dir} keeps its settings; start it again with: {resume}"
+
+
+def _discard_untrained_run() -> None:
+    """Remove the directory of a run this process created if it never trained (no checkpoint, no training metrics)."""
+    if not runs.active_run.get("new"):
+        return
+    run_dir = runs.active_run["run_dir"]
+    try:
+        trained = checkpoints.trained_iterations(run_dir) or any(
+            record.get("iteration", 0) >= 1 for record in files.read_log(run_dir / "metrics.jsonl", "metrics log")
+        )
+    except (UsageError, OSError):
+        trained = True  # cannot tell: keep it
+    if not trained:
+        runs.release_run()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        runs.active_run.clear()
+
+
+def _resume_flag(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--resume" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--resume="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse(args_class, argv: Sequence[str] | None = None):
+    """tyro.cli for a training script. With --resume RUN the defaults are the run's own settings (RUN/args.json),
+    so a flag left out keeps the run's value and only flags given explicitly can change it (main() then refuses
+    any that would change the algorithm)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run = _resume_flag(argv)
+    if run is None or any(a in ("-h", "--help") for a in argv):
+        return tyro.cli(args_class, args=argv)
+    try:
+        default = saved_settings(args_class, run)
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+    return tyro.cli(args_class, args=argv, default=default)

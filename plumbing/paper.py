@@ -1,0 +1,64 @@
+"""The paper's settings: every script's PAPER_SETTINGS against the run's settings (--dry-run), and the README's table
+(benchmarks/paper_settings.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from plumbing import models
+
+
+def paper_run(args, paper_settings: dict[str, dict]) -> tuple[str, str]:
+    """The paper's run (a key of the script's PAPER_SETTINGS) that `args` is compared with, and why that one:
+    the run of the same task, else the run of the same model, else the script's first (default) run."""
+    if args.task in paper_settings:
+        return args.task, f"the paper's {args.task} run"
+    model_id = models.ALIASES.get(args.model, args.model)
+    for name, paper in paper_settings.items():
+        if models.ALIASES.get(paper["model"], paper["model"]) == model_id:
+            return name, f"the paper's {name} run (same model; the paper has no run on --task {args.task})"
+    name = next(iter(paper_settings))
+    return name, f"the paper's {name} run (the paper has no run on --task {args.task})"
+
+
+def format_setting(value) -> str:
+    """A setting as the command line writes it: 1e-06 -> 1e-6, 0.0001 -> 1e-4, True -> true, None -> -."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value and abs(value) < 1e-3:
+        mantissa, exponent = f"{value:.6e}".split("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return str(value)
+
+
+def dry_run(args, paper_settings: dict[str, dict], resolved: dict) -> dict:
+    """--dry-run: print every setting beside the paper's value for the matching run and mark each difference;
+    nothing is loaded. `resolved` holds what the script derives from the settings without loading anything
+    (its values replace same-named settings in the comparison, e.g. the eval task a missing --eval-task means).
+    Returns {"paper_run", "settings", "paper", "differences", "resolved"}."""
+    run, why = paper_run(args, paper_settings)
+    paper, settings = paper_settings[run], {**asdict(args), **{k: v for k, v in resolved.items() if k in asdict(args)}}
+    same = lambda name: (  # noqa: E731  model aliases and hub ids name the same model
+        models.ALIASES.get(settings[name], settings[name]) == models.ALIASES.get(paper[name], paper[name])
+        if name == "model"
+        else settings[name] == paper[name]
+    )
+    differences = [name for name in settings if name in paper and not same(name)]
+    print(
+        f"{Path(sys.argv[0]).name} settings beside {why}; * marks a difference, - a setting the paper does not state:"
+    )
+    width = max(len(name) for name in settings) + 3
+    for name, value in settings.items():
+        mark = "*" if name in differences else " "
+        paper_value = format_setting(paper[name]) if name in paper else "-"
+        print(f"{mark} --{name.replace('_', '-'):<{width}} {format_setting(value):<32} paper: {paper_value}")
+    extra = {k: v for k, v in resolved.items() if k not in settings}
+    if extra:
+        print("resolved: " + ", ".join(f"{k} {format_setting(v)}" for k, v in extra.items()))
+    print(f"{len(differences)} difference(s) from the paper; nothing was loaded (--dry-run)")
+    return {"paper_run": run, "settings": settings, "paper": paper, "differences": differences, "resolved": resolved}

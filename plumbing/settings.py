@@ -1,0 +1,251 @@
+"""The settings every training script shares (TrainArgs), their checks before anything loads, and which of them a
+resumed run may change.
+
+A run directory owns its settings: RUN/args.json is written at the start, and `--resume RUN` takes them back; only
+RESUMABLE_SETTINGS may be given again with other values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Literal
+
+from plumbing import UsageError, engines, files, ranges
+
+# Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs,
+# memory knobs that leave the update unchanged (the gradient does not depend on the micro-batch split), and
+# the matmul precision (a resume on another machine may need another; the choice is logged per start).
+# Anything else would change the algorithm mid-run.
+RESUMABLE_SETTINGS = (
+    "resume",
+    "dry_run",
+    "output_dir",
+    "iterations",
+    "max_minutes",
+    "eval_every",
+    "save_every",
+    "track",
+    "save_samples",
+    "save_questions",
+    "micro_batch_size",
+    "gradient_checkpointing",
+    "vllm_gpu_memory_utilization",
+    "vllm_enforce_eager",
+    "precision",
+    "eval_before",
+    "reference_on_device",
+)
+
+
+def saved_settings(args_class, run_dir: str | Path):
+    """The settings a run was started with (RUN/args.json), as an instance of the script's Args."""
+    path = Path(run_dir) / "args.json"
+    if not Path(run_dir).is_dir():
+        raise UsageError(f"--resume {run_dir}: not a directory; give a run directory (runs/<run_name>)")
+    try:
+        saved = files.read_json(path, "the run's settings")
+    except UsageError as error:
+        raise UsageError(f"--resume {run_dir}: {error}; give a run directory this script made") from None
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    # A setting added to the script after the run started is taken at its default when it cannot change the
+    # algorithm (e.g. --dry-run); any other difference means another script or version made the run.
+    saved |= {
+        f.name: f.default
+        for f in dataclasses.fields(args_class)
+        if f.name not in saved and f.name in RESUMABLE_SETTINGS
+    }
+    if "sampler_batch_tokens" in fields and "sampler_batch_tokens" not in saved:
+        saved["sampler_batch_tokens"] = 2**16  # runs from before the setting sampled in batches of this size
+    if set(saved) != fields:
+        foreign = sorted(set(saved) ^ fields)
+        raise UsageError(
+            f"--resume {run_dir}: its args.json does not fit this script's settings (differing: "
+            f"{', '.join(foreign[:6])}); resume a run with the script that started it"
+        )
+    hints = typing.get_type_hints(args_class)
+    wrong = [f"{name} = {json.dumps(value)}" for name, value in saved.items() if not _fits(value, hints[name])]
+    if wrong:
+        raise UsageError(
+            f"--resume {run_dir}: {path} holds values of the wrong type ({'; '.join(wrong[:4])}); "
+            "it was edited or damaged: restore it or start a new run"
+        )
+    return args_class(**saved)  # every setting is a JSON scalar or a list of them
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value can be the value of a setting typed `hint` (int for float is fine; bool is not a number)."""
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, part) for part in parts)
+    if origin is Literal:
+        return value in parts
+    if origin in (list, tuple):
+        return isinstance(value, list) and all(_fits(v, parts[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def check_resume_settings(args, run_dir: str | Path) -> None:
+    """Refuse to resume with a setting that changes the algorithm: only RESUMABLE_SETTINGS may differ."""
+    saved, current = asdict(saved_settings(type(args), run_dir)), asdict(args)
+    changed = [k for k in saved if k not in RESUMABLE_SETTINGS and saved[k] != current[k]]
+    if changed:
+        given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
+        raise UsageError(
+            f"--resume {run_dir}: {given} would change the run's algorithm mid-run; leave "
+            f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run"
+        )
+
+
+def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]:
+    """Problems with the settings every training script shares, found before anything is loaded.
+
+    Reads the fields it finds on `args` (a script's Args); each problem names its flag and the fix.
+    `task_problems(name, flag=...)` checks a task name (eval.task_problems).
+    """
+    problems = ranges.problems(args)  # every numeric setting against the range declared on its field
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    if get("backend") is not None:
+        problems += engines.backend_problems(args.backend)
+    if isinstance(args, TrainArgs):  # the batch, budget and cadence of every training run
+        if (
+            args.micro_batch_size != "auto"
+            and args.micro_batch_size >= 1
+            and (args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size)
+        ):
+            problems.append(
+                f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})"
+            )
+    if get("output_dir") is not None and not get("resume"):
+        problems += directory_problems(args.output_dir, "--output-dir")
+    for flag, name in (("--task", get("task")), ("--eval-task", get("eval_task"))):
+        if name is not None:
+            problems += task_problems(name, flag=flag)
+    return problems
+
+
+def directory_problems(directory: str, flag: str) -> list[str]:
+    """Whether `directory` is, or can be made as, a writable directory (nothing is created here)."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        return [f"{flag} {directory} is a file, not a directory: give a directory"]
+    ancestor = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not ancestor.is_dir():
+        return [f"{flag} {directory} cannot be created: {ancestor} is a file"]
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return [f"{flag} {directory} cannot be created or written: no write permission on {ancestor}"]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
+# The settings every training script shares. A script's Args extends TrainArgs, redeclaring the fields whose
+# paper default (or meaning) differs, and adding its algorithm's own; tyro documents every field in --help.
+
+
+@dataclasses.dataclass
+class TrainArgs:
+    exp_name: str = "run"
+    """experiment name, part of the run name"""
+    seed: ranges.Seed = 1
+    """seed of every random draw: questions, rollouts, SPO-tree's replay buffer, initialisation (same seed on CPU
+    gives identical metrics)"""
+    model: str = "rho-1b-sft-gsm8k"
+    """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    task: str = "gsm8k"
+    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    eval_task: str | None = None
+    """held-out task (default: the training task's test split; MATH500 for --task math)"""
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """matmul precision: auto = bf16 autocast where the device has fast bf16 (CUDA; CPUs with AVX-512 BF16 or
+    AMX), else fp32; fp32 master weights always"""
+    output_dir: str = "runs"
+    """where runs/<run_name>/ (metrics, checkpoint, TensorBoard) are written"""
+    resume: str | None = None
+    """continue the run in this directory (runs/<run_name>) from its last checkpoint"""
+    track: bool = False
+    """also log to Weights & Biases"""
+    dry_run: bool = False
+    """print every setting beside the paper's value (PAPER_SETTINGS) and exit; loads nothing"""
+    iterations: ranges.PositiveInt = 1000
+    """training iterations (rollout + update)"""
+    questions: ranges.PositiveInt = 64
+    """questions per iteration (sampled with replacement)"""
+    temperature: ranges.PositiveFloat = 0.6
+    """sampling temperature; log-probs divide logits by it too"""
+    top_p: ranges.Probability = 0.9
+    """nucleus sampling threshold"""
+    max_new_tokens: ranges.PositiveInt = 1024
+    """response token budget"""
+    context: ranges.PositiveInt = 2047
+    """total context budget (prompt + response)"""
+    lr: ranges.PositiveFloat = 1e-6
+    """AdamW learning rate (3% linear warmup, then linear decay)"""
+    warmup_ratio: ranges.WarmupFraction = 0.03
+    """fraction of optimizer steps spent warming up"""
+    weight_decay: ranges.NonNegativeFloat = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: ranges.PositiveFloat = 1.0
+    """gradient clipping norm"""
+    epochs: ranges.PositiveInt = 2
+    """passes over each iteration's samples"""
+    batch_size: ranges.PositiveInt = 64
+    """sequences per optimizer step"""
+    micro_batch_size: ranges.AutoPositiveInt = "auto"
+    """sequences per forward/backward (memory only: the gradient is the same for any split); auto: sized to the
+    GPU's free memory (plumbing/memory.py), 8 on a CPU"""
+    clip_eps: ranges.PositiveFloat = 0.2
+    """PPO ratio clipping"""
+    beta: ranges.NonNegativeFloat = 1e-4
+    """k3 KL penalty to the reference model (0 disables the reference model)"""
+    fsdp: bool = False
+    """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
+    replica does not fit one GPU; the sampler gathers the whole model while it samples"""
+    gradient_checkpointing: Literal["auto"] | bool = "auto"
+    """recompute activations in the backward pass (about a third more compute, a fraction of the memory); auto: only
+    where the update would not fit otherwise"""
+    eval_every: ranges.PositiveInt = 10
+    """evaluate every N iterations (and before the first and after the last)"""
+    eval_before: bool = True
+    """evaluate the starting model before the first iteration (the closing line's "before"); --no-eval-before
+    skips it when that accuracy is already known"""
+    eval_limit: ranges.OptionalPositiveInt = None
+    """held-out questions to evaluate on (default: all)"""
+    eval_samples: ranges.PositiveInt = 16
+    """samples per held-out question (paper GSM8K protocol: 16 at temperature 0.35, top_p 0.9)"""
+    eval_temperature: ranges.NonNegativeFloat = 0.35
+    """evaluation sampling temperature"""
+    eval_top_p: ranges.Probability = 0.9
+    """evaluation nucleus threshold (paper GSM8K protocol: 0.9, the authors' eval config)"""
+    save_every: ranges.PositiveInt = 10
+    """checkpoint every N iterations (and after the last)"""
+    max_minutes: ranges.OptionalPositiveFloat = None
+    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
+    save_samples: ranges.NonNegativeInt = 0
+    """every N iterations write the first --save-questions groups to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
+    save_questions: ranges.PositiveInt = 2
+    """questions whose responses --save-samples writes"""
+    vllm_gpu_memory_utilization: ranges.AutoProbability = "auto"
+    """GPU memory fraction for the vLLM engine (its weights and KV cache); auto: what training leaves free"""
+    vllm_enforce_eager: bool = False
+    """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding (first runs, debugging)"""
+    reference_on_device: Literal["auto"] | bool = "auto"
+    """keep the frozen reference model on the training device (True), or in pinned CPU memory, moved in for its
+    pass each iteration (False); auto: on the GPU when it fits beside training, on the CPU otherwise"""
+    sampler_batch_tokens: ranges.AutoPositiveInt = "auto"
+    """positions (rows x (prompt + new tokens)) one batch of the HF sampler caches; auto: 65,536 on a CPU, sized to
+    free GPU memory at the run's first start and kept on resume (the batches decide which random draws a row gets,
+    so a resumed run repeats only with the same value)"""

@@ -1,0 +1,237 @@
+"""The vLLM rollout engine: vLLM in-process on a GPU (optional dependency, pinned version), weights synced after each
+update; under torchrun one engine per rank, on the rank's GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from plumbing import distributed, gpu
+from plumbing.completions import Completion, cut_at_stop, stop_histories
+from plumbing.precision import engine_dtype
+
+
+class VLLMSampler:
+    """In-process vLLM engine for rollouts; token ids in, token ids out. Under torchrun, one engine per rank on the
+    rank's GPU, sampling the rank's own prompts.
+
+    Sampling is reproducible as HFSampler's is: every request carries a seed drawn from `generator`, which
+    training.reseed sets per iteration and rank, so a resumed run sends the same seeds as the uninterrupted one
+    and ranks draw different samples.
+
+    sleep() discards the engine's weights and KV cache (vLLM's level 2): the training update overwrites the weights
+    anyway, so copying them to the host and back (level 1) would be wasted. wake_up() maps the weights' memory again
+    and load_weights(model) fills it, then brings back the KV cache: sampling before that reload is refused.
+
+    model: the training model. When FSDP shards it (--fsdp), it is gathered while the sampler is awake and back on its
+    shards while it sleeps, as with HFSampler: the no-grad log-prob passes call it a different number of times on
+    each rank, which a sharded model (one all-gather per call) cannot do.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        model: torch.nn.Module | None = None,
+        seed: int = 0,
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.5,
+        dtype: str | None = None,
+        enable_sleep_mode: bool = True,
+        enforce_eager: bool = False,
+    ):
+        """dtype: the engine's ("bfloat16", "float16", ...); None: bfloat16 where the GPU has bf16, else float16.
+        enforce_eager: no CUDA graphs and no torch.compile (a faster start, slower decoding)."""
+        gpu.prepare_vllm(enforce_eager)  # a CUDA mismatch stops here, in a second, with its fix
+        dtype = dtype or engine_dtype()
+        # load_weights hands live torch tensors to the worker. That only works
+        # when the engine core runs in this process. With the default ("1"),
+        # vLLM starts a separate engine-core process and msgpack-encodes every
+        # RPC argument; an iterator of tensors cannot go through that. The
+        # variable must be set before the engine is built: EngineCore.__init__
+        # then caches vllm.envs. The external launcher needs it too.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        started = time.perf_counter()
+        self.llm = LLM(
+            model_path,
+            # The engine seeds the process's global RNGs with it (Worker.init_device), the same on every rank, as
+            # torch.manual_seed(args.seed) left them; the samples differ per rank through the requests' seeds.
+            seed=seed,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            # The n samples of a prompt, and prompts that share a few-shot
+            # prefix, reuse the prefix's KV blocks.
+            enable_prefix_caching=True,
+            enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=enforce_eager,
+            # Under torchrun each rank holds the whole model on its own GPU (see the comment above the class); in
+            # one process the default single-process executor.
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher" if distributed.world_size() > 1 else None,
+        )
+        distributed.print0(
+            f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype})"
+            + (f", one per rank on {distributed.world_size()} ranks" if distributed.world_size() > 1 else "")
+        )
+        # Use the same tokenizer as vLLM's stop-string detokenizer.
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = max_model_len
+        self.weight_dtype = getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None
+        self.sleep_enabled = enable_sleep_mode
+        self.asleep = False  # weights and KV cache released (sleep() until wake_up())
+        self.cache_asleep = False  # the KV cache still released (sleep() until load_weights())
+        self.weights_discarded = False  # sleep() threw the weights away; load_weights() brings the model's
+        # The requests' seeds come from it; training.reseed sets it per iteration and rank, rank_seed keeps the
+        # ranks apart before that (rank 0: the seed of a single-process run).
+        self.generator = torch.Generator().manual_seed(distributed.rank_seed(seed))
+        self.model = model
+        # Gathered after the engine is built: vLLM sizes its KV cache from the memory free when it starts.
+        self._gather(True)
+
+    def _gather(self, gathered: bool) -> None:
+        if self.model is not None and distributed.is_sharded(self.model):
+            distributed.gather_parameters(self.model, gathered)
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int | list[int],
+        stop: Sequence[str] = (),
+        context: int | None = None,
+        progress: str | None = None,
+        generated: int | list[int] = 0,
+    ) -> list[list[Completion]]:
+        """n completions per prompt, in prompt order.
+        Max new tokens = min(max_new_tokens (one, or one per prompt), context - len(prompt)).
+        generated: as in HFSampler.sample (vLLM only looks for stop strings in the new text, so a stop string
+        that begins in the response so far is found and cut here, after generation)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if self.asleep:
+            raise RuntimeError("VLLMSampler.sample() called while asleep; call wake_up() first")
+        if self.weights_discarded:
+            raise RuntimeError(
+                "VLLMSampler.sample(): weights not reloaded since sleep() discarded them; "
+                "call load_weights(model) after wake_up()"
+            )
+        stop = list(stop)
+        histories = stop_histories(prompts, generated, stop)
+        limit = self.max_model_len if context is None else min(context, self.max_model_len)
+        wanted = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        budgets = [min(w, limit - len(p)) for p, w in zip(prompts, wanted)]
+        # Like HFSampler, a prompt with no room left gets n empty "length"
+        # completions. vLLM would reject it instead: it needs max_tokens >= 1 and
+        # prompt length < max_model_len.
+        live = [i for i, b in enumerate(budgets) if b >= 1]
+        result = [[Completion(ids=[], finish_reason="length") for _ in range(n)] for _ in prompts]
+        if not live:
+            return result
+        # Each prompt gets its own SamplingParams because the budget can differ per
+        # prompt; LLM.generate pairs a list with the prompts one by one. Each also gets
+        # its own seed, drawn from self.generator: vLLM seeds its sample j with seed + j,
+        # and fresh draws keep calls and prompts apart. Unseeded requests would take
+        # their noise from the engine's RNG state (the v2 model runner seeds them from
+        # numpy's global RNG), which no reseed reaches: a resumed run would not repeat.
+        seeds = torch.randint(0, 2**62, (len(live),), generator=self.generator).tolist()
+        params = [
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], stop=stop, seed=seed)
+            for i, seed in zip(live, seeds)
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompts[i])) for i in live],
+            sampling_params=params,
+            use_tqdm=progress is not None and distributed.rank() == 0,
+        )
+        assert len(outs) == len(live)
+        for i, out in zip(live, outs):
+            assert len(out.outputs) == n
+            result[i] = [self._completion(c, stop, histories[i]) for c in out.outputs]
+        return result
+
+    def _completion(self, c, stop: list[str], history: list[int]) -> Completion:
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
+        ids, finish = list(c.token_ids), c.finish_reason
+        if stop:
+            # vLLM's token_ids still include the token(s) that spell the stop
+            # string. Cut them with the same rule as cut_at_stop. This also catches
+            # a stop string that vLLM's prompt-aware incremental decode saw
+            # differently, or one that begins in the response so far (history).
+            cut, found = cut_at_stop(self.tokenizer, history + ids, stop)
+            if found:
+                ids, finish = cut[len(history) :], "stop"
+        return Completion(ids=ids, finish_reason=finish)
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Copy the training model's current weights into the engine, in place, then bring back the KV cache if
+        sleep() released it. Under torchrun every rank calls it (a sharded model's weights are gathered)."""
+        if self.asleep:
+            raise RuntimeError("VLLMSampler.load_weights() called while asleep; call wake_up() first")
+        from torch.distributed.tensor import DTensor
+
+        self.model = model
+        model = getattr(model, "_orig_mod", model)  # unwrap torch.compile so names match the checkpoint
+        dtype = self.weight_dtype
+
+        def whole(p: torch.Tensor) -> torch.Tensor:
+            # A parameter FSDP holds sharded is gathered here, one at a time: every rank walks named_parameters in
+            # the same order, so the all-gathers match. wake_up() has usually gathered the model already.
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            return full.detach() if dtype is None else full.detach().to(dtype)
+
+        # HF parameter names are the checkpoint format vLLM's model.load_weights
+        # expects. It handles fused qkv/gate_up and tied embeddings (named_parameters
+        # yields a tied lm_head once, as embed_tokens). reload_weights is the in-place
+        # path (0.30.0: GPUModelRunner.reload_weights). It keeps the tensor storage
+        # that CUDA graphs point to and clears the LoRA, encoder and MM caches.
+        # The fp32 master weights go over in the engine's dtype, one tensor at a time:
+        # the generator holds a single converted tensor, never a second copy of the
+        # model. detach() keeps autograd out of vLLM's copy_.
+        weights = ((name, whole(p)) for name, p in model.named_parameters())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.weights_discarded = False
+        if self.cache_asleep:  # woken only now: the KV cache was not allocated while the weights loaded
+            torch.cuda.empty_cache()  # the reload's temporaries (bf16 copies, gathered shards) sit in torch's cache
+            self.llm.wake_up(tags=["kv_cache"])
+            self.cache_asleep = False
+        # KV blocks cached under the old weights would be reused for matching
+        # prefixes. Drop them. vLLM returns False, and resets nothing, while any
+        # request still holds blocks; stale KV would quietly skew the rollouts.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after loading weights")
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory for training: vLLM's level 2 discards the weights and the KV cache
+        (load_weights after wake_up brings the weights). A sharded training model goes back to its shards. The
+        engine sleeps only if built with sleep mode."""
+        self._gather(False)
+        if self.sleep_enabled and not self.asleep:
+            if self.cache_asleep:
+                # Woken for a weight load that did not come: vLLM ignores sleep while any tag sleeps (Executor.sleep),
+                # so the KV cache wakes first and the weights' memory is released again below.
+                self.llm.wake_up(tags=["kv_cache"])
+            self.llm.sleep(level=2)
+            self.asleep = self.cache_asleep = self.weights_discarded = True
+
+    def wake_up(self) -> None:
+        """Map the weights' memory again (their values come with load_weights, which then brings the KV cache
+        back: the cache is not allocated while the weights load, as vLLM's sleep-mode docs advise). A sharded
+        training model is gathered."""
+        if self.asleep:
+            # The update's activations stay in torch's caching allocator; vLLM maps its memory anew on waking, so that
+            # memory must go back to the driver first (plumbing/memory.py counts on it).
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.asleep = False
+        self._gather(True)
