@@ -97,7 +97,9 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, module
     module_weights = {name: distributed.full_state_dict(module) for name, module in (modules or {}).items()}
     if distributed.rank() > 0:
         return final
-    shutil.rmtree(staging, ignore_errors=True)
+    if staging.is_symlink():  # never write through a link (refused on resume; a link is removed, not followed)
+        staging.unlink()
+    shutil.rmtree(staging, ignore_errors=True)  # left by a kill mid-save
     try:
         model.save_pretrained(staging, state_dict=weights)
         tokenizer.save_pretrained(staging)

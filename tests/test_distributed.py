@@ -55,8 +55,8 @@ def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(
         + (["--fsdp"] if sharding == "fsdp" else [])
     )
     one, two = (
-        torch.load(one_process_steps(script)),
-        torch.load(tmp_path / ("world2_fsdp.pt" if sharding == "fsdp" else "world2.pt")),
+        torch.load(one_process_steps(script), weights_only=True),
+        torch.load(tmp_path / ("world2_fsdp.pt" if sharding == "fsdp" else "world2.pt"), weights_only=True),
     )
     initial = dict(models.load_model(str(tiny_model_dir), dtype=torch.float32)[0].named_parameters())
     assert (
@@ -111,7 +111,7 @@ def test_torchrun_trains_and_writes_one_checkpoint_that_reloads(script, tiny_mod
     assert [m for m in metrics if "eval/accuracy" in m], "evaluated"
     assert json.loads((full / "summary.json").read_text())["checkpoint"] == str(full / "checkpoint")
     model, _ = models.load_model(str(full / "checkpoint"))  # one save_pretrained directory that eval.py loads
-    assert torch.load(full / "checkpoint" / "trainer_state.pt", weights_only=False)["world_size"] == 2
+    assert torch.load(full / "checkpoint" / "trainer_state.pt", weights_only=True)["world_size"] == 2
     assert len((full / "starts.jsonl").read_text().splitlines()) == 1  # rank 0 alone records the start
 
 
@@ -144,7 +144,7 @@ def test_fsdp_trains_saves_one_whole_checkpoint_and_resumes_like_the_uninterrupt
     # Stopped after its first iteration by the time limit (the schedule still plans 2), then resumed without one.
     run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "part", **sharded, max_minutes=1e-6))
     part = only_run(tmp_path / "part")
-    assert torch.load(part / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
+    assert torch.load(part / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 1
     run(TORCHRUN + [str(ROOT / f"{script}.py"), "--resume", str(part), "--max-minutes", "None"])
     assert read_metrics(part) == metrics  # the sharded optimizer state (and the critic's, the buffer) came back
 
@@ -314,7 +314,8 @@ def two_nodes(command: list[str], tmp_path: Path, timeout: float = 600) -> None:
 
 def test_two_nodes_make_the_update_of_one_process(one_process_steps, tiny_model_dir, tmp_path):
     two_nodes([str(DRIVER), "grpo_baseline", str(tiny_model_dir), str(tmp_path)], tmp_path)
-    one, two = torch.load(one_process_steps("grpo_baseline")), torch.load(tmp_path / "world2.pt")
+    one = torch.load(one_process_steps("grpo_baseline"), weights_only=True)
+    two = torch.load(tmp_path / "world2.pt", weights_only=True)
     for key in one["stats"]:
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
     for single, ranks in zip(one["parameters"], two["parameters"]):
@@ -329,7 +330,7 @@ def test_two_nodes_write_one_run_directory_whose_checkpoint_reloads_and_resumes(
     ]
     two_nodes(command, tmp_path)
     run_dir = only_run(tmp_path / "runs")
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["world_size"] == 2
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["world_size"] == 2
     models.load_model(str(run_dir / "checkpoint"))
     starts = [json.loads(line) for line in (run_dir / "starts.jsonl").read_text().splitlines()]
     assert len(starts) == 1 and starts[0]["world_size"] == 2 and starts[0]["device"] == "cpu"

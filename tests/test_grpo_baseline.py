@@ -210,7 +210,7 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_eval_reloads(tiny_mode
     model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(gsm8k_jsonl), limit=2, max_new_tokens=4)
     assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
-    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=True)
     assert state["iteration"] == 2
 
 
@@ -233,13 +233,13 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, 
         grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
     monkeypatch.setattr(grpo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 2
 
     resumed = grpo.main(
         smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir))
     )
     assert resumed["run_dir"] == str(run_dir)
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 3
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 3
     assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers with or without the kill
 
 
@@ -302,7 +302,7 @@ def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model
     train = [m for m in lines if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1]  # the budget ran out in iteration 1: it became the last one
     assert [m["iteration"] for m in lines if "eval/accuracy" in m] == [0, 1]
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 1
     assert train[0]["time/train_seconds"] == train[0]["time/iteration_seconds"] > 0
     assert train[0]["charts/generated_tokens"] == train[0]["charts/response_tokens"] * 3 * 4
 

@@ -110,13 +110,13 @@ def test_ctrl_c_keeps_a_resumable_run(when, tiny_model_dir, gsm8k_jsonl, tmp_pat
     [run_dir] = out.iterdir()
     state = run_dir / "checkpoint" / "trainer_state.pt"
     if state.exists():  # the interrupt may land after the first save, whichever point was aimed at
-        kept = torch.load(state, weights_only=False)["iteration"]
+        kept = torch.load(state, weights_only=True)["iteration"]
         assert line.startswith(f"interrupted: {run_dir} keeps its checkpoint of iteration {kept}; continue with:")
     else:
         assert when == "before the first checkpoint"
         assert line.startswith(f"interrupted before the first checkpoint: {run_dir} keeps its settings; start it again")
     assert _resume(line, tmp_path) == run_dir
-    assert torch.load(state, weights_only=False)["iteration"] == 3
+    assert torch.load(state, weights_only=True)["iteration"] == 3
     starts = [json.loads(x) for x in (run_dir / "starts.jsonl").read_text().splitlines()]
     assert [s["resumed"] for s in starts] == [False, True]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

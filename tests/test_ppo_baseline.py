@@ -384,7 +384,7 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_with_the_critic(sevens
     critic = ppo.make_critic(model)
     critic.load_state_dict(_critic_state(summary["checkpoint"]))
     assert critic.value_head.weight.abs().sum() > 0
-    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=True)
     assert state["iteration"] == 2 and state["critic_optimizer"]["state"]
 
 
@@ -407,7 +407,7 @@ def test_resume_after_a_kill_restores_policy_and_critic_exactly(sevens, tmp_path
         ppo.main(smoke_args(ppo, *sevens, tmp_path / "killed", iterations=3))
     monkeypatch.setattr(ppo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 2
 
     resumed = ppo.main(smoke_args(ppo, *sevens, tmp_path / "unused", iterations=3, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)

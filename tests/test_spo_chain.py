@@ -384,7 +384,7 @@ def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(
     model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(gsm8k_jsonl), limit=2, max_new_tokens=4)
     assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
-    assert torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)["iteration"] == 2
+    assert torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=True)["iteration"] == 2
 
 
 def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
@@ -406,13 +406,13 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, 
         spo.main(smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
     monkeypatch.setattr(spo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 2
 
     resumed = spo.main(
         smoke_args(spo, tiny_model_dir, gsm8k_jsonl, tmp_path / "unused", iterations=3, resume=str(run_dir))
     )
     assert resumed["run_dir"] == str(run_dir)
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 3
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 3
     assert read_metrics(run_dir) == read_metrics(full["run_dir"])  # same seed: same numbers, MC values included
 
 
@@ -475,7 +475,7 @@ def test_max_minutes_stops_early_and_save_samples_writes_cutpoints_values_and_ad
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1] and [m["iteration"] for m in lines if "eval/accuracy" in m] == [0, 1]
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 1
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 1
     assert train[0]["time/train_seconds"] == train[0]["time/iteration_seconds"] > 0
     assert (
         train[0]["charts/generated_tokens"] == train[0]["charts/response_tokens"] * 3 * 4 + train[0]["charts/mc_tokens"]

@@ -551,7 +551,7 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
         )
         assert m["charts/samples"] <= 3 * 4 * 2 and 0 <= m["charts/zero_advantage_fraction"] <= 1
     assert train[0]["charts/zero_advantage_fraction"] < 1  # iteration 2 may train on iteration 1's leftover edges only
-    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=True)
     assert state["iteration"] == 2 and isinstance(state["buffer"], list)
     assert len(state["buffer"]) == train[-1]["buffer/size"]
     assert all(2 - edge["born"] < 2 and len(edge["old_logps"]) == len(edge["response_ids"]) for edge in state["buffer"])
@@ -601,7 +601,7 @@ def test_samples_per_iteration_trains_exactly_that_many_samples(sevens, tmp_path
     assert [m["charts/samples"] for m in train] == [5, 5] and [m["charts/unique_samples"] for m in train] == [4, 5]
     assert [len(batch) for batch in trained] == [5, 5]  # batch 8: one optimizer step of 5 samples per iteration
     assert len({id(s) for s in trained[0]}) == 4  # the repeats are trained as copies
-    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=False)
+    state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=True)
     assert (
         len(state["buffer"]) == train[-1]["buffer/size"] >= 1
     )  # the edge that went back is kept for the next iteration
@@ -630,7 +630,7 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
         patch.setattr(engines.HFSampler, "sleep", dies_in_iteration_3)
         spo.main(smoke_args(spo, model_dir, data, tmp_path / "killed", **settings))
     run_dir = next((tmp_path / "killed").iterdir())
-    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["iteration"] == 2
+    assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 2
 
     resumed = spo.main(smoke_args(spo, model_dir, data, tmp_path / "unused", **settings, resume=str(run_dir)))
     assert resumed["run_dir"] == str(run_dir)
