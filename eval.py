@@ -21,6 +21,7 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -29,11 +30,11 @@ import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from plumbing import UsageError, distributed, files, ranges
+from plumbing.cli import run_cli
 from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
 from plumbing.models import load_model
 from plumbing.precision import choose_precision
-from plumbing.cli import run_cli
 from plumbing.settings import directory_problems
 
 # ----------------------------------------------------------------------------------------------
@@ -44,6 +45,12 @@ RHO_STOP = "\n\n\nProblem:"  # the SFT model may start a new problem instead of 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 RG_TEST_SEED_OFFSET = 1_000_003  # reasoning-gym: neighbouring seeds give shifted copies of the same items
 RG_TEST_SIZE = 200  # reasoning-gym test draws (fewer after deduplication)
+# A task file's row whose question or answer is longer than this is dropped while the file is read, before anything
+# tokenises it (one 30 MB question used to take 12.5 GB and 193 s of tokenising, train and held-out, before the
+# context check dropped it). GSM8K questions are under 1,000 characters and MATH problems a few thousand; 100,000
+# characters is some 25,000 tokens of English, far past the paper's 2,048-token contexts, so no real question is lost.
+MAX_QUESTION_CHARS = 100_000
+MAX_ANSWER_CHARS = 100_000  # the answer field is a whole solution ("... #### 42"): GSM8K's and MATH's are far shorter
 
 
 @dataclass
@@ -147,25 +154,52 @@ def _rg_rows(name: str, split: str, size: int, seed: int) -> list[dict]:
     return [row for row in generate(seed, size) if row["question"] not in held_out]
 
 
-def _jsonl_rows(path: str) -> list[dict]:
-    rows = []
-    for number, line in enumerate(files.read_text(path, "task file").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
+def _jsonl_rows(path: str) -> Iterator[dict]:
+    """The rows of a GSM8K-format file, read one line at a time (load_task stops reading once it has its --limit).
+    A row whose question or answer is longer than MAX_QUESTION_CHARS / MAX_ANSWER_CHARS is dropped here, before
+    anything tokenises it, with one warning for the file; a file of nothing but such rows is a UsageError."""
+
+    def bad_line(message: str) -> UsageError:
+        files.read_text(path, "task file")  # a file that is not UTF-8 text says that first, as when it was read whole
+        return UsageError(message)
+
+    kept, dropped, first_dropped = 0, 0, None
+    try:
+        for number, line in files.read_lines(path, "task file"):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as error:  # ValueError: also an integer of over 4,300 digits
+                reason = getattr(error, "msg", None) or str(error).split(":")[0]
+                raise bad_line(
+                    f'{path} line {number} is not valid JSON ({reason}); expected {{"question": ..., "answer": ...}}'
+                ) from None
+            if (
+                not isinstance(row, dict)
+                or not isinstance(row.get("question"), str)
+                or not isinstance(row.get("answer"), (str, int, float))
+            ):
+                raise bad_line(f'{path} line {number} needs a string "question" and an "answer" (GSM8K format)')
+            answer = str(row["answer"])
+            if len(row["question"]) > MAX_QUESTION_CHARS or len(answer) > MAX_ANSWER_CHARS:
+                dropped, first_dropped = dropped + 1, first_dropped or number
+                continue
+            kept += 1
+            yield {"question": row["question"], "answer": _gsm8k_answer(answer), "line": number}
+        if dropped and not kept:
             raise UsageError(
-                f'{path} line {number} is not valid JSON ({error.msg}); expected {{"question": ..., "answer": ...}}'
-            ) from None
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get("question"), str)
-            or not isinstance(row.get("answer"), (str, int, float))
-        ):
-            raise UsageError(f'{path} line {number} needs a string "question" and an "answer" (GSM8K format)')
-        rows.append({"question": row["question"], "answer": _gsm8k_answer(str(row["answer"]))})
-    return rows
+                f"{path} has no row within the limits of a task row: {dropped} with a question over "
+                f"{MAX_QUESTION_CHARS:,} characters or an answer over {MAX_ANSWER_CHARS:,}; give a file of "
+                "GSM8K-format questions"
+            )
+    finally:  # also when load_task stops reading early: the rows read so far are counted
+        if dropped and kept:
+            warnings.warn(
+                f"{path}: dropped {dropped} row{'s' * (dropped != 1)} whose question is over {MAX_QUESTION_CHARS:,} "
+                f"characters or whose answer is over {MAX_ANSWER_CHARS:,} (first: line {first_dropped}), before "
+                "tokenising them"
+            )
 
 
 HUB_TASKS = ("gsm8k", "math", "math500", "aime24")
@@ -227,6 +261,49 @@ def check_prompt_room(examples: list[Example], context: int, what: str, drop: bo
     return [e for e in examples if len(e.prompt_ids) < context] if drop else examples
 
 
+def _checked_examples(rows: Iterable[dict], name: str, split: str, limit: int | None) -> list[Example]:
+    """The first `limit` (None: all) rows whose question is new and whose reference parses, as Examples, in the task's
+    order. Rows are read, and their references checked (one grading-pool round trip per batch), only until `limit`
+    examples are found: `--limit 2` of a million-row file reads a few rows. The examples are those of checking every
+    row first and keeping the first `limit`; what is left unread is not checked (a bad row after them is not
+    reported, and a public dataset's skipped count covers the rows read)."""
+    rows, examples, skipped, seen = iter(rows), [], [], set()
+    try:
+        while limit is None or len(examples) < limit:
+            batch = []  # (position among the unique rows, row)
+            for row in rows:
+                if row["question"] not in seen:  # duplicates would weigh some questions twice
+                    seen.add(row["question"])
+                    batch.append((len(seen), row))
+                    if limit is not None and len(batch) == limit - len(examples):
+                        break
+            if not batch:
+                break
+            parses = check_references([str(row["answer"]) for _, row in batch], name)
+            examples += [
+                Example(question=row["question"], answer=str(row["answer"]))
+                for (_, row), ok in zip(batch, parses)
+                if ok
+            ]
+            skipped += [(position, row) for (position, row), ok in zip(batch, parses) if not ok]
+            if skipped and name.endswith(".jsonl"):  # the user's own file: stop and say which row to fix
+                _, row = skipped[0]
+                raise UsageError(
+                    f"{name} row {row['line']} has a missing or unparseable reference answer {row['answer']!r}; "
+                    "fix or remove it"
+                )
+    finally:
+        if hasattr(rows, "close"):  # a file's reader: closed now, which issues its warning of dropped rows
+            rows.close()
+    if skipped:  # a public dataset: a few answers math-verify cannot parse are skipped, not fatal
+        position, row = skipped[0]
+        warnings.warn(
+            f"{name} {split}: skipped {len(skipped)} rows whose reference does not parse "
+            f"(first: row {position}, {row['answer']!r})"
+        )
+    return examples
+
+
 def load_task(
     name: str,
     split: str = "train",
@@ -238,6 +315,7 @@ def load_task(
 
     name: gsm8k | math (MATH train, MATH500 removed) | math500 | aime24 | rg:<dataset>[:key=value,...] | path.jsonl
     split: "train" or "test" (math500/aime24 have one split; reasoning-gym test items come from a far seed).
+    limit: the first `limit` examples; a file is read, and references are checked, no further than they need.
     """
     if name == "gsm8k":
         rows = [
@@ -277,24 +355,7 @@ def load_task(
     else:
         raise UsageError(task_problems(name)[0])
 
-    unique, seen = [], set()
-    for row in rows:
-        if row["question"] not in seen:  # duplicates would weigh some questions twice
-            seen.add(row["question"])
-            unique.append(row)
-    parses = check_references([str(row["answer"]) for row in unique], name)
-    bad = [number for number, ok in enumerate(parses, 1) if not ok]
-    if bad and name.endswith(".jsonl"):  # the user's own file: stop and say which row to fix
-        raise UsageError(
-            f"{name} row {bad[0]} has a missing or unparseable reference answer {unique[bad[0] - 1]['answer']!r}; fix or remove it"
-        )
-    if bad:  # a public dataset: a few answers math-verify cannot parse are skipped, not fatal
-        warnings.warn(
-            f"{name} {split}: skipped {len(bad)} rows whose reference does not parse (first: row {bad[0]}, {unique[bad[0] - 1]['answer']!r})"
-        )
-    examples = [Example(question=row["question"], answer=str(row["answer"])) for row, ok in zip(unique, parses) if ok]
-    if limit is not None:
-        examples = examples[:limit]
+    examples = _checked_examples(rows, name, split, limit)
     if not examples:
         raise UsageError(f"task {name!r} split {split!r} has no examples")
     if tokenizer is not None:

@@ -82,16 +82,24 @@ SETTINGS = (
 )
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    """(line number, record) of every non-empty line of a JSONL file; a malformed line is a UsageError naming it."""
+def read_jsonl(path: Path, what: str = "file") -> list[tuple[int, dict]]:
+    """(line number, record) of every non-empty line of a JSONL file; a file that cannot be read (missing, a
+    directory, not UTF-8) or a malformed line is a UsageError naming it."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(files.read_text(path, what).splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise UsageError(f"{path} line {number} is not valid JSON ({error.msg}); {REPAIR}") from None
+        except RecursionError:  # json.loads recurses once per level: e.g. a saved tree thousands of levels deep
+            raise UsageError(
+                f"{path} line {number} nests deeper than the JSON reader allows ({sys.getrecursionlimit()} levels, "
+                f"about {sys.getrecursionlimit() // 2} of a saved tree); {REPAIR}"
+            ) from None
+        except ValueError as error:  # e.g. an integer of over 4,300 digits
+            raise UsageError(f"{path} line {number} is not valid JSON ({str(error).split(':')[0]}); {REPAIR}") from None
         if not isinstance(record, dict):
             raise UsageError(f"{path} line {number} is not a JSON object; {REPAIR}")
         rows.append((number, record))
@@ -114,28 +122,45 @@ def check_response(record: dict, where: str) -> None:
         raise UsageError(f"{where}: a cutpoint lies outside -1..{length - 1}; {REPAIR}")
 
 
-def check_node(node: dict, where: str) -> None:
-    """The same checks for an SPO-tree node and, recursively, its children."""
-    if not isinstance(node, dict) or any(key not in node for key in NODE_KEYS):
-        raise UsageError(f"{where}: a tree node lacks one of {', '.join(NODE_KEYS)}; {REPAIR}")
-    for key in ("tokens", "probs", "loss_mask"):
-        if node.get(key) is not None and len(node[key]) != len(node["token_ids"]):
-            raise UsageError(
-                f"{where}: a tree node's {key} has {len(node[key])} entries for {len(node['token_ids'])} tokens; {REPAIR}"
-            )
-    for child in node["children"]:
-        check_node(child, where)
+def check_node(tree: dict, where: str) -> None:
+    """The same checks for an SPO-tree node and every node below it, walked with an explicit stack (a saved tree may be
+    deeper than Python's recursion limit)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or any(key not in node for key in NODE_KEYS):
+            raise UsageError(f"{where}: a tree node lacks one of {', '.join(NODE_KEYS)}; {REPAIR}")
+        for key in ("tokens", "probs", "loss_mask"):
+            if node.get(key) is not None and len(node[key]) != len(node["token_ids"]):
+                raise UsageError(
+                    f"{where}: a tree node's {key} has {len(node[key])} entries for {len(node['token_ids'])} tokens; "
+                    f"{REPAIR}"
+                )
+        stack.extend(reversed(node["children"]))  # reversed: children are checked in order, as a recursion would
 
 
 def finite(value):
-    """NaN and infinities become None: JSON.parse in the page rejects them."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, list):
-        return [finite(v) for v in value]
-    if isinstance(value, dict):
-        return {key: finite(v) for key, v in value.items()}
-    return value
+    """A copy with NaN and infinities as None (JSON.parse in the page rejects them), built with an explicit stack of
+    (source, copy) containers: a saved tree may nest deeper than Python's recursion limit."""
+
+    def empty_copy(item):
+        if isinstance(item, float):
+            return item if math.isfinite(item) else None
+        return [] if isinstance(item, list) else {} if isinstance(item, dict) else item
+
+    result = empty_copy(value)
+    stack = [(value, result)] if isinstance(value, (list, dict)) else []
+    while stack:
+        source, copy = stack.pop()
+        for key, item in enumerate(source) if isinstance(source, list) else source.items():
+            item_copy = empty_copy(item)
+            if isinstance(copy, list):
+                copy.append(item_copy)
+            else:
+                copy[key] = item_copy
+            if isinstance(item, (list, dict)):
+                stack.append((item, item_copy))
+    return result
 
 
 def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, questions: int | None = None) -> dict:
@@ -156,25 +181,24 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
             f"{run_dir} has no samples/iter_<k>.jsonl; "
             "train with --save-samples N to save the rollouts of every N-th iteration"
         )
-    files = {k: path for k, path in saved.items() if iterations is None or k in iterations}
-    if not files:
+    chosen = {k: path for k, path in saved.items() if iterations is None or k in iterations}
+    if not chosen:
         raise UsageError(
             f"{run_dir} has no samples for iterations {', '.join(map(str, iterations))}; "
             f"it has iterations {', '.join(map(str, sorted(saved)))}"
         )
     args_path = run_dir / "args.json"
-    try:
-        args = json.loads(args_path.read_text()) if args_path.exists() else {}
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{args_path} is not valid JSON ({error.msg}); restore it or delete it") from None
+    args = files.read_json(args_path, "the run's settings") if args_path.exists() else {}
 
     algorithm, by_iteration = None, {}
-    for iteration in sorted(files):
+    for iteration in sorted(chosen):
         groups: dict = {}
-        for number, record in read_jsonl(files[iteration]):
-            where = f"{files[iteration]} line {number}"
+        for number, record in read_jsonl(chosen[iteration], "samples file"):
+            where = f"{chosen[iteration]} line {number}"
             algorithm = algorithm or record.get("algorithm")
             index = record.get("question_index", len(groups))
+            if not isinstance(index, (int, str)):  # a list would not even serve as a key
+                raise UsageError(f"{where}: question_index is a {type(index).__name__}, not a number; {REPAIR}")
             if index not in groups:
                 if questions is not None and len(groups) >= questions:
                     continue
@@ -227,7 +251,7 @@ def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
             f"{run_dir} has no metrics.jsonl; pass a run directory the training scripts wrote (runs/<run_name>)"
         )
     series: dict[str, dict[int, float]] = {}
-    for number, row in read_jsonl(path):
+    for number, row in read_jsonl(path, "metrics log"):
         if not isinstance(row.get("iteration"), int):
             raise UsageError(f"{path} line {number} has no integer iteration; {REPAIR}")
         for key, value in row.items():
@@ -579,7 +603,14 @@ window.onerror = function (message, source, line) {  // an error shows on the pa
 
 def page_json(data) -> str:
     """JSON that is safe inside <script>: no "</script>" or "<!--" can appear, JSON.parse reads it unchanged."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except RecursionError:  # json.dumps recurses once per level; the page wraps each tree in a few more
+        levels = sys.getrecursionlimit() // 2
+        raise UsageError(
+            f"the runs' data nests too deep to embed in the page (a saved tree over about {levels} levels?); "
+            "leave that run or iteration out (--iterations)"
+        ) from None
     return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
@@ -643,12 +674,13 @@ def ema(values: list[float], weight: float) -> list[float]:
 
 
 def run_label(run_dir: Path) -> str:
-    """A short legend label, "<exp_name> seed <seed>" from the run's args.json; the directory name without one."""
-    try:
-        args = json.loads((run_dir / "args.json").read_text())
+    """A short legend label, "<exp_name> seed <seed>" from the run's args.json; the directory name without one (or
+    without those settings). A damaged args.json is a UsageError naming it, as it is for `html`."""
+    path = run_dir / "args.json"
+    args = files.read_json(path, "the run's settings") if path.exists() else {}
+    if "exp_name" in args and "seed" in args:
         return f"{args['exp_name']} seed {args['seed']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return run_dir.name
+    return run_dir.name
 
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")  # what --output of `curves` may end in (matplotlib writes each)

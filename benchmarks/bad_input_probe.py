@@ -87,7 +87,101 @@ def make_fixtures(folder: Path) -> dict[str, str]:
     (paths["ARGSNULL"] / "args.json").write_text("null")
     (paths["ARGSBADTYPE"] / "args.json").write_text(json.dumps({**vars(grpo_baseline.Args()), "lr": "fast"}))
     (paths["TREERUN"] / "args.json").write_text(json.dumps(vars(spo_tree.Args())))
+    make_untrusted_inputs(folder, paths)
+    make_untrusted_runs(folder, paths, tiny)
     return {name: str(path) for name, path in paths.items()}
+
+
+def make_untrusted_inputs(folder: Path, paths: dict[str, Path]) -> None:
+    """Task files too large to tokenise or to read whole, a local model folder to mistype, damaged viewer inputs."""
+
+    def solved(i: int) -> dict:
+        return {"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}
+
+    paths["GOODTASK"] = folder / "good.jsonl"
+    paths["GOODTASK"].write_text("".join(json.dumps(solved(i)) + "\n" for i in range(3)))
+    paths["HUGEANSWER"] = folder / "huge_answers.jsonl"  # every answer over eval.MAX_ANSWER_CHARS
+    paths["HUGEANSWER"].write_text(json.dumps({"question": "1+1?", "answer": "2 " * 75_000 + "#### 2"}) + "\n")
+    paths["BIGQUESTION"] = folder / "big_question.jsonl"  # line 2 is dropped untokenised; line 3 has no reference
+    rows = [solved(1), {"question": "How many? " * 20_000, "answer": "#### 3"}, {"question": "2+2?", "answer": "####"}]
+    paths["BIGQUESTION"].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    paths["LARGE"] = folder / "large.jsonl"  # 1,000,000 rows (61 MB): --limit 2 reads two of them
+    paths["LARGE"].write_text(
+        "".join(f'{{"question": "What is {i} + 1?", "answer": "#### {i + 1}"}}\n' for i in range(10**6))
+    )
+    (folder / "models" / "tiny").mkdir(parents=True)  # for "models/tny"
+    for name in ("LATIN1RUN", "ARGSSTRING", "DEEPTREE", "SAMPLESDIR"):
+        paths[name] = folder / name.lower()
+        (paths[name] / "samples").mkdir(parents=True)
+    record = {
+        "algorithm": "grpo",
+        "question_index": 0,
+        "question": "3 + 4?",
+        "reference": "7",
+        "prompt": "3 + 4?",
+        "reward": 1.0,
+        "finish_reason": "stop",
+        "token_ids": [5],
+        "tokens": ["7"],
+        "probs": [0.9],
+        "advantages": [0.5],
+        "loss_mask": [1],
+    }
+    (paths["LATIN1RUN"] / "metrics.jsonl").write_bytes(b'{"iteration": 1, "charts/reward": 0.5, "note": "caf\xe9"}\n')
+    (paths["ARGSSTRING"] / "args.json").write_text('"grpo"')
+    (paths["ARGSSTRING"] / "samples" / "iter_1.jsonl").write_text(json.dumps(record) + "\n")
+    (paths["ARGSSTRING"] / "metrics.jsonl").write_text('{"iteration": 1, "charts/reward": 0.5}\n')
+    node = '"token_ids": [1], "tokens": ["a"], "probs": [0.5], "loss_mask": [1], "value": 0.5'
+    tree = ("{" + node + ', "children": [') * 20_000 + "]}" * 20_000  # 20,000 deep: json.dumps could not write it
+    (paths["DEEPTREE"] / "samples" / "iter_1.jsonl").write_text(
+        '{"algorithm": "spo_tree", "question_index": 0, "question": "q", "reference": "1", "tree": ' + tree + "}\n"
+    )
+    (paths["SAMPLESDIR"] / "samples" / "iter_1.jsonl").mkdir()
+
+
+class _Payload:
+    """Pickles to a call that writes a file: what a crafted .pt file would run if it were unpickled."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "the payload ran"))
+
+
+def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
+    """Run directories from someone else: .pt files holding pickled objects, symbolic links to outside targets.
+    Each is a run of the script it is resumed with (its args.json), with a whole checkpoint of the tiny model."""
+    import shutil
+
+    import torch
+
+    import grpo_baseline
+    import ppo_baseline
+    import spo_chain
+    import spo_tree
+
+    outside = folder / "outside"
+    (outside / "samples").mkdir(parents=True)
+    (outside / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    marker = folder / "payload-ran"
+
+    def run(name: str, script, state=None) -> Path:
+        run_dir = paths[name] = folder / name.lower()
+        shutil.copytree(tiny, run_dir / "checkpoint")
+        (run_dir / "args.json").write_text(json.dumps(vars(script.Args(model=str(tiny)))))
+        torch.save(state or {"iteration": 1, "world_size": 1}, run_dir / "checkpoint" / "trainer_state.pt")
+        return run_dir
+
+    run("PICKLESTATE", grpo_baseline, {"iteration": 1, "world_size": 1, "optimizer": _Payload(marker)})
+    run("PICKLEOLD", spo_tree, {"iteration": 2, "world_size": 1, "buffer": [_Payload(marker)]})
+    shutil.move(paths["PICKLEOLD"] / "checkpoint", paths["PICKLEOLD"] / "checkpoint.old")  # killed between renames
+    critic = run("PICKLECRITIC", ppo_baseline)
+    torch.save({"value_head.weight": _Payload(marker)}, critic / "checkpoint" / "critic.pt")
+    os.symlink(outside / "metrics.jsonl", run("LINKMETRICS", spo_chain) / "metrics.jsonl")
+    os.symlink(outside / "samples", run("LINKSAMPLES", spo_tree) / "samples")
+    os.symlink(outside, run("LINKSTAGING", grpo_baseline) / "checkpoint.new")
+    os.symlink(outside / "metrics.jsonl", run("LINKDEEP", ppo_baseline) / "checkpoint" / "tokenizer.json.bak")
 
 
 # (command, text the error must contain). NAMES in capitals are replaced by make_fixtures' paths.
@@ -144,6 +238,27 @@ CASES = [
     ("viewer.py curves NOMETRICS -o OUT.png", "metrics.jsonl"),
     ("viewer.py html NOMETRICS -o page.pdf", "give a file name ending in .html"),
     ("viewer.py curves NOMETRICS --x hours", "--x"),
+    # untrusted inputs: rows too long to tokenise, files too long to read whole, mistyped model paths, damaged
+    # viewer inputs (tests/test_untrusted_inputs.py has other instances)
+    ("eval.py --model TINY --task HUGEANSWER", "or an answer over 100,000"),
+    ("spo_chain.py --model TINY --task HUGEANSWER --output-dir RUNS", "or an answer over 100,000"),
+    ("eval.py --model TINY --task BIGQUESTION", "row 3 has a missing or unparseable reference"),
+    ("eval.py --model TINY --task LARGE --limit 2 --context 2", "--context 2 leaves no room for a response"),
+    ("eval.py --model ./missing-dir --task GOODTASK", "the directory ./missing-dir does not exist"),
+    ("grpo_baseline.py --model models/tny --task GOODTASK --output-dir RUNS", "(did you mean models/tiny?)"),
+    ("viewer.py curves LATIN1RUN -o OUT.png", "is not UTF-8 text"),
+    ("viewer.py html ARGSSTRING -o OUT.html", "holds a JSON str, not a JSON object"),
+    ("viewer.py curves ARGSSTRING -o OUT.png", "holds a JSON str, not a JSON object"),
+    ("viewer.py html DEEPTREE -o OUT.html", "nests deeper than the JSON reader allows"),
+    ("viewer.py html SAMPLESDIR -o OUT.html", "is a directory, not a file"),
+    # run directories from someone else: pickled objects in .pt files, links out of the run (test_run_directory_safety)
+    ("grpo_baseline.py --resume PICKLESTATE", "holds objects other than tensors and numbers"),
+    ("spo_tree.py --resume PICKLEOLD", "checkpoint.old/trainer_state.pt holds objects other than tensors"),
+    ("ppo_baseline.py --resume PICKLECRITIC", "critic.pt holds objects other than tensors and numbers"),
+    ("spo_chain.py --resume LINKMETRICS", "metrics.jsonl is a symbolic link"),
+    ("spo_tree.py --resume LINKSAMPLES", "samples is a symbolic link"),
+    ("grpo_baseline.py --resume LINKSTAGING", "checkpoint.new is a symbolic link"),
+    ("ppo_baseline.py --resume LINKDEEP", "tokenizer.json.bak is a symbolic link"),
     ("benchmarks/learning.py --algorithms foo", "unknown algorithm"),
     ("benchmarks/learning.py --results EMPTY", "is a directory"),
     ("benchmarks/learning.py --lr 0", "--lr (0.0) must be positive"),

