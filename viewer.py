@@ -171,6 +171,7 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
     """
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir} is not a directory; pass run directories such as runs/<run_name>")
+    files.refuse_links(run_dir)  # a run from someone else: what the page shows is what the run holds
     saved = {}
     for path in (run_dir / "samples").glob("iter_*.jsonl"):
         match = re.fullmatch(r"iter_(\d+)\.jsonl", path.name)
@@ -245,6 +246,8 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
 
 def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
     """metrics.jsonl as {key: {iteration: value}} (a later line for the same iteration wins)."""
+    if run_dir.is_dir():
+        files.refuse_links(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise UsageError(

@@ -162,3 +162,21 @@ def open_no_link(path: Path, flags: int):
     """A binary file object for `path` opened with `flags` that never follows a symbolic link at `path` (O_NOFOLLOW:
     the open fails instead), so a run's appends and cuts stay inside its directory."""
     return os.fdopen(os.open(path, flags | os.O_NOFOLLOW, 0o644), "ab" if flags & os.O_APPEND else "r+b")
+
+
+def refuse_links(run_dir: Path, limit: int = 100_000) -> None:
+    """Refuse a run directory that holds a symbolic link anywhere inside it (one line naming the first). A run directory
+    may come from someone else; a link in it would send the run's writes (a truncated log tail, a checkpoint, sample
+    files) to wherever it points, so the run writes only into files and folders it holds itself. `run_dir` itself may
+    be a link (a shortcut to the run). At most `limit` entries are looked at; a larger directory is refused too."""
+    seen = 0
+    for folder, directories, names in os.walk(run_dir, followlinks=False):
+        for name in directories + names:
+            path, seen = Path(folder) / name, seen + 1
+            if path.is_symlink():
+                raise UsageError(
+                    f"{path} is a symbolic link (to {os.readlink(path)}): a run directory must hold its own files, "
+                    "since a run would write through the link; replace it with the file itself, or start a new run"
+                )
+            if seen > limit:
+                raise UsageError(f"{run_dir} holds more than {limit:,} files: it is not a run directory")

@@ -85,24 +85,6 @@ def run_name(task: str, exp_name: str, seed: int, started: int) -> str:
     return f"{part(task)}__{part(exp_name)}__{seed}__{started}"
 
 
-def refuse_links(run_dir: Path, limit: int = 100_000) -> None:
-    """Refuse a run directory that holds a symbolic link anywhere inside it (one line naming the first). A run directory
-    may come from someone else; a link in it would send the run's writes (a truncated log tail, a checkpoint, sample
-    files) to wherever it points, so the run writes only into files and folders it holds itself. `run_dir` itself may
-    be a link (a shortcut to the run). At most `limit` entries are looked at; a larger directory is refused too."""
-    seen = 0
-    for folder, directories, names in os.walk(run_dir, followlinks=False):
-        for name in directories + names:
-            path, seen = Path(folder) / name, seen + 1
-            if path.is_symlink():
-                raise UsageError(
-                    f"{path} is a symbolic link (to {os.readlink(path)}): a run directory must hold its own files, "
-                    "since the run would write through the link; replace it with the file itself, or start a new run"
-                )
-            if seen > limit:
-                raise UsageError(f"{run_dir} holds more than {limit:,} files: it is not a run directory")
-
-
 def locate_run(args) -> tuple[Path, Path | None, dict | None]:
     """Where the run lives and what it starts from, before anything is written: (the run directory, its newest intact
     checkpoint, its first start's record in starts.jsonl). --resume RUN: RUN's settings are checked (only
@@ -112,7 +94,7 @@ def locate_run(args) -> tuple[Path, Path | None, dict | None]:
         return Path(args.output_dir) / run_name(args.task, args.exp_name, args.seed, int(time.time())), None, None
     run_dir = Path(args.resume)
     if run_dir.is_dir():
-        refuse_links(run_dir)  # before anything in it is read or written
+        files.refuse_links(run_dir)  # before anything in it is read or written
     checkpoint = checkpoints.latest_checkpoint(run_dir)
     if checkpoint is None and not (run_dir / "args.json").exists():
         raise UsageError(

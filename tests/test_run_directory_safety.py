@@ -182,3 +182,27 @@ def test_a_new_checkpoint_never_writes_through_a_staging_link(trained_runs, tmp_
     checkpoints.save_checkpoint(run_dir, model, tokenizer, {"iteration": 2})
     assert list(outside.iterdir()) == []
     assert checkpoints.load_trainer_state(run_dir / "checkpoint")["iteration"] == 2
+
+
+@pytest.mark.parametrize("command", ["html", "curves"])
+def test_the_viewer_refuses_a_run_holding_a_link(command, trained_runs, tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = copy_run(trained_runs, grpo_baseline, tmp_path)
+    (tmp_path / "elsewhere.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+    (run_dir / "metrics.jsonl").unlink()
+    os.symlink(tmp_path / "elsewhere.jsonl", run_dir / "metrics.jsonl")
+    out = tmp_path / ("page.html" if command == "html" else "curves.png")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "viewer.py"), command, str(run_dir), "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"error: {run_dir / 'metrics.jsonl'} is a symbolic link (to {tmp_path / 'elsewhere.jsonl'}): a run directory "
+        "must hold its own files, since a run would write through the link; replace it with the file itself, or start "
+        "a new run"
+    )
+    assert not out.exists()
