@@ -10,9 +10,10 @@ Deliberate differences from the paper's released code: README.md, "Deliberate fi
 code". --prob-mask gives the paper's GRPO+mask ablation (loss only on tokens with p_t < threshold).
 
   python grpo_baseline.py                                                  # paper GSM8K run (Rho-1B SFT)
-  python grpo_baseline.py --model deepseek-r1-distill-qwen-1.5b --task math --context 2048 --max-new-tokens 2048 --top-p 1.0 \
-      --eval-samples 1 --eval-temperature 0.6 --eval-top-p 0.95                     # paper long-CoT run, MATH -> MATH500
-  python grpo_baseline.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 4 --group-size 4  # offline CPU
+  python grpo_baseline.py --model deepseek-r1-distill-qwen-1.5b --task math --context 2048 --max-new-tokens 2048 \
+      --top-p 1.0 --eval-samples 1 --eval-temperature 0.6 --eval-top-p 0.95     # paper long-CoT run, MATH -> MATH500
+  python grpo_baseline.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 4 \
+      --group-size 4                                                            # offline CPU
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ def policy_loss(
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
-    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2, batch_sequences=1)
+    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
+    ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
     (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
     """
@@ -309,7 +311,8 @@ def update_policy(
     precision: Precision = FP32,
 ) -> tuple[list[dict], list[torch.Tensor | None]]:
     """--epochs passes over the samples in shuffled batches of --batch-size, one optimizer step per batch (under
-    torchrun each rank takes --batch-size / world size of its own samples, and the gradients are summed). Returns the stats of every step taken and, when on_policy (one step per iteration), each sample's pi_old
+    torchrun each rank takes --batch-size / world size of its own samples, and the gradients are summed). Returns the
+    stats of every step taken and, when on_policy (one step per iteration), each sample's pi_old
     log-probs from that step's forward pass (None otherwise)."""
     steps, forward_logps = [], [None] * len(samples)
     model.train()

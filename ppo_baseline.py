@@ -18,7 +18,8 @@ only the policy loss and the whitening, with the same semantics as grpo_baseline
 
   python ppo_baseline.py                                                   # paper GSM8K run (Rho-1B SFT)
   python ppo_baseline.py --lam 0.96                                        # the common, lower-variance GAE lambda
-  python ppo_baseline.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 4 --group-size 4  # offline CPU
+  python ppo_baseline.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 4 \
+      --group-size 4                                                       # offline CPU
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class PpoSettings:
     value_clip_eps: ranges.PositiveFloat = 0.2
     """clipping of new values around the rollout's values in the value loss"""
     prob_mask: bool = False
-    """train the policy only on tokens with p_t < prob_threshold (loss and whitening; the critic trains on every token)"""
+    "train the policy only on tokens with p_t < prob_threshold (loss and whitening; the critic trains on every token)"
     prob_threshold: ranges.Probability = 0.9
     """probability threshold of the mask"""
 
@@ -154,7 +155,8 @@ def loss_mask(
     prob_mask: bool,
     all_sum: Callable = lambda x: x,
 ) -> torch.Tensor:
-    """Tokens that count in the policy loss: response tokens, and with the probability mask only those with p_t < threshold.
+    """Tokens that count in the policy loss: response tokens, and with the probability mask only those with
+    p_t < threshold.
 
     Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
     over the processes that share the batch (distributed.all_sum under torchrun; the identity in one process).
@@ -216,7 +218,8 @@ def policy_loss(
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
-    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2, batch_sequences=1)
+    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
+    ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
     (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
     """
@@ -298,7 +301,8 @@ class Critic(torch.nn.Module):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, Cache | None]:
         """Values [rows, positions] of the positions given, value i = V(tokens up to i), and with use_cache=True the
-        KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the sequence)."""
+        KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the
+        sequence)."""
         device = input_ids.device.type
         with self.precision.autocast(device):  # fp32 weights; bf16 compute where `precision` chose it
             out = self.backbone(
@@ -387,7 +391,8 @@ def add_old_logprobs_and_values(
     precision: Precision = FP32,
 ) -> None:
     """Store in each sample, once per iteration and without gradients: old_logps (the policy before this iteration's
-    update), ref_logps (the reference model's; the old ones when there is none, beta 0) and old_values (the critic's)."""
+    update), ref_logps (the reference model's; the old ones when there is none, beta 0) and old_values (the
+    critic's)."""
     for sample, logps in zip(
         samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
     ):

@@ -14,9 +14,9 @@ Deliberate differences from the paper's released code: README.md, "Deliberate fi
 code". Here also: the MC prefixes are the rollout's own token ids, and a continuation from s_c keeps the rollout's
 response budget (it may add at most max_new_tokens - (c+1) tokens, and must fit the context).
 
-  python spo_chain.py                                                      # paper GSM8K run (Rho-1B SFT, int5, K=9)
-  python spo_chain.py --dry-run                                            # its settings beside the paper's; loads nothing
-  python spo_chain.py --interval 2 --no-prob-mask                          # int2 ablation without the probability mask
+  python spo_chain.py                                                   # paper GSM8K run (Rho-1B SFT, int5, K=9)
+  python spo_chain.py --dry-run                                         # its settings beside the paper's; loads nothing
+  python spo_chain.py --interval 2 --no-prob-mask                       # int2 ablation without the probability mask
   python spo_chain.py --model smollm2-135m --task rg:chain_sum --iterations 2 --questions 2 --group-size 4 \
       --batch-size 8 --micro-batch-size 4 --max-new-tokens 64 --context 512 --mc-samples 4  # offline CPU
 """
@@ -233,7 +233,8 @@ def policy_loss(
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
-    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2, batch_sequences=1)
+    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
+    ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
     (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
     """

@@ -556,7 +556,8 @@ def main(args: Args) -> dict:
     print_table(results)
     print(
         f"Q={args.questions} tree {args.tree} M={args.segment_tokens} K*={args.reference_samples}: {len(edges)} edges, "
-        f"leaf reward {results['tree']['reward_mean']:.3f}, {seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}"
+        f"leaf reward {results['tree']['reward_mean']:.3f}, {seconds['total']:.0f}s -> {output} and "
+        f"{output.with_suffix('.png')}"
     )
     return results
 
@@ -608,8 +609,10 @@ def print_table(results: dict) -> None:
         noise = results["reference"][subset]
         print(
             f"reference on {subset} edges: mean standard error {number(noise['mean_standard_error'])}, split-half r "
-            f"{number(noise['split_half_r'], noise['split_half_r_ci'])}, Spearman-Brown {number(noise['spearman_brown'])}, "
-            f"ceiling {number(noise['ceiling'])}; from the standard errors: reliability {number(noise['reliability_from_errors'])}"
+            f"{number(noise['split_half_r'], noise['split_half_r_ci'])}, "
+            f"Spearman-Brown {number(noise['spearman_brown'])}, "
+            f"ceiling {number(noise['ceiling'])}; from the standard errors: "
+            f"reliability {number(noise['reliability_from_errors'])}"
         )
 
 
@@ -656,7 +659,8 @@ def plot(results: dict, path: Path) -> None:
     bars.set(
         ylabel="correlation with the Monte-Carlo A*",
         ylim=(-1.05, 1.05),
-        title=f"Segment advantages (Q={settings['questions']}, tree {settings['tree']}, M={settings['segment_tokens']}, "
+        title=f"Segment advantages (Q={settings['questions']}, tree {settings['tree']}, "
+        f"M={settings['segment_tokens']}, "
         f"K*={settings['reference_samples']})",
     )
     bars.legend(fontsize=8, loc="lower right")

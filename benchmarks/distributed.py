@@ -161,10 +161,13 @@ def main() -> None:
     RESULTS.write_text(json.dumps(result, indent=1))
     for run in runs:
         print(
-            f"{run['processes']} process(es) x {run['threads_per_process']} thread(s): {run['iteration_seconds']:.1f} s/iteration "
+            f"{run['processes']} process(es) x {run['threads_per_process']} thread(s): "
+            f"{run['iteration_seconds']:.1f} s/iteration "
             f"(rollout {run['rollout_seconds']:.1f}, update {run['update_seconds']:.1f}); collectives "
-            f"{max(run['collective_seconds_per_rank']):.1f} s of the run (<= {100 * run['collective_share_of_training_upper_bound']:.0f}% of "
-            f"training); gradient all-reduce alone {run['gradient_all_reduce_seconds']:.2f} s per step ({run['gradient_megabytes']:.0f} MB)"
+            f"{max(run['collective_seconds_per_rank']):.1f} s of the run "
+            f"(<= {100 * run['collective_share_of_training_upper_bound']:.0f}% of "
+            f"training); gradient all-reduce alone {run['gradient_all_reduce_seconds']:.2f} s per step "
+            f"({run['gradient_megabytes']:.0f} MB)"
         )
     print(f"-> {RESULTS}")
 

@@ -380,7 +380,8 @@ def main(args: Args) -> None:
     )
     plot(runs, results.with_suffix(".png"))
     print(
-        f"\n{'algorithm':<10} {'accuracy before -> after (per seed)':<40} {'iters':>6} {'s/iter':>7} {'tokens/iter':>12}"
+        f"\n{'algorithm':<10} {'accuracy before -> after (per seed)':<40} {'iters':>6} {'s/iter':>7} "
+        f"{'tokens/iter':>12}"
     )
     for name, row in table.items():
         pairs = ", ".join(f"{b:.3f}->{a:.3f}" for b, a in zip(row["accuracy_before"], row["accuracy_after"]))

@@ -144,7 +144,8 @@ def main(args: Args) -> None:
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = results[-1]
         print(
-            f"{variant:22s} peak above base {r['peak_above_base_gb']:.2f} GB  {r['seconds']:.1f} s  (base {r['base_gb']:.2f} GB)"
+            f"{variant:22s} peak above base {r['peak_above_base_gb']:.2f} GB  {r['seconds']:.1f} s  "
+            f"(base {r['base_gb']:.2f} GB)"
         )
     logits_gb = args.rows * args.response_tokens * results[0]["vocab_size"] * 4 / 2**30
     record = {

@@ -81,7 +81,8 @@ def cell(script: str, module, run: str, total_gib: int) -> str:
         return "does not fit"
     return (
         f"mb {plan.micro_batch_size}{', ckpt' if plan.gradient_checkpointing else ''}"
-        f"{', ref CPU' if not plan.reference_on_device else ''}; {plan.peak_gb:.0f} GiB; vLLM {plan.vllm_gpu_memory_utilization:.2f}"
+        f"{', ref CPU' if not plan.reference_on_device else ''}; {plan.peak_gb:.0f} GiB; "
+        f"vLLM {plan.vllm_gpu_memory_utilization:.2f}"
     )
 
 
@@ -113,9 +114,11 @@ def tree_iteration() -> str:
     params = SHAPES[paper["model"]].params
     flops = 2 * params * tokens + 2 * params * trained + 6 * params * trained  # old log-probs, reference, update
     return textwrap.fill(
-        f"One SPO-tree long-CoT iteration samples at most {edges:,} edges ({tokens / 1e6:.1f}M tokens); the old-log-prob "
+        f"One SPO-tree long-CoT iteration samples at most {edges:,} edges ({tokens / 1e6:.1f}M tokens); "
+        "the old-log-prob "
         f"pass reads them all, the reference and the update read {paper['samples_per_iteration']} edges "
-        f"(at most {trained / 1e6:.2f}M tokens): {flops / 1e15:.0f} PFLOP, {flops / (0.4 * 989e12):.0f} s on an H200 at 40 % "
+        f"(at most {trained / 1e6:.2f}M tokens): {flops / 1e15:.0f} PFLOP, {flops / (0.4 * 989e12):.0f} s "
+        "on an H200 at 40 % "
         "of its bf16 peak (computed), plus the rollout (not measured).",
         118,
     )

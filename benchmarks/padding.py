@@ -10,8 +10,9 @@ Rollouts: 8 questions x 8 responses of up to 128 tokens (the learning benchmark'
 batches of 32 in a shuffled order (a prompt has about 4 rows in a batch), micro-batches of 16, as
 grpo_baseline.update_policy makes them. A micro-batch computes (prompts run x longest prompt) + (rows x longest
 response) positions; padding is the share of them that hold no token. The seconds are one forward/backward pass
-(plumbing.training.response_logprobs under grpo_baseline's on-policy loss) over the same batch each way, after one untimed warm-up pass, the order of
-the three rotating from batch to batch; the gradients agree (neither split nor sharing changes them).
+(plumbing.training.response_logprobs under grpo_baseline's on-policy loss) over the same batch each way, after one
+untimed warm-up pass, the order of the three rotating from batch to batch; the gradients agree (neither split nor
+sharing changes them).
 
   python benchmarks/padding.py                 # writes benchmarks/results/padding.json
 """
@@ -167,7 +168,8 @@ def main() -> None:
     output = Path(__file__).parent / "results" / "padding.json"
     output.write_text(json.dumps(result, indent=1))
     print(
-        f"\n{len(samples)} samples, prompts {result['prompt_tokens']:.0f} and responses {result['response_tokens']:.0f} tokens on "
+        f"\n{len(samples)} samples, prompts {result['prompt_tokens']:.0f} and "
+        f"responses {result['response_tokens']:.0f} tokens on "
         f"average, batches of {BATCH}, micro-batches of {MICRO}:"
     )
     for way, figures in result["ways"].items():

@@ -77,9 +77,12 @@ def main() -> None:
     output = Path(__file__).parent / "results" / "precision.json"
     output.write_text(json.dumps(result, indent=1))
     print(
-        f"{result['rollouts']} rollouts, {result['response_tokens']} response tokens: |delta log p| max {result['max_abs_delta_logp']:.3f}, "
-        f"mean {result['mean_abs_delta_logp']:.4f}; p_t crosses {THRESHOLD}: {result['fraction_crossing_threshold']:.2%} of tokens "
-        f"({result['fraction_below_threshold_fp32']:.1%} below it in fp32); ratio outside [0.8, 1.2]: {result['fraction_ratio_outside_clip']:.2%}"
+        f"{result['rollouts']} rollouts, {result['response_tokens']} response tokens: "
+        f"|delta log p| max {result['max_abs_delta_logp']:.3f}, "
+        f"mean {result['mean_abs_delta_logp']:.4f}; p_t crosses {THRESHOLD}: "
+        f"{result['fraction_crossing_threshold']:.2%} of tokens "
+        f"({result['fraction_below_threshold_fp32']:.1%} below it in fp32); ratio outside [0.8, 1.2]: "
+        f"{result['fraction_ratio_outside_clip']:.2%}"
     )
     print(f"log-prob pass: fp32 {seconds['fp32']:.1f} s, bf16 {seconds['bf16']:.1f} s ({result['why']}) -> {output}")
 

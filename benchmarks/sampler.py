@@ -137,7 +137,8 @@ def bf16_over_fp32_generate(precisions: dict) -> dict:
     """HFSampler in bf16 (what --precision auto runs where bf16 is fast) against generate in fp32 (what a user
     would write), per case, from the measured seconds of both precisions; empty when bf16 was not measured.
 
-    >>> bf16_over_fp32_generate({"fp32": {"c": {"generate": {"seconds": 30.0}}}, "bf16": {"c": {"hf_sampler": {"seconds": 10.0}}}})
+    >>> bf16_over_fp32_generate({"fp32": {"c": {"generate": {"seconds": 30.0}}},
+    ...                          "bf16": {"c": {"hf_sampler": {"seconds": 10.0}}}})
     {'c': 3.0}
     """
     if "skipped" in precisions.get("bf16", {"skipped": True}):
@@ -193,8 +194,10 @@ def main(out: Path = Path(__file__).parent / "results" / "sampler.json") -> None
             ours, theirs = case["hf_sampler"], case["generate"]
             print(
                 f"{precision} {name}: HFSampler {ours['seconds']:.1f} s ({ours['tokens_per_second']:.0f} tok/s, "
-                f"{ours['model_gflops']:.1f} GFLOP/s = {ours['fraction_of_matmul_peak']:.0%} of peak), generate {theirs['seconds']:.1f} s "
-                f"({theirs['tokens_per_second']:.0f} tok/s, {theirs['fraction_of_matmul_peak']:.0%}), speedup {case['speedup']:.2f}x"
+                f"{ours['model_gflops']:.1f} GFLOP/s = {ours['fraction_of_matmul_peak']:.0%} of peak), "
+                f"generate {theirs['seconds']:.1f} s "
+                f"({theirs['tokens_per_second']:.0f} tok/s, {theirs['fraction_of_matmul_peak']:.0%}), "
+                f"speedup {case['speedup']:.2f}x"
             )
     for name, speedup in results["hf_sampler_bf16_over_generate_fp32"].items():
         print(f"{name}: HFSampler in bf16 against generate in fp32 (what a user would write): {speedup:.2f}x")

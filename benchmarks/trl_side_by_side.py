@@ -285,13 +285,15 @@ def format_table(summary: dict) -> str:
     r, t = summary["ratio"], summary["targets"]
     verdict = lambda met: "met" if met else "NOT met"  # noqa: E731
     lines.append(
-        f"ours/TRL: time {number(r['wall'])}x (target <= {TIME_TARGET}x: {verdict(t[f'time_at_most_{TIME_TARGET}x'])}), "
+        f"ours/TRL: time {number(r['wall'])}x "
+        f"(target <= {TIME_TARGET}x: {verdict(t[f'time_at_most_{TIME_TARGET}x'])}), "
         f"CPU {number(r['cpu'])}x, memory {number(r['memory'])}x (target <= {MEMORY_TARGET}x: "
         f"{verdict(t[f'memory_at_most_{MEMORY_TARGET}x'])}), generated tokens {number(r['generated_tokens'])}x"
     )
     lines.append(
         f"medians over {summary['median_over']} (step 1 includes warm-up); all steps: ours "
-        f"{number(summary['ours']['wall_seconds_per_step_all_steps'], 1)} s, TRL {number(summary['trl']['wall_seconds_per_step_all_steps'], 1)} s"
+        f"{number(summary['ours']['wall_seconds_per_step_all_steps'], 1)} s, "
+        f"TRL {number(summary['trl']['wall_seconds_per_step_all_steps'], 1)} s"
     )
     return "\n".join(lines)
 
@@ -323,7 +325,8 @@ def mismatches(stop_strings: list[str], precision: str = "fp32") -> list[str]:
         "completions on its KV cache (not under gradient checkpointing), micro-batches of whole groups or of similar "
         "length (whichever computes fewer positions), padded to their own longest; TRL runs every prompt once per "
         "completion and pads every micro-batch to the longest completion of the generation batch",
-        "optimizer: both torch.optim.AdamW, betas 0.9/0.999, eps 1e-8, weight decay 0, clip 1.0 (TRL optim='adamw_torch'; "
+        "optimizer: both torch.optim.AdamW, betas 0.9/0.999, eps 1e-8, weight decay 0, clip 1.0 "
+        "(TRL optim='adamw_torch'; "
         "TRL's default is adamw_torch_fused)",
         "schedule: both linear decay from lr to 0 over --steps steps, no warmup (grpo_baseline.py --warmup-ratio 0, "
         "it has no constant schedule; TRL lr_scheduler_type='linear', warmup_steps 0)",
@@ -339,7 +342,8 @@ def mismatches(stop_strings: list[str], precision: str = "fp32") -> list[str]:
     ]
     if stop_strings:
         found.append(
-            f"stop strings: grpo_baseline.py also stops at {stop_strings} (model without chat template); TRL at EOS only"
+            f"stop strings: grpo_baseline.py also stops at {stop_strings} (model without chat template); "
+            "TRL at EOS only"
         )
     return found
 
@@ -377,7 +381,8 @@ def run_trl(args: Args) -> None:
     seen_questions = []
 
     def graded_answer(prompts, completions, completion_ids, answer, question, **kwargs):
-        """eval.grade on the completion text; a completion that did not end with EOS scores 0 (as in grpo_baseline.py)."""
+        """eval.grade on the completion text; a completion that did not end with EOS scores 0 (as in
+        grpo_baseline.py)."""
         seen_questions.append(question[:: args.group_size])
         scores = ev.grade(completions, answer, args.task)
         return [s if ids and ids[-1] in eos else 0.0 for s, ids in zip(scores, completion_ids)]
@@ -757,8 +762,10 @@ def main(args: Args) -> None:
         "mismatches": mismatches(trl_run["child"]["stop_strings"], args.precision),
         "same_prompts_last_step": same_prompts,
         "measurement": {
-            "wall_seconds": "ours: grpo_baseline.py time/iteration_seconds; TRL: TrainerCallback on_step_begin -> on_step_end",
-            "cpu_seconds": "both: user+system CPU of the training process, polled, between consecutive per-step records "
+            "wall_seconds": "ours: grpo_baseline.py time/iteration_seconds; "
+            "TRL: TrainerCallback on_step_begin -> on_step_end",
+            "cpu_seconds": "both: user+system CPU of the training process, polled, "
+            "between consecutive per-step records "
             "(TRL's in-process time.process_time() is cpu_seconds_in_process)",
             "peak_rss_gb": "VmHWM of the training process when its last step's record appeared (overall: at exit)",
         },
@@ -769,7 +776,8 @@ def main(args: Args) -> None:
     print(format_table(summary))
     if not same_prompts:
         print(
-            "WARNING: the two sides did not train on the same questions at the last step (see runs[*].last_step_questions)"
+            "WARNING: the two sides did not train on the same questions at the last step "
+            "(see runs[*].last_step_questions)"
         )
     print(f"-> {out}")
 

@@ -39,7 +39,8 @@ def resolve_backend(backend: str) -> tuple[str, str]:
     except ImportError:
         return (
             "hf",
-            "--backend auto: vllm is not installed (pip install -r requirements-vllm.txt), so the slower HF decode loop",
+            "--backend auto: vllm is not installed (pip install -r requirements-vllm.txt), "
+            "so the slower HF decode loop",
         )
     if distributed.world_size() > 1:
         return (

@@ -257,7 +257,8 @@ class HFSampler:
 
     @torch.no_grad()
     def _prefill(self, prompts: list[list[int]], width: int, pad: int):
-        """Next-token logits [prompts, vocab] and a KV cache [prompts, kv_heads, width, head_dim] per layer, left-padded.
+        """Next-token logits [prompts, vocab] and a KV cache [prompts, kv_heads, width, head_dim] per layer,
+        left-padded.
 
         A prompt that begins another prompt of the batch is not prefilled on its own: the KV at position i depends
         only on tokens <= i, so it is read off the longer one's prefill (SPO-chain's Monte-Carlo states of one
@@ -331,9 +332,10 @@ class HFSampler:
             n, dim=0
         )  # [batch, width + steps]
         if model.config._attn_implementation == "sdpa" and all(type(layer) is _GrowingKV for layer in cache.layers):
-            # Handed over as [batch, 1, 1, positions], the mask reaches SDPA as it is. Left 2D, transformers drops it when
-            # no row is padded and asks SDPA for grouped-query attention (enable_gqa), which on CPU in bf16 took 5x as
-            # long per layer as the packed query heads it uses when there is a mask (1.29 against 0.24 ms, 24 rows).
+            # Handed over as [batch, 1, 1, positions], the mask reaches SDPA as it is. Left 2D, transformers drops it
+            # when no row is padded and asks SDPA for grouped-query attention (enable_gqa), which on CPU in bf16 took
+            # 5x as long per layer as the packed query heads it uses when there is a mask (1.29 against 0.24 ms,
+            # 24 rows).
             attention = attention.bool()[:, None, None]  # [batch, 1, 1, width + steps]
         next_position = torch.tensor([[len(p)] for p in prompts], device=device).repeat_interleave(
             n, dim=0
@@ -410,9 +412,10 @@ class HFSampler:
 #   stop strings: vllm/v1/engine/detokenizer.py cuts .text only; token_ids keep the stop tokens, so we cut them.
 # Sleep, level 2 (weights and KV cache discarded, nothing copied to the host):
 #   LLM.sleep/wake_up -> v1/engine/core.py EngineCore.sleep/wake_up -> v1/executor/abstract.py Executor.sleep (tags
-#   {"weights", "kv_cache"}; a second sleep while any tag sleeps is ignored) and wake_up(tags) -> v1/worker/gpu_worker.py
-#   Worker.sleep/wake_up -> device_allocator/sleep_mode_backend.py CuMemBackend.suspend: level 1 offloads the
-#   "weights" pool to the host, level 2 offloads nothing. The engine resumes scheduling once every tag is awake.
+#   {"weights", "kv_cache"}; a second sleep while any tag sleeps is ignored) and wake_up(tags) ->
+#   v1/worker/gpu_worker.py Worker.sleep/wake_up -> device_allocator/sleep_mode_backend.py CuMemBackend.suspend:
+#   level 1 offloads the "weights" pool to the host, level 2 offloads nothing. The engine resumes scheduling once
+#   every tag is awake.
 #   Buffers live in the "weights" pool too: Worker.sleep(level=2) keeps a host copy of model.named_buffers() (the
 #   RoPE cos/sin caches, kilobytes) and Worker.wake_up puts it back when "weights" wakes. reload_weights does not
 #   restore them: model_loader/reload/layerwise.py _copy_and_restore_kernel_tensors skips non-persistent buffers it

@@ -76,6 +76,7 @@ class ModelShape:
 def model_shape(config) -> ModelShape:
     """The shape of a decoder-only transformers config (Llama, Qwen2, Mistral, SmolLM2...), with its parameter count.
 
+    >>> import transformers
     >>> model_shape(transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
     ...     num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False)).params
     1777088000
@@ -113,12 +114,12 @@ def kv_bytes_per_position(shape: ModelShape, element: int = 2) -> int:
 
 
 def no_grad_pass_bytes(shape, element: int, context: int, sharded: bool = False) -> tuple[int, int]:
-    """(bytes per cached position, bytes once per pass) of a no-grad log-prob pass (training.response_logprobs) of a model of
-    `shape` (ModelShape); element: 2 under bf16 autocast, 4 without; context: the longest prompt +
+    """(bytes per cached position, bytes once per pass) of a no-grad log-prob pass (training.response_logprobs) of a
+    model of `shape` (ModelShape); element: 2 under bf16 autocast, 4 without; context: the longest prompt +
     the longest response; sharded: an FSDP model (gathered), whose forward keeps every layer's hidden state.
 
-    Per cached position (rows x (longest prompt + longest response), see training.micro_batches); L layers, hidden h, MLP
-    width I, q / kv heads of head_dim d, e = element:
+    Per cached position (rows x (longest prompt + longest response), see training.micro_batches); L layers,
+    hidden h, MLP width I, q / kv heads of head_dim d, e = element:
       keys (fp32: transformers' RoPE leaves them so under autocast) and values (e) of every layer   L kv d (4 + e)
       one layer's attention: fp32 queries, keys and values repeated to every query head (SDPA with    q d (8 + 4 e)
         a mask gets no GQA), their autocast copies, its output
@@ -263,7 +264,8 @@ def plan(
             raise UsageError(
                 f"this run needs about {need / GiB:.0f} GiB of GPU memory even with --micro-batch-size 1, "
                 f"--gradient-checkpointing True and --reference-on-device False, and the GPU has {free / GiB:.0f} GiB "
-                f"free of {total / GiB:.0f}: use a GPU with more memory, --fsdp over several GPUs (torchrun), a shorter "
+                f"free of {total / GiB:.0f}: use a GPU with more memory, --fsdp over several GPUs (torchrun), "
+                "a shorter "
                 "--context, or --beta 0 (no reference model)"
                 + (", or --backend hf (no engine beside training)" if backend == "vllm" else "")
             )
@@ -285,7 +287,8 @@ def plan(
     return dataclasses.replace(
         result,
         line=(
-            f"memory: {describe(result, backend)}; update peak ~{peak / GiB:.0f} GiB of {free / GiB:.0f} GiB free (computed{note})"
+            f"memory: {describe(result, backend)}; update peak ~{peak / GiB:.0f} GiB of {free / GiB:.0f} GiB free "
+            f"(computed{note})"
         ),
     )
 
@@ -336,6 +339,7 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
     distributed.print0(result.line)
     if not result.fits:
         warnings.warn(
-            f"the memory settings given may not fit ({result.line}); if the update runs out of memory, leave them at auto"
+            f"the memory settings given may not fit ({result.line}); if the update runs out of memory, "
+            "leave them at auto"
         )
     return result

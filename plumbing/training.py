@@ -35,9 +35,11 @@ def micro_batches(
 
     >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], 2)
     [[1, 3], [2, 0]]
-    >>> micro_batches([{"prompt_ids": [p] * 8, "response_ids": [2] * n} for p, n in ((1, 1), (2, 2), (1, 3), (2, 4))], 2)
+    >>> micro_batches([{"prompt_ids": [p] * 8, "response_ids": [2] * n}
+    ...                for p, n in ((1, 1), (2, 2), (1, 3), (2, 4))], 2)
     [[0, 2], [1, 3]]
-    >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)], max_positions=15)  # 3 x (1 + 4), 1 x (1 + 5)
+    >>> micro_batches([{"prompt_ids": [1], "response_ids": [2] * n} for n in (5, 1, 4, 2)],
+    ...               max_positions=15)  # 3 x (1 + 4), 1 x (1 + 5)
     [[1, 3, 2], [0]]
     """
     prompts = [tuple(s["prompt_ids"]) for s in samples]
@@ -137,15 +139,16 @@ def response_logprobs(
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
     so that exp(logp) is the probability the sampler used.
 
-    Rows with the same prompt (a question's responses, a tree node's children) share one forward pass of it: each distinct prompt runs once,
-    its keys and values are repeated for its rows, and the responses run on top of them. The gradient flows back
-    through the shared keys and values: it is the sum over the rows, the same as from a forward pass per row.
+    Rows with the same prompt (a question's responses, a tree node's children) share one forward pass of it: each
+    distinct prompt runs once, its keys and values are repeated for its rows, and the responses run on top of them.
+    The gradient flows back through the shared keys and values: it is the sum over the rows, the same as from a
+    forward pass per row.
     (Under activation checkpointing, whose layers take no KV cache in a pass with gradients, every row runs its
     prompt itself.)
 
     The LM head runs on chunks of `chunk_tokens` response positions. When the micro-batch's fp32 logits would
-    hold more than `recompute_above` entries (KEPT_LOGITS, 2**28: 1 GiB), each chunk is recomputed in the backward pass, so
-    the [rows, R, vocab] logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch) never
+    hold more than `recompute_above` entries (KEPT_LOGITS, 2**28: 1 GiB), each chunk is recomputed in the backward
+    pass, so the [rows, R, vocab] logits (8 x 2048 x 151,936 x 4 bytes = 10 GB for a Qwen long-CoT micro-batch) never
     exist at once; smaller logits (16 x 128 x 49,152 x 4 bytes = 0.4 GB for SmolLM2) are kept for the backward
     pass, which saves a second LM-head pass. Either way the result is the same as from the model's full logits.
     """

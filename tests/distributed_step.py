@@ -1,4 +1,5 @@
-"""One optimizer step of a script's update on fixed rollouts, in one process or under torchrun (tests/test_distributed.py).
+"""One optimizer step of a script's update on fixed rollouts, in one process or under torchrun
+(tests/test_distributed.py).
 
     python tests/distributed_step.py SCRIPT MODEL_DIR OUT                         # world size 1: every rollout
     torchrun --nproc_per_node 2 tests/distributed_step.py SCRIPT MODEL_DIR OUT    # each rank its share

@@ -214,7 +214,8 @@ def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8
 
 
 def _command_lines():
-    """Every dataclass a command line of the project is parsed into: the four scripts, eval.py, viewer.py, the benchmarks."""
+    """Every dataclass a command line of the project is parsed into: the four scripts, eval.py, viewer.py, the
+    benchmarks."""
     import dataclasses
     import importlib
 
@@ -253,7 +254,8 @@ def test_every_numeric_flag_declares_a_range_that_its_default_satisfies():
             if not ranges.is_numeric(args_class, field.name):
                 continue
             assert ranges.field_range(args_class, field.name) is not None, (
-                f"{args_class.__module__}.{args_class.__name__}.{field.name} has no range: declare one (plumbing/ranges.py)"
+                f"{args_class.__module__}.{args_class.__name__}.{field.name} has no range: "
+                "declare one (plumbing/ranges.py)"
             )
             checked += 1
         if all(

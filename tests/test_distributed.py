@@ -154,8 +154,10 @@ def test_torchrun_converts_smollm2_into_an_empty_cache_on_every_rank(tmp_path):
     process would leave a cache without weights. Every rank must find a whole, loadable model."""
     script = tmp_path / "convert.py"
     script.write_text(
-        f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom plumbing import distributed, models\ndistributed.init_distributed()\n"
-        "path = models.smollm2_dir()\nassert (path / 'config.json').exists() and (path / 'model.safetensors').exists()\n"
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\nfrom plumbing import distributed, models\n"
+        "distributed.init_distributed()\n"
+        "path = models.smollm2_dir()\n"
+        "assert (path / 'config.json').exists() and (path / 'model.safetensors').exists()\n"
     )
     environment = {**os.environ, "SPO_CACHE": str(tmp_path / "cache")}
     result = subprocess.run(TORCHRUN + [str(script)], capture_output=True, text=True, timeout=600, env=environment)

@@ -218,7 +218,8 @@ def test_grading_module_loads_without_torch_or_the_project():
         f"repo = {str(repo)!r}\n"
         "ours = sorted(name for name, m in sys.modules.items() if name != spec.name\n"
         "              and os.path.realpath(getattr(m, '__file__', None) or '/').startswith(repo + os.sep)\n"
-        "              and 'site-packages' not in os.path.realpath(m.__file__))  # a venv inside the clone (CI's) is not the project\n"
+        "              and 'site-packages' not in os.path.realpath(m.__file__))  "
+        "# a venv inside the clone (CI's) is not the project\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] == 'torch'), ours)\n"
     )
     run = subprocess.run(

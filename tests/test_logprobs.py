@@ -118,7 +118,8 @@ def test_rows_of_one_prompt_share_its_forward_pass_with_the_gradient_of_separate
 
 
 def test_shared_prompts_with_sliding_window_layers_keep_the_full_logits():
-    """A sliding-window layer caches only its window: the responses that continue it must still attend as in one pass."""
+    """A sliding-window layer caches only its window: the responses that continue it must still attend as in one
+    pass."""
     config = Qwen2Config(
         vocab_size=50,
         hidden_size=16,

@@ -1,4 +1,5 @@
-"""benchmarks/padding.py: its three ways of running a batch give the same gradient, and it counts the positions each computes."""
+"""benchmarks/padding.py: its three ways of running a batch give the same gradient, and it counts the positions each
+computes."""
 
 import importlib.util
 from pathlib import Path
@@ -36,7 +37,8 @@ def _samples():
 def test_positions_count_each_prompt_run_and_each_padded_response():
     samples = _samples()  # 3 prompts (4, 2, 3 tokens) x responses of 2, 5, 3 tokens
     split = [[0, 1, 3], [2, 4, 5, 6, 7, 8]]
-    # per row: 3 x (4 + 5) + 6 x (4 + 5) positions; tokens (4 + 4 + 2) + (2 + 5 + 2) and (4 + 2 + 2 + 3 + 3 + 3) + (3 + 5 + 3 + 2 + 5 + 3)
+    # per row: 3 x (4 + 5) + 6 x (4 + 5) positions; tokens (4 + 4 + 2) + (2 + 5 + 2) and
+    # (4 + 2 + 2 + 3 + 3 + 3) + (3 + 5 + 3 + 2 + 5 + 3)
     assert bench.positions(samples, split, shared=False) == (27 + 54, 19 + 38)
     # shared: prompts {4, 2} then {4, 2, 3} tokens run once each: 2 x 4 + 3 x 5 and 3 x 4 + 6 x 5 positions
     assert bench.positions(samples, split, shared=True) == (23 + 42, (6 + 9) + (9 + 21))

@@ -1,5 +1,5 @@
-"""ppo_baseline.py: GAE, clipped value loss, the critic (init, layout, shapes), micro-batch invariance, non-finite guard,
---dry-run, smoke run, resume."""
+"""ppo_baseline.py: GAE, clipped value loss, the critic (init, layout, shapes), micro-batch invariance, non-finite
+guard, --dry-run, smoke run, resume."""
 
 import json
 import subprocess

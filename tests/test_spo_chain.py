@@ -226,7 +226,8 @@ def test_continuations_keep_the_rollout_budget_and_unfinished_ones_score_zero(to
     prompt = ids("Q?")  # 2 tokens
 
     def script(prefix, i):
-        # 0: "7<eos>" finished (2 tokens); 1: " 7<eos>" (3 tokens); 2: "  7<eos>" (4 tokens); 3: "7..." cut by the sampler
+        # 0: "7<eos>" finished (2 tokens); 1: " 7<eos>" (3 tokens); 2: "  7<eos>" (4 tokens); 3: "7..." cut by the
+        # sampler
         if i == 3:
             return engines.Completion(ids=ids("7777"), finish_reason="length")
         return engines.Completion(ids=ids(" " * i + "7") + [eos], finish_reason="stop")

@@ -167,5 +167,6 @@ def test_side_by_side_run_on_a_tiny_model(tiny_model_dir, gsm8k_jsonl, tmp_path)
         assert 0 < run["peak_rss_train_gb"] <= run["peak_rss_overall_gb"]
     assert result["trl_config"]["loss_type"] == "dapo" and result["trl_config"]["gradient_accumulation_steps"] == 2
     assert result["summary"]["ratio"]["memory"] > 0
-    # Which CPU measured it (figures from different machines differ); the name only: conftest hides bf16 flags from this process.
+    # Which CPU measured it (figures from different machines differ); the name only: conftest hides bf16 flags from
+    # this process.
     assert result["machine"]["cpu"].startswith(cpu_description().rsplit(" (", 1)[0] + " (")

@@ -245,7 +245,8 @@ def count_tree(node) -> tuple[int, int]:
 
 
 def render_in_chromium(page: str, profile: Path) -> tuple[str, list[str]]:
-    """The DOM after the page's scripts ran (--dump-dom) and Chromium's console lines (an error or uncaught exception)."""
+    """The DOM after the page's scripts ran (--dump-dom) and Chromium's console lines (an error or uncaught
+    exception)."""
     result = subprocess.run(
         [
             CHROMIUM,
@@ -269,7 +270,8 @@ def render_in_chromium(page: str, profile: Path) -> tuple[str, list[str]]:
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    # Console messages come out as "...:INFO:CONSOLE:<line>] "message", source: file:///...": the page logs nothing, so any is an error.
+    # Console messages come out as "...:INFO:CONSOLE:<line>] "message", source: file:///...": the page logs nothing,
+    # so any is an error.
     console = [line for line in result.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     return result.stdout, console
 
@@ -489,8 +491,8 @@ def test_curves_without_metrics_is_one_clear_error(tmp_path):
     result = cli("curves", str(good), str(tmp_path / "b"), "-o", str(tmp_path / "c.png"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert (
-        result.stderr.strip()
-        == f"error: {tmp_path / 'b'} has no metrics.jsonl; pass a run directory the training scripts wrote (runs/<run_name>)"
+        result.stderr.strip() == f"error: {tmp_path / 'b'} has no metrics.jsonl; "
+        "pass a run directory the training scripts wrote (runs/<run_name>)"
     )
     assert not (tmp_path / "c.png").exists()
 

@@ -209,7 +209,8 @@ class FakeEngine:
 
 
 def make_fake_vllm(engine: FakeEngine, tokenizer=None):
-    """The fake `vllm` module; `tokenizer`: the engine's (get_tokenizer, stop strings, EOS; default make_tokenizer())."""
+    """The fake `vllm` module; `tokenizer`: the engine's (get_tokenizer, stop strings, EOS; default
+    make_tokenizer())."""
     tok = tokenizer or make_tokenizer()
     eos = tok.eos_token_id
 

@@ -6,9 +6,10 @@ accepts and vLLM does not, passes there and breaks only on a GPU machine. This f
 the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is never imported) and checks:
   - the wheel is the pinned version; vllm exports LLM, SamplingParams and TokensPrompt (followed through
     vllm/__init__.py's lazy export map and re-exports to the file that defines each);
-  - every call VLLMSampler makes (found by parsing plumbing/vllm_engine.py) fits the real signature: LLM(...) keywords are
-    parameters of LLM.__init__ or, through its **kwargs, EngineArgs fields; collective_rpc("reload_weights",
-    kwargs=...) names a Worker method whose GPUModelRunner counterpart takes those keywords;
+  - every call VLLMSampler makes (found by parsing plumbing/vllm_engine.py) fits the real signature: LLM(...)
+    keywords are parameters of LLM.__init__ or, through its **kwargs, EngineArgs fields;
+    collective_rpc("reload_weights", kwargs=...) names a Worker method whose GPUModelRunner counterpart takes those
+    keywords;
   - the rest the glue relies on: parameter order of collective_rpc, reset_prefix_cache() -> bool, the
     fields it sets and reads, and the VLLM_ENABLE_V1_MULTIPROCESSING switch in vllm/envs.py;
   - sleep level 2 as the glue uses it: nothing offloaded to the host, the "weights" and "kv_cache" tags woken
@@ -208,7 +209,8 @@ def assert_fake_fits(fake, real: tuple[list[str], dict[str, ast.expr | None], bo
     real_positional, real_named, _ = real
     for i, p in enumerate(q for q in params if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)):
         assert real_positional[i : i + 1] == [p.name], (
-            f"{where}: the fake takes {p.name!r} as positional parameter {i}, vllm {PIN} has {real_positional[i : i + 1]}"
+            f"{where}: the fake takes {p.name!r} as positional parameter {i}, "
+            f"vllm {PIN} has {real_positional[i : i + 1]}"
         )
     for p in params:
         assert p.name in real_named, f"{where}: the fake accepts {p.name!r}, vllm {PIN} has no such parameter"
@@ -338,7 +340,8 @@ def test_reload_weights_reaches_the_model_runner(src):
                 )
                 for key in map(ast.literal_eval, kw.value.keys):
                     assert key in named, (
-                        f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} (plumbing/vllm_engine.py line {call.lineno})"
+                        f"{where[0]}: {where[1].name}.{rpc} takes no {key!r} "
+                        f"(plumbing/vllm_engine.py line {call.lineno})"
                     )
 
 
@@ -444,7 +447,8 @@ def test_torchrun_engines_use_the_external_launcher(src):
         "distributed_executor_backend == 'external_launcher':\n        executor_class = ExecutorWithExternalLauncher"
         in get_class
     ), (
-        "vllm/v1/executor/abstract.py: Executor.get_class no longer maps external_launcher to ExecutorWithExternalLauncher"
+        "vllm/v1/executor/abstract.py: Executor.get_class no longer maps external_launcher to "
+        "ExecutorWithExternalLauncher"
     )
     launcher = src.find_class("vllm.v1.executor.uniproc_executor", "ExecutorWithExternalLauncher")
     args = ast.unparse(method(launcher, "_distributed_args"))
@@ -529,7 +533,8 @@ def test_readme_torch_index_is_the_cuda_of_the_wheel(src):
         f"vllm {PIN}'s requirements name CUDA {sorted(extras)} extras; README's torch is CUDA {readme_major}"
     )
     assert gpu.TORCH_INDEX.get(readme_major) == index, (
-        f"plumbing/gpu.py's pre-flight suggests {gpu.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; README uses {index}"
+        f"plumbing/gpu.py's pre-flight suggests {gpu.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; "
+        f"README uses {index}"
     )
 
 
