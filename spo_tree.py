@@ -27,9 +27,10 @@ Choices the paper leaves open, made here:
   --samples-per-iteration 0 the number of edges, and so of steps, per iteration varies, and an iteration
   without edges still moves the schedule on; with a fixed count the two differ only within an iteration.
 
-  python spo_tree.py                                       # paper long-CoT run: R1-Distill-Qwen-1.5B on MATH, 6-6-6, M=600, 2K context
-  python spo_tree.py --model rho-1b-sft-gsm8k --task gsm8k --segment-tokens 30 --questions 16 --samples-per-iteration 1024 \\
-      --context 2047 --max-new-tokens 1024 --top-p 0.9 --eval-samples 16 --eval-temperature 0.35 --eval-top-p 0.9   # paper GSM8K run
+  python spo_tree.py                       # paper long-CoT run: R1-Distill-Qwen-1.5B on MATH, 6-6-6, M=600, 2K context
+  python spo_tree.py --model rho-1b-sft-gsm8k --task gsm8k --segment-tokens 30 --questions 16 \\
+      --samples-per-iteration 1024 --context 2047 --max-new-tokens 1024 --top-p 0.9 --eval-samples 16 \\
+      --eval-temperature 0.35 --eval-top-p 0.9                                     # paper GSM8K run
   python spo_tree.py --model smollm2-135m --task rg:chain_sum:min_terms=2,max_terms=2,max_digits=1 --tree 3,3 \\
       --segment-tokens 16 --iterations 2 --questions 2 --samples-per-iteration 16 --batch-size 8 --micro-batch-size 4 \\
       --max-new-tokens 64 --context 512 --eval-limit 10 --eval-samples 1               # offline CPU
@@ -37,6 +38,7 @@ Choices the paper leaves open, made here:
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import re
@@ -77,7 +79,15 @@ class SpoTreeSettings:
     edges_per_question: ranges.PositiveInt = 32
     """edges taken from the buffer per question per iteration, at random; the rest wait"""
     samples_per_iteration: ranges.NonNegativeInt = 512
-    """segment samples trained on per iteration (paper: 512 MATH, 1024 GSM8K): a random subset of the edges the buffer offers when it offers more (the rest stay in the buffer), edges repeated at random when it offers fewer; 0: every edge the buffer offers, once"""
+    (
+        "segment samples trained on per iteration (paper: 512 MATH, 1024 GSM8K): a random subset of the edges the "
+        "buffer offers when it offers more (the rest stay in the buffer), edges repeated at random when it offers "
+        "fewer; 0: every edge the buffer offers, once"
+    )
+    edge_weight: Literal["uniform", "depth"] = "uniform"
+    """uniform: every edge weighs 1 (the paper's and the authors' code); depth: an option beyond the paper that weighs a
+    depth-d edge 1 / (b_0 ... b_{d-2} (b_{d-1} - 1)) (times offered / kept edges of its question), so the expected
+    loss gradient is the policy gradient's direction (depth_weights; README, deliberate differences)"""
 
 
 # SpoTreeSettings first in --help, then the settings every script shares (settings.TrainArgs), redeclared
@@ -87,7 +97,10 @@ class Args(settings.TrainArgs, SpoTreeSettings):
     exp_name: str = "spo_tree"
     """experiment name, part of the run name"""
     model: str = "deepseek-r1-distill-qwen-1.5b"
-    """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    (
+        "policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, "
+        "deepseek-r1-distill-qwen-1.5b, smollm2-135m)"
+    )
     task: str = "math"
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     questions: ranges.PositiveInt = 32
@@ -126,6 +139,7 @@ PAPER_SETTINGS = {
         eval_top_p=0.95,
         questions=32,
         samples_per_iteration=512,
+        edge_weight="uniform",
         epochs=1,
         batch_size=128,
         lr=1e-6,
@@ -155,6 +169,7 @@ PAPER_SETTINGS = {
         eval_top_p=0.9,
         questions=16,
         samples_per_iteration=1024,
+        edge_weight="uniform",
         epochs=1,
         batch_size=128,
         lr=1e-6,
@@ -193,7 +208,8 @@ def parse_tree(spec: str) -> list[int]:
         part = part.strip()
         if not re.fullmatch(r"[0-9]+", part) or int(part) < 1:
             raise ValueError(
-                f"{spec!r}: branch factor {part!r} at depth {depth} is not a positive integer (write one per depth, e.g. 6,6,6)"
+                f"{spec!r}: branch factor {part!r} at depth {depth} is not a positive integer "
+                "(write one per depth, e.g. 6,6,6)"
             )
         branches.append(int(part))
     return branches
@@ -213,17 +229,24 @@ class Node:
 
 def backup_values(root: Node) -> float:
     """Fill every node's value: a leaf's is its reward, an inner node's the mean of its children's values
-    (recursive, not leaf-weighted); return the root's value.
+    (recursive in definition, not leaf-weighted; computed children first without recursion, so any depth is fine);
+    return the root's value.
 
     >>> backup_values(Node([0], [Node([1], reward=1.0), Node([2], [Node([3], reward=0.0), Node([4], reward=1.0)])]))
     0.75
     """
-    if not root.children:
-        if root.reward is None:
-            raise ValueError(f"leaf at depth {root.depth} has no reward")
-        root.value = float(root.reward)
-    else:
-        root.value = sum(backup_values(child) for child in root.children) / len(root.children)
+    order, stack = [], [root]
+    while stack:  # pre-order; reversed, every child comes before its parent
+        node = stack.pop()
+        order.append(node)
+        stack += node.children
+    for node in reversed(order):
+        if node.children:
+            node.value = sum(child.value for child in node.children) / len(node.children)
+        elif node.reward is None:
+            raise ValueError(f"leaf at depth {node.depth} has no reward")
+        else:
+            node.value = float(node.reward)
     return root.value
 
 
@@ -242,30 +265,34 @@ def edge_advantages(parent: Node, advantage: str = "rloo") -> list[float]:
     return [(child.value - parent.value) / scale for child in parent.children]
 
 
-def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], list[int], float]]:
-    """Training samples of a tree: (query ids, segment ids, advantage) per non-root node, depth-first pre-order
-    (a node, then its subtree, then its next sibling). Calls backup_values.
+def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], list[int], float, int]]:
+    """Training samples of a tree: (query ids, segment ids, advantage, depth) per non-root node, depth-first
+    pre-order (a node, then its subtree, then its next sibling). Calls backup_values.
 
     query = root.tokens + the ancestors' segments; advantage "rloo" = V(node) - V(parent), "grpo" = that
-    / (population std of the node and its siblings' values + 1e-8). Edges with advantage exactly 0 are
-    dropped: siblings that agree carry no signal.
+    / (population std of the node and its siblings' values + 1e-8); depth: 1 for the root's children. Edges with
+    advantage exactly 0 are dropped: siblings that agree carry no signal.
 
     >>> root = Node([9], [Node([1], reward=1.0), Node([2], [Node([3], reward=0.0), Node([4], reward=1.0)])])
     >>> tree_segments(root)
-    [([9], [1], 0.25), ([9], [2], -0.25), ([9, 2], [3], -0.5), ([9, 2], [4], 0.5)]
+    [([9], [1], 0.25, 1), ([9], [2], -0.25, 1), ([9, 2], [3], -0.5, 2), ([9, 2], [4], 0.5, 2)]
     """
     if advantage not in ADVANTAGES:
         raise ValueError(f"unknown advantage {advantage!r}: use {' or '.join(ADVANTAGES)}")
     backup_values(root)
     segments = []
 
-    def visit(node: Node, query: list[int]) -> None:
-        for child, edge_advantage in zip(node.children, edge_advantages(node, advantage)):
-            if edge_advantage != 0:
-                segments.append((list(query), list(child.tokens), edge_advantage))
-            visit(child, query + child.tokens)
+    def children(node: Node, query: list[int], depth: int) -> list:  # reversed: the stack pops them in order
+        return [
+            (c, a, query, depth + 1) for c, a in reversed(list(zip(node.children, edge_advantages(node, advantage))))
+        ]
 
-    visit(root, list(root.tokens))
+    stack = children(root, list(root.tokens), 0)  # (node, its advantage, its query, its depth); no recursion
+    while stack:
+        node, edge_advantage, query, depth = stack.pop()
+        if edge_advantage != 0:
+            segments.append((list(query), list(node.tokens), edge_advantage, depth))
+        stack += children(node, query + node.tokens, depth)
     return segments
 
 
@@ -286,8 +313,10 @@ def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advan
 
     >>> tree = Node([9], [Node([1], reward=1.0), Node([2], reward=0.0)])
     >>> edges, nonzero = tree_edges([tree], [7], iteration=3, advantage="rloo")
-    >>> [(e["question"], e["born"], e["prompt_ids"], e["response_ids"], e["advantage"]) for e in edges], nonzero
-    ([(7, 3, [9], [1], 0.5), (7, 3, [9], [2], -0.5)], 2)
+    >>> [(e["question"], e["born"], e["prompt_ids"], e["response_ids"], e["advantage"], e["depth"]) for e in edges]
+    [(7, 3, [9], [1], 0.5, 1), (7, 3, [9], [2], -0.5, 1)]
+    >>> nonzero
+    2
     """
     edges, nonzero = [], 0
     for question_id, tree in zip(question_ids, trees):
@@ -300,8 +329,9 @@ def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advan
                 "prompt_ids": query,
                 "response_ids": segment,
                 "advantage": edge_advantage,
+                "depth": depth,
             }
-            for query, segment, edge_advantage in segments
+            for query, segment, edge_advantage, depth in segments
             if segment
         ]
     return edges, nonzero
@@ -357,6 +387,46 @@ def fill_samples(taken: list[dict], remaining: list[dict], n: int, rng: random.R
             remaining + returned, key=lambda edge: edge["born"]
         )  # stable: both lists are oldest first
     return taken + [rng.choice(taken) for _ in range(n - len(taken))], remaining
+
+
+def depth_weights(branches: list[int]) -> list[float]:
+    """--edge-weight depth: the weight of an edge at each depth d = 1..D of a --tree b_0,...,b_{D-1} tree, so that
+    the tree's expected loss gradient is proportional to the policy gradient (an option beyond the paper, whose
+    edges all weigh 1).
+
+    A full tree has n_d = b_0 ... b_{d-1} nodes at depth d, each an equally weighted sample, so uniform weights
+    count a depth-d segment n_d times per tree; with the rloo baseline the parent's value includes the child itself,
+    which scales its expected contribution by (b_{d-1} - 1) / b_{d-1}. The weight that undoes both is
+    w_d = 1 / (b_0 ... b_{d-2} (b_{d-1} - 1)); here scaled by one constant so a full tree's mean edge weight is 1.
+    A level with one branch has no baseline (its edges have advantage 0 and are dropped): weight 0.
+
+    >>> [round(w, 4) for w in depth_weights([6, 6, 6])]  # 1/5, 1/30, 1/180, times 258/3.6
+    [14.3333, 2.3889, 0.3981]
+    >>> depth_weights([2, 3])  # 1/1 and 1/(2*2), times 8 / (2 + 1.5)
+    [2.2857142857142856, 0.5714285714285714]
+    """
+    raw, nodes, width = [], [], 1
+    for branch in branches:
+        raw.append(1.0 / (width * (branch - 1)) if branch > 1 else 0.0)
+        width *= branch
+        nodes.append(width)
+    total = sum(n * w for n, w in zip(nodes, raw))
+    return [w * sum(nodes) / total for w in raw] if total else raw
+
+
+def edge_weights(taken: list[dict], remaining: list[dict], by_depth: list[float]) -> list[float]:
+    """The weight of each edge sample_buffer took: its depth's weight (depth_weights; edge["depth"] counts from 1)
+    times E_q / k_q, where k_q of the E_q edges question q offered were taken (--edges-per-question keeps a
+    random k_q of them, and E_q depends on the tree's outcomes: without the factor a question with many non-zero
+    edges would count as much as one with few).
+
+    >>> taken = [{"question": 0, "depth": 1}, {"question": 0, "depth": 2}, {"question": 1, "depth": 2}]
+    >>> edge_weights(taken, [{"question": 0, "depth": 2}] * 2, [1.0, 0.5])  # question 0: 2 of 4 kept
+    [2.0, 1.0, 0.5]
+    """
+    offered, kept = collections.Counter(), collections.Counter(edge["question"] for edge in taken)
+    offered.update(edge["question"] for edge in taken + remaining)
+    return [by_depth[edge["depth"] - 1] * offered[edge["question"]] / kept[edge["question"]] for edge in taken]
 
 
 def loss_mask(
@@ -428,7 +498,8 @@ def policy_loss(
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
-    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2, batch_sequences=1)
+    ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
+    ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
     (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
     """
@@ -534,8 +605,8 @@ def attach_targets(
     """Set what the loss needs on every sample: "ref_logps" (the frozen reference model's log-probs; the old ones
     when there is no reference model, beta = 0), "loss_mask" (response tokens, with the probability mask only
     those with p_t < prob_threshold) and "advantages" (the edge's advantage on each token, whitened over the
-    masked tokens of all samples, of every rank under torchrun). A sample listed twice (fill_samples) counts twice
-    in the whitening."""
+    masked tokens of all samples, of every rank under torchrun, then times the edge's "weight" when it has one:
+    --edge-weight depth). A sample listed twice (fill_samples) counts twice in the whitening."""
     edges = list({id(s): s for s in samples}.values())  # each edge once: a repeat is the same dict
     for s in edges:
         s["ref_logps"] = s["old_logps"]
@@ -564,6 +635,13 @@ def attach_targets(
     flat_advantages = whiten(
         flat_advantages, flat_mask, all_sum=distributed.all_sum
     )  # over the whole iteration batch's masked tokens
+    # --edge-weight depth (edge_weights): each edge's weight scales its whitened advantage, which is the surrogate's
+    # per-token weight (w > 0 factors out of PPO-clip's min); the KL term and the token count stay unweighted.
+    flat_weights = torch.repeat_interleave(
+        torch.tensor([s.get("weight", 1.0) for s in samples], dtype=flat_advantages.dtype),
+        torch.tensor(lengths, dtype=torch.long),
+    )
+    flat_advantages = flat_advantages * flat_weights
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"], s["advantages"] = mask, advantage
 
@@ -581,8 +659,8 @@ def accumulate_gradients(
     precision: Precision = FP32,
 ) -> dict:
     """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
-    Under torchrun each rank passes its share of the batch (possibly none) and `all_sum=distributed.all_sum`: the loss is
-    normalised by the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
+    Under torchrun each rank passes its share of the batch (possibly none) and `all_sum=distributed.all_sum`: the loss
+    is normalised by the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
     batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
@@ -776,6 +854,11 @@ def main(args: Args) -> dict:
         # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
         #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
         taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
+        if (
+            args.edge_weight == "depth"
+        ):  # beyond the paper: the expected loss gradient is the policy gradient's direction
+            for edge, weight in zip(taken, edge_weights(taken, buffer, depth_weights(branches))):
+                edge["weight"] = weight
         samples, buffer = fill_samples(
             taken, buffer, args.samples_per_iteration, rng
         )  # the buffer the checkpoint keeps
@@ -791,7 +874,8 @@ def main(args: Args) -> dict:
             precision=precision,
         )
 
-        # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new weights.
+        # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new
+        #    weights.
         sampler.sleep()
         started, lr = time.time(), scheduler.get_last_lr()[0]
         model_stats = update_policy(
@@ -866,8 +950,10 @@ def validate(args: Args) -> list[int]:
         problems.append(size)
     elif branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
         problems.append(
-            f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates {(len(branches) - 1) * args.segment_tokens} tokens "
-            f"before its last level, leaving no room within --max-new-tokens and --context: raise them or lower --segment-tokens"
+            f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates "
+            f"{(len(branches) - 1) * args.segment_tokens} tokens "
+            "before its last level, leaving no room within --max-new-tokens and --context: "
+            "raise them or lower --segment-tokens"
         )
     if args.advantage not in ADVANTAGES:
         problems.append(f"--advantage must be {' or '.join(ADVANTAGES)}, not {args.advantage!r}")
@@ -897,7 +983,10 @@ def tree_size_problem(branches: list[int], args: Args) -> str | None:
     tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(
         0, budget - (len(branches) - 1) * args.segment_tokens
     )
-    estimate = f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration (--questions {args.questions})"
+    estimate = (
+        f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration "
+        f"(--questions {args.questions})"
+    )
     if leaves > MAX_LEAVES:
         return f"{estimate}: over the {MAX_LEAVES:,}-leaf limit; use fewer or smaller branches or fewer --questions"
     if leaves > WARN_LEAVES:
@@ -982,7 +1071,8 @@ def progress_line(iteration: int, metrics: dict, level_seconds: list[float]) -> 
     """The one line printed per iteration."""
     return (
         f"iter {iteration}: reward {metrics['charts/reward']:.3f}  root value {metrics['charts/root_value']:.3f}  "
-        f"edges {metrics['charts/samples']}  kl {metrics.get('losses/kl', 0):.2e}  rollout {metrics['time/rollout_seconds']:.1f}s "
+        f"edges {metrics['charts/samples']}  kl {metrics.get('losses/kl', 0):.2e}  "
+        f"rollout {metrics['time/rollout_seconds']:.1f}s "
         f"({' / '.join(f'{seconds:.1f}' for seconds in level_seconds)})  update {metrics['time/update_seconds']:.1f}s"
     )
 

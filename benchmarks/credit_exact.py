@@ -44,13 +44,13 @@ tokens (segments) of one seed, and differences are paired by seed, with 95% boot
 every estimator against the measure's best, and for every two estimators ("pairwise" in the JSON).
 
 The policy. A random tiny Llama is nearly uniform (every token low-probability, success 0.05-0.11) and one trained
-longer on a cleaner corpus nearly deterministic (few cutpoints, success near 0.9); neither has much credit to assign. So it is pre-trained
-briefly (--pretrain-steps, seconds) on a synthetic corpus built like a policy that reasons: a free first digit (1 or
-2: a fork where either choice can succeed), then the largest digit up to 2 that still fits (confident tokens), then
-EOS; in --mistake-rate of the corpus one mistake: stopping early or an extra random digit. The model learns forks and
-mistakes at particular places: a mix of confident tokens (p_t >= 0.9) and low-probability ones (46-90% of a prompt's
-tokens), exact success rates from 0.28 to 0.85 per prompt (mean 0.54). The JSON records each prompt's success rate,
-expected length and low-probability share.
+longer on a cleaner corpus nearly deterministic (few cutpoints, success near 0.9); neither has much credit to assign.
+So it is pre-trained briefly (--pretrain-steps, seconds) on a synthetic corpus built like a policy that reasons: a free
+first digit (1 or 2: a fork where either choice can succeed), then the largest digit up to 2 that still fits (confident
+tokens), then EOS; in --mistake-rate of the corpus one mistake: stopping early or an extra random digit. The model
+learns forks and mistakes at particular places: a mix of confident tokens (p_t >= 0.9) and low-probability ones (46-90%
+of a prompt's tokens), exact success rates from 0.28 to 0.85 per prompt (mean 0.54). The JSON records each prompt's
+success rate, expected length and low-probability share.
 
 What the numbers show: on this policy and task, how close each estimator's credit is to the exact credit per token
 spent, with the intervals saying which differences the seeds resolve. What they do not show: learning speed or
@@ -107,7 +107,7 @@ class Args:
     out: str = "benchmarks/results/credit_exact.json"
     """results JSON (the PNG is written beside it)"""
     tiny: bool = False
-    """a seconds-long run for the tests: horizon 4, two prompts, three seeds, budgets 16 and 64 (overrides those flags)"""
+    "a seconds-long run for the tests: horizon 4, two prompts, three seeds, budgets 16 and 64 (overrides those flags)"
     prompts: list[str] = field(default_factory=lambda: ["11", "12", "22", "13", "23", "33"])
     """prompts as two digits a b (0-3); the response's digits must add up to a + b"""
     horizon: ranges.PositiveInt = 8
@@ -574,7 +574,8 @@ def truth_of(samples: list[dict], owners: list[Exact]) -> list[float]:
 
 
 def run_grpo(model, sampler, exacts, group_size: int, args: Args) -> dict[str, Run]:
-    """grpo_baseline: group-normalised rewards on every token; the loss through attach_targets + accumulate_gradients."""
+    """grpo_baseline: group-normalised rewards on every token; the loss through attach_targets +
+    accumulate_gradients."""
     samples, owners, rewards = draw_responses(sampler, exacts, group_size)
     advantages = grpo_baseline.group_advantages(torch.tensor(rewards), group_size)  # [N]
     script_args = grpo_baseline.Args(
@@ -680,8 +681,8 @@ def run_exact_advantage(model, sampler, exacts, group_size: int, args: Args) -> 
 
 def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
     """spo_tree: one tree per prompt grown by grow_trees (tree_depth levels of `branch` children, M tokens per segment),
-    leaves graded by the reward, tree_segments' edges as samples; the loss through attach_targets + accumulate_gradients,
-    with the probability mask and without (the same trees)."""
+    leaves graded by the reward, tree_segments' edges as samples; the loss through attach_targets +
+    accumulate_gradients, with the probability mask and without (the same trees)."""
     roots, _ = spo_tree.grow_trees(
         sampler,
         [exact.prompt for exact in exacts],
@@ -700,7 +701,7 @@ def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
     samples = [
         {"prompt_ids": query, "response_ids": segment, "advantage": advantage}
         for root in roots
-        for query, segment, advantage in spo_tree.tree_segments(root, "rloo")
+        for query, segment, advantage, _ in spo_tree.tree_segments(root, "rloo")
     ]  # backs the values up
     # Every edge (zero ones too: the estimator gives them 0) beside its truth, per token and as a segment, in
     # tree_segments' order (depth-first pre-order), so the non-zero ones line up with the samples.
@@ -893,7 +894,8 @@ def pilot_costs(exacts: list[Exact], args: Args, seed: int = 10**6, repeats: int
     """Tokens per prompt each family spends at each size (the mean of `repeats` draws), up to the first size over the
     largest budget. GRPO's, exact_advantage's and PPO's are G times the exact expected response length (PPO: times its
     critic's batches + 1). SPO-chain's and the per-token MC's grow more slowly than G, since identical cutpoint states
-    are estimated once: they are drawn (p_t from the tables here; the runs take them from the model), as are the trees."""
+    are estimated once: they are drawn (p_t from the tables here; the runs take them from the model), as are the
+    trees."""
     sampler, mean_length = (
         ExactSampler(exacts, args.temperature, seed),
         float(np.mean([e.expected_length() for e in exacts])),
@@ -999,7 +1001,8 @@ def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int, seed: int) -> 
     """[mean, low, high]: the mean of a - b over the seeds where both are defined and its 95% percentile bootstrap
     interval (the seeds resampled with replacement, each bringing both of its values). None without such a seed.
 
-    >>> round(paired_interval(np.array([0.5, 0.6, np.nan]), np.array([0.4, 0.4, 0.1]), 100, 0)[0], 6)  # the third seed has no a
+    >>> round(paired_interval(np.array([0.5, 0.6, np.nan]), np.array([0.4, 0.4, 0.1]),
+    ...                       100, 0)[0], 6)  # the third seed has no a
     0.15
     """
     both = np.isfinite(a) & np.isfinite(b)
@@ -1117,7 +1120,8 @@ def plot(results: dict, path: Path) -> None:
     axes.flat[-1].legend(handles, labels, loc="center", fontsize=10)
     settings = results["settings"]
     fig.suptitle(
-        f"Credit assignment against the exact answer: tiny Llama, digits that sum to the prompt's target, horizon {settings['horizon']}, "
+        "Credit assignment against the exact answer: tiny Llama, digits that sum to the prompt's target, "
+        f"horizon {settings['horizon']}, "
         f"temperature {settings['temperature']}, {len(settings['seeds'])} seeds (mean, 95% bootstrap CI)",
         fontsize=11,
     )
@@ -1297,7 +1301,8 @@ def main(args: Args) -> dict:
     plot(results, output.with_suffix(".png"))
     print_table(results)
     print(
-        f"J = {results['policy']['expected_reward']:.3f}, {len(args.seeds)} seeds, {seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}"
+        f"J = {results['policy']['expected_reward']:.3f}, {len(args.seeds)} seeds, {seconds['total']:.0f}s -> {output} "
+        f"and {output.with_suffix('.png')}"
     )
     return results
 

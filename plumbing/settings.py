@@ -44,6 +44,11 @@ RESUMABLE_SETTINGS = (
 )
 
 
+# Settings added after runs were made, with the value such a run ran with: it resumes with that value. The HF sampler
+# sampled in batches of 65,536 positions; SPO-tree weighed every edge equally.
+RUN_BEFORE_THE_SETTING = {"sampler_batch_tokens": 2**16, "edge_weight": "uniform"}
+
+
 def saved_settings(args_class, run_dir: str | Path):
     """The settings a run was started with (RUN/args.json), as an instance of the script's Args."""
     path = Path(run_dir) / "args.json"
@@ -61,8 +66,9 @@ def saved_settings(args_class, run_dir: str | Path):
         for f in dataclasses.fields(args_class)
         if f.name not in saved and f.name in RESUMABLE_SETTINGS
     }
-    if "sampler_batch_tokens" in fields and "sampler_batch_tokens" not in saved:
-        saved["sampler_batch_tokens"] = 2**16  # runs from before the setting sampled in batches of this size
+    for name, value in RUN_BEFORE_THE_SETTING.items():  # a run from before a setting ran with this value of it
+        if name in fields and name not in saved:
+            saved[name] = value
     if set(saved) != fields:
         foreign = sorted(set(saved) ^ fields)
         raise UsageError(
@@ -126,7 +132,8 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
             and (args.batch_size < args.micro_batch_size or args.batch_size % args.micro_batch_size)
         ):
             problems.append(
-                f"--batch-size ({args.batch_size}) must be a positive multiple of --micro-batch-size ({args.micro_batch_size})"
+                f"--batch-size ({args.batch_size}) must be a positive multiple of "
+                f"--micro-batch-size ({args.micro_batch_size})"
             )
     if get("output_dir") is not None and not get("resume"):
         problems += directory_problems(args.output_dir, "--output-dir")
@@ -162,7 +169,10 @@ class TrainArgs:
     """seed of every random draw: questions, rollouts, SPO-tree's replay buffer, initialisation (same seed on CPU
     gives identical metrics)"""
     model: str = "rho-1b-sft-gsm8k"
-    """policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    (
+        "policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, "
+        "deepseek-r1-distill-qwen-1.5b, smollm2-135m)"
+    )
     task: str = "gsm8k"
     """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
     eval_task: str | None = None
@@ -233,9 +243,15 @@ class TrainArgs:
     save_every: ranges.PositiveInt = 10
     """checkpoint every N iterations (and after the last)"""
     max_minutes: ranges.OptionalPositiveFloat = None
-    """stop after the iteration that ends past this many minutes of training (evaluation not counted), as if it were the last"""
+    (
+        "stop after the iteration that ends past this many minutes of training (evaluation not counted), "
+        "as if it were the last"
+    )
     save_samples: ranges.NonNegativeInt = 0
-    """every N iterations write the first --save-questions groups to runs/<run>/samples/iter_<k>.jsonl for viewer.py (0: never)"""
+    (
+        "every N iterations write the first --save-questions groups to runs/<run>/samples/iter_<k>.jsonl "
+        "for viewer.py (0: never)"
+    )
     save_questions: ranges.PositiveInt = 2
     """questions whose responses --save-samples writes"""
     vllm_gpu_memory_utilization: ranges.AutoProbability = "auto"

@@ -111,7 +111,7 @@ def test_edge_states_and_estimates_on_a_hand_made_tree():
         for e in edges
         if e["estimates"]["spo_tree"] != 0
     ]
-    assert nonzero == [(q, s, pytest.approx(v)) for q, s, v in spo_tree.tree_segments(root)]  # training's samples
+    assert nonzero == [(q, s, pytest.approx(v)) for q, s, v, _ in spo_tree.tree_segments(root)]  # training's samples
     # GRPO: the five leaves are the group (rewards 1, 1, 0, 0, 1); a leaf gets its own advantage, an inner node the
     # mean of its leaves', so the leaves under A keep +0.82 where V(child) - V(parent) = 0.
     leaf_advantages = grpo_baseline.group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0]), 5).tolist()

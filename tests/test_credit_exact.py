@@ -276,7 +276,7 @@ def test_spo_tree_column_is_tree_segments_and_its_loss(world):
             else:
                 assert node.reward == ce.reward(exact, before + node.tokens, node.finish_reason)
     assert runs["spo_tree"].tokens == sum(len(node.tokens) for root in roots for node, _ in spo_tree.walk(root))
-    expected = [(q, seg, a) for root in roots for q, seg, a in spo_tree.tree_segments(root, "rloo")]
+    expected = [(q, seg, a) for root in roots for q, seg, a, _ in spo_tree.tree_segments(root, "rloo")]
     for name, prob_mask in (("spo_tree", True), ("spo_tree_nomask", False)):
         run = runs[name]
         assert [(s["prompt_ids"], s["response_ids"], s["advantage"]) for s in run.record["samples"]] == expected

@@ -75,8 +75,9 @@ def test_tree_segments_rloo_on_an_irregular_tree():
         ([1, 2, 4], [7], -1 / 3),
         ([1, 2], [8], -4 / 9),
     ]
-    assert [(q, s) for q, s, _ in segments] == [(q, s) for q, s, _ in expected]
-    assert [a for _, _, a in segments] == pytest.approx([a for _, _, a in expected])
+    assert [(q, s) for q, s, _, _ in segments] == [(q, s) for q, s, _ in expected]
+    assert [a for _, _, a, _ in segments] == pytest.approx([a for _, _, a in expected])
+    assert [depth for *_, depth in segments] == [1, 1, 2, 2, 2, 1]  # the root's children are depth 1
 
 
 def test_tree_segments_grpo_divides_by_the_siblings_population_std():
@@ -91,7 +92,7 @@ def test_tree_segments_grpo_divides_by_the_siblings_population_std():
         -1 / 3 / (b_children + 1e-8),
         -4 / 9 / (top + 1e-8),
     ]
-    assert [a for _, _, a in segments] == pytest.approx(expected)
+    assert [a for _, _, a, _ in segments] == pytest.approx(expected)
 
 
 def test_query_ids_concatenate_the_prompt_and_every_ancestor_segment():
@@ -105,7 +106,7 @@ def test_query_ids_concatenate_the_prompt_and_every_ancestor_segment():
             spo.Node([8], reward=0.0),
         ],
     )
-    by_segment = {tuple(s): q for q, s, _ in spo.tree_segments(root)}
+    by_segment = {tuple(s): q for q, s, _, _ in spo.tree_segments(root)}
     assert by_segment[(4, 5)] == [100, 1, 2, 3] and by_segment[(6,)] == [100, 1, 2, 3]
     assert by_segment[(3,)] == [100, 1, 2] and by_segment[(1, 2)] == [100]
 
@@ -117,7 +118,7 @@ def test_siblings_that_agree_give_no_segments():
     root = spo.Node([0], [subtree(1), subtree(2), subtree(3)])
     segments = spo.tree_segments(root)
     assert root.value == 0.5 and all(child.value == 0.5 for child in root.children)
-    assert len(segments) == 6 and all(len(q) == 2 for q, _, _ in segments)  # only the leaves' edges remain
+    assert len(segments) == 6 and all(len(q) == 2 for q, *_ in segments)  # only the leaves' edges remain
     assert spo.tree_segments(spo.Node([0], [spo.Node([1], reward=1.0), spo.Node([2], reward=1.0)]), "grpo") == []
     assert spo.tree_segments(spo.Node([0], [spo.Node([1], reward=0.0)])) == []
 
@@ -172,8 +173,8 @@ def test_random_trees_match_a_brute_force_reference(advantage):
         root_value, expected = reference_segments(root, advantage)
         segments = spo.tree_segments(root, advantage)
         assert root.value == root_value
-        assert [(q, s) for q, s, _ in segments] == [(q, s) for q, s, _ in expected]
-        assert [a for _, _, a in segments] == pytest.approx([a for _, _, a in expected], rel=1e-9, abs=1e-12)
+        assert [(q, s) for q, s, _, _ in segments] == [(q, s) for q, s, _ in expected]
+        assert [a for _, _, a, _ in segments] == pytest.approx([a for _, _, a in expected], rel=1e-9, abs=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -747,7 +748,8 @@ def test_bad_tree_on_the_command_line_is_one_clear_error_line(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "error: --tree '6,0,6': branch factor '0' at depth 1 is not a positive integer (write one per depth, e.g. 6,6,6)"
+        "error: --tree '6,0,6': branch factor '0' at depth 1 is not a positive integer "
+        "(write one per depth, e.g. 6,6,6)"
     ]
 
 
