@@ -14,6 +14,7 @@ Offline (no GPU, no internet):
 from __future__ import annotations
 
 import collections
+import fractions
 import json
 import math
 import os
@@ -406,6 +407,56 @@ def final_answer(response: str) -> str:
     return re.sub(r"[\s$,]", "", answer).rstrip(".")
 
 
+MAX_VOTE_FORMS = 16  # distinct answers of one question the grader compares pairwise (at most 120 pairs)
+
+
+def vote_form(answer: str) -> str:
+    """A final answer (final_answer's text) with numbers as values, so that equal numbers vote together.
+
+    >>> [vote_form(a) for a in ("5.0", "5", "5.00", "-0", "0.50", "1/2", "x+1", "")]
+    ['5', '5', '5', '0', '1/2', '1/2', 'x+1', '']
+    """
+    if re.fullmatch(r"-?\d+(\.\d+)?(/[1-9]\d*)?", answer) and len(answer) <= 100:
+        return str(fractions.Fraction(answer))
+    return answer
+
+
+def majority_votes(responses: list[list[str]], scores: list[list[float]], task: str) -> list[float]:
+    """The majority vote's score of each question (maj@k), from its responses and their scores.
+
+    Each response votes for its final answer in vote_form (numbers as values); distinct forms of one question that
+    the grader finds equal (each against the other as its reference: one grade() call for every question's pairs,
+    up to MAX_VOTE_FORMS forms a question; beyond that, forms alone) vote together. The winning answer scores what
+    its best response scored (an unfinished response scores 0 even with the right answer). A tie between answers
+    scores the mean of theirs, which is what a random tie-break scores on average: no sample order decides it.
+
+    >>> majority_votes([["#### 5.0", "#### 5", "#### 6", "#### 6", "#### 5.00"]], [[1, 1, 0, 0, 1]], "gsm8k")
+    [1.0]
+    >>> majority_votes([["#### 6", "#### 5"], ["#### 5", "#### 6"]], [[0, 1], [1, 0]], "gsm8k")  # ties: the mean
+    [0.5, 0.5]
+    """
+    forms = [[vote_form(final_answer(text)) for text in group] for group in responses]
+    pairs = []  # (question, form a, form b) with a < b: whether the grader finds them equal
+    for question, group in enumerate(forms):
+        distinct = sorted(set(group) - {""})
+        if len(distinct) <= MAX_VOTE_FORMS:
+            pairs += [(question, a, b) for i, a in enumerate(distinct) for b in distinct[i + 1 :]]
+    same = grade([f"\\boxed{{{a}}}" for _, a, _ in pairs], [b for _, _, b in pairs], task) if pairs else []
+    joined = collections.defaultdict(dict)  # question -> form -> the first form (sorted) it is equal to
+    for (question, a, b), equal in zip(pairs, same):
+        if equal and b not in joined[question]:
+            joined[question][b] = joined[question].get(a, a)
+    results = []
+    for question, (group, group_scores) in enumerate(zip(forms, scores)):
+        answer = [joined[question].get(form, form) for form in group]
+        votes = collections.Counter(answer)
+        top = max(votes.values())
+        tied = [a for a, count in votes.items() if count == top]
+        best = {a: max(s for s, b in zip(group_scores, answer) if b == a) for a in tied}
+        results.append(sum(best.values()) / len(tied))
+    return results
+
+
 def pass_at_k(n: int, correct: int, k: int) -> float:
     """Unbiased pass@k from n samples of which `correct` are right (Chen et al. 2021)."""
     if n - correct < k:
@@ -445,9 +496,11 @@ def evaluate(
     examples = distributed.shard(
         examples
     )  # under torchrun each rank evaluates its share; the records are gathered below
+    # Greedy decoding (temperature 0) gives every sample of a prompt the same tokens: it is computed once.
+    distinct = 1 if temperature == 0 else samples
     completions = sampler.sample(
         [e.prompt_ids for e in examples],
-        samples,
+        distinct,
         temperature=temperature,
         top_p=top_p,
         max_new_tokens=max_new_tokens,
@@ -455,27 +508,28 @@ def evaluate(
         context=context,
         progress="eval",
     )
+    completions = [group * (samples // distinct) for group in completions]
     texts = [[tokenizer.decode(c.ids, skip_special_tokens=True) for c in group] for group in completions]
     flat_scores = grade(
         [t for group in texts for t in group], [e.answer for e in examples for _ in range(samples)], task
     )
+    # Unfinished (length-limited) responses score 0, in evaluation as in training.
+    scores = [
+        [s if c.finish_reason == "stop" else 0.0 for s, c in zip(flat_scores[i * samples : (i + 1) * samples], group)]
+        for i, group in enumerate(completions)
+    ]
+    majority = majority_votes(texts, scores, task)
     records = []
     for i, (example, group) in enumerate(zip(examples, completions)):
-        # Unfinished (length-limited) responses score 0, in evaluation as in training.
-        scores = [
-            s if c.finish_reason == "stop" else 0.0 for s, c in zip(flat_scores[i * samples : (i + 1) * samples], group)
-        ]
-        votes = collections.Counter(final_answer(t) for t in texts[i])
-        majority = votes.most_common(1)[0][0]
         records.append(
             {
                 "question": example.question,
                 "answer": example.answer,
                 "responses": texts[i],
-                "scores": scores,
+                "scores": scores[i],
                 "finish_reasons": [c.finish_reason for c in group],
                 "response_tokens": [len(c.ids) for c in group],
-                "majority_correct": scores[[final_answer(t) for t in texts[i]].index(majority)],
+                "majority_correct": majority[i],
             }
         )
     records = distributed.gather(records)  # every rank's, in the examples' order
@@ -521,7 +575,10 @@ def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: li
 @dataclass
 class EvalArgs:
     model: str = "smollm2-135m"
-    """model directory, Hugging Face id, or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    (
+        """model directory, Hugging Face id, or alias """
+        """(rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
+    )
     task: str = "rg:chain_sum"
     """gsm8k | math | math500 | aime24 | rg:<reasoning-gym dataset>[:key=value,...] | path/to/file.jsonl"""
     split: str = "test"
@@ -609,7 +666,8 @@ def main(args: EvalArgs) -> dict:
     print(
         f"{args.task}: accuracy {result['accuracy']:.3f}  pass@{args.samples} {result[f'pass@{args.samples}']:.3f}  "
         f"majority {result['majority_accuracy']:.3f}  truncated {result['truncation_rate']:.2f}  "
-        f"{result['response_tokens']:.0f} tokens/response  {result['examples']} questions in {result['seconds']:.0f}s -> {output}"
+        f"{result['response_tokens']:.0f} tokens/response  {result['examples']} questions in "
+        f"{result['seconds']:.0f}s -> {output}"
     )
     return result
 

@@ -264,11 +264,13 @@ def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# html: one static page; the data is embedded as JSON and drawn by plain JS (text set with textContent, never parsed as HTML)
+# html: one static page; the data is embedded as JSON and drawn by plain JS
+# (text set with textContent, never parsed as HTML)
 
 PAGE_CSS = r"""
 * { box-sizing: border-box; }
-body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d1d1f; background: #f4f4f2; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d1d1f;
+       background: #f4f4f2; }
 header { position: sticky; top: 0; z-index: 2; background: #fff; border-bottom: 1px solid #ddd; padding: 8px 14px;
          display: flex; flex-wrap: wrap; gap: 6px 18px; align-items: center; }
 header h1 { font-size: 16px; margin: 0; }
@@ -276,10 +278,11 @@ header label { display: inline-flex; gap: 5px; align-items: center; }
 header input[type=number] { width: 72px; }
 button { font: inherit; padding: 1px 8px; }
 #runs { display: flex; gap: 12px; padding: 12px; align-items: flex-start; }
-.run { flex: 1 1 0; min-width: 300px; background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 10px 12px; }
+.run { flex: 1 1 0; min-width: 300px; background: #fff; border: 1px solid #ddd; border-radius: 6px;
+       padding: 10px 12px; }
 .run h2 { font-size: 15px; margin: 0 0 4px; word-break: break-all; }
-.algo { display: inline-block; font-size: 12px; font-weight: 600; padding: 0 6px; border-radius: 3px; background: #333; color: #fff;
-        margin-right: 6px; }
+.algo { display: inline-block; font-size: 12px; font-weight: 600; padding: 0 6px; border-radius: 3px; background: #333;
+        color: #fff; margin-right: 6px; }
 .muted { color: #6b6b6b; font-size: 12px; }
 .settings { font-size: 12px; color: #555; margin: 2px 0 6px; word-break: break-word; }
 details > summary { cursor: pointer; }
@@ -308,9 +311,11 @@ pre { white-space: pre-wrap; word-break: break-word; margin: 4px 0; font-size: 1
 .nbody .toks { margin-top: 3px; }
 .tg { flex: 0 0 auto; width: 20px; padding: 0; border: 0; background: none; cursor: pointer; color: #555; }
 .tg:disabled { cursor: default; }
-#tip { position: fixed; z-index: 3; pointer-events: none; background: #222; color: #fff; padding: 5px 8px; border-radius: 4px;
-       font: 12px/1.4 ui-monospace, "DejaVu Sans Mono", monospace; white-space: pre; max-width: 480px; }
-#js-error { position: fixed; bottom: 0; left: 0; right: 0; margin: 0; padding: 8px; background: #b00020; color: #fff; z-index: 4; }
+#tip { position: fixed; z-index: 3; pointer-events: none; background: #222; color: #fff; padding: 5px 8px;
+       border-radius: 4px; font: 12px/1.4 ui-monospace, "DejaVu Sans Mono", monospace; white-space: pre;
+       max-width: 480px; }
+#js-error { position: fixed; bottom: 0; left: 0; right: 0; margin: 0; padding: 8px; background: #b00020; color: #fff;
+            z-index: 4; }
 """
 
 PAGE_JS = r"""
@@ -349,7 +354,9 @@ function cutBar(c, value) {
   if (state.showValues) bar.appendChild(el("span", "cv", num(value, 2)));
   return bar;
 }
-function isLow(seg, i) { return Boolean(seg.probs) && seg.probs[i] !== null && seg.threshold != null && seg.probs[i] < seg.threshold; }
+function isLow(seg, i) {
+  return Boolean(seg.probs) && seg.probs[i] !== null && seg.threshold != null && seg.probs[i] < seg.threshold;
+}
 function inLoss(seg, i) { return seg.mask ? Boolean(seg.mask[i]) : true; }
 function tokenTip(seg, i) {  // built on hover only: a page can hold 1e5+ tokens
   const a = seg.advantages ? seg.advantages[i] : seg.advantage;
@@ -397,14 +404,16 @@ function responseView(r, index, scale) {
 }
 
 // ---- one SPO-tree: a node per segment, its value V and its edge's advantage A = V(node) - V(parent) (rloo)
-// Subtrees below openDepth start collapsed and are drawn on their first expansion (a 6-6-6 tree of 600-token segments is 1e5 tokens).
+// Subtrees below openDepth start collapsed and are drawn on their first expansion
+// (a 6-6-6 tree of 600-token segments is 1e5 tokens).
 function nodeView(node, depth, scale, threshold, probMask, openDepth) {
   const wrap = el("div", "node"), line = el("div", "nline"), kids = el("div", "kids");
   const toggle = el("button", "tg", node.children.length ? "\u25be" : "\u2022");
   toggle.disabled = !node.children.length;
   toggle.title = node.children.length + " children";
   const expand = () => {
-    if (!kids.hasChildNodes()) node.children.forEach(child => kids.append(nodeView(child, depth + 1, scale, threshold, probMask, openDepth)));
+    if (!kids.hasChildNodes()) node.children.forEach(child => kids.append(nodeView(child, depth + 1, scale, threshold,
+                                                                                   probMask, openDepth)));
     kids.hidden = false;
     toggle.textContent = "\u25be";
   };
@@ -428,13 +437,14 @@ function nodeView(node, depth, scale, threshold, probMask, openDepth) {
   body.append(meta);
   line.append(toggle, body);
   if (depth > 0) {
-    // The page marks what the loss counts: nothing on an edge dropped for a zero advantage, else p_t < threshold under the mask.
+    // The page marks what the loss counts: nothing on an edge dropped for a zero advantage,
+    // else p_t < threshold under the mask.
     let mask = node.loss_mask || null, offReason = "not in the loss mask (p_t >= threshold)";
     if (node.advantage === 0) { mask = node.tokens.map(() => false); offReason = "edge dropped: advantage 0"; }
     else if (!mask && probMask && node.probs && threshold !== null) mask = node.probs.map(p => p < threshold);
     const segment = el("div", "toks");
-    drawTokens(segment, { tokens: node.tokens, ids: node.token_ids, probs: node.probs, advantage: node.advantage, mask: mask,
-                          threshold: threshold, offReason: offReason }, scale);
+    drawTokens(segment, { tokens: node.tokens, ids: node.token_ids, probs: node.probs, advantage: node.advantage,
+                          mask: mask, threshold: threshold, offReason: offReason }, scale);
     body.append(segment);
   } else {
     meta.append(el("span", "muted", node.children.length + " children, prompt above"));
@@ -451,7 +461,10 @@ function nodeView(node, depth, scale, threshold, probMask, openDepth) {
 // ---- a run's column for the selected iteration
 function advantagesOf(groups) {
   const all = [];
-  const walk = node => { if (node.advantage !== null && node.advantage !== undefined) all.push(node.advantage); node.children.forEach(walk); };
+  const walk = node => {
+    if (node.advantage !== null && node.advantage !== undefined) all.push(node.advantage);
+    node.children.forEach(walk);
+  };
   for (const g of groups) {
     if (g.tree) walk(g.tree);
     for (const r of g.responses || []) for (const a of r.advantages) if (a !== null) all.push(a);
@@ -476,7 +489,8 @@ function runView(run, iteration) {
   const column = el("section", "run");
   const title = el("h2");
   title.append(el("span", "algo", run.algorithm), document.createTextNode(run.name));
-  const settings = Object.entries(run.settings).map(([k, v]) => k + "=" + (typeof v === "string" ? v : JSON.stringify(v))).join("  ");
+  const settings = Object.entries(run.settings).map(
+    ([k, v]) => k + "=" + (typeof v === "string" ? v : JSON.stringify(v))).join("  ");
   const all = el("details");
   all.append(el("summary", "muted", "all settings (args.json)"), el("pre", null, JSON.stringify(run.args, null, 1)));
   column.append(title, el("div", "settings", settings), all);
@@ -487,7 +501,8 @@ function runView(run, iteration) {
     return column;
   }
   const advantages = advantagesOf(groups);
-  const largest = advantages.reduce((m, a) => Math.max(m, Math.abs(a)), 0);  // no Math.max(...spread): 1e5+ tokens overflow it
+  // no Math.max(...spread): 1e5+ tokens overflow it
+  const largest = advantages.reduce((m, a) => Math.max(m, Math.abs(a)), 0);
   const scale = state.scale || largest || 1;
   const responses = groups.flatMap(g => g.responses || []);
   const rewards = responses.length ? responses.map(r => r.reward) : groups.map(g => g.tree.value);
@@ -506,7 +521,8 @@ function runView(run, iteration) {
     const prompt = el("details");
     prompt.append(el("summary", "muted", "prompt"), el("pre", null, g.prompt));
     q.append(prompt);
-    if (g.tree) q.append(nodeView(g.tree, 0, scale, g.prob_threshold, run.prob_mask, treeTokens(g.tree) > 5000 ? 1 : Infinity));
+    if (g.tree) q.append(nodeView(g.tree, 0, scale, g.prob_threshold, run.prob_mask,
+                                  treeTokens(g.tree) > 5000 ? 1 : Infinity));
     (g.responses || []).forEach((r, k) => q.append(responseView(r, k, scale)));
     column.append(q);
   }
@@ -514,14 +530,19 @@ function runView(run, iteration) {
 }
 
 // ---- controls, tooltip, rendering
-const iterations = [...new Set(DATA.runs.flatMap(run => Object.keys(run.iterations).map(Number)))].sort((a, b) => a - b);
+const iterations = [...new Set(
+  DATA.runs.flatMap(run => Object.keys(run.iterations).map(Number)))].sort((a, b) => a - b);
 const select = document.getElementById("iteration");
 for (const k of iterations) select.append(new Option("iteration " + k, String(k)));
 const toggles = document.getElementById("run-toggles");
 DATA.runs.forEach((run, i) => {
   const label = el("label"), box = el("input");
   box.type = "checkbox"; box.checked = true;
-  box.addEventListener("change", () => { if (box.checked) state.hidden.delete(i); else state.hidden.add(i); render(); });
+  box.addEventListener("change", () => {
+    if (box.checked) state.hidden.delete(i);
+    else state.hidden.add(i);
+    render();
+  });
   label.append(box, document.createTextNode(run.name));
   toggles.append(label);
 });
@@ -532,8 +553,15 @@ function step(delta) {
 document.getElementById("prev").addEventListener("click", () => step(-1));
 document.getElementById("next").addEventListener("click", () => step(1));
 select.addEventListener("change", () => { state.iteration = Number(select.value); render(); });
-document.getElementById("scale").addEventListener("input", e => { const v = Number(e.target.value); state.scale = v > 0 ? v : null; render(); });
-document.getElementById("show-values").addEventListener("change", e => { state.showValues = e.target.checked; render(); });
+document.getElementById("scale").addEventListener("input", e => {
+  const v = Number(e.target.value);
+  state.scale = v > 0 ? v : null;
+  render();
+});
+document.getElementById("show-values").addEventListener("change", e => {
+  state.showValues = e.target.checked;
+  render();
+});
 document.addEventListener("keydown", e => {
   if (e.target.tagName === "INPUT" || e.target.tagName === "SELECT") return;
   if (e.key === "ArrowLeft") step(-1);
@@ -575,7 +603,8 @@ PAGE = """<!doctype html>
 <title>__TITLE__</title>
 <style>__CSS__</style>
 <script>
-window.onerror = function (message, source, line) {  // an error shows on the page (and in --dump-dom), not only in the console
+// an error shows on the page (and in --dump-dom), not only in the console
+window.onerror = function (message, source, line) {
   var box = document.createElement("pre");
   box.id = "js-error";
   box.textContent = "viewer error: " + message + " (line " + line + ")";
@@ -736,7 +765,8 @@ def plot_curves(
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(present) :]:
         ax.axis("off")
-    # One legend entry per run, from proxies: matplotlib hides labels that start with "_" (a run on a local ./_data.jsonl task).
+    # One legend entry per run, from proxies: matplotlib hides labels that start with "_"
+    # (a run on a local ./_data.jsonl task).
     handles = [
         Line2D([], [], color=f"C{index % 10}", marker="o", markersize=3, linewidth=1.5) for index in range(len(runs))
     ]

@@ -3,8 +3,9 @@
 Each case is a real command (a subprocess, as a user runs it) that must fail with one clear line: exit code not 0,
 no traceback, and an `error:` line naming the problem (tyro's own parse errors: exit 2, naming the flag). A case's
 verdict is `ok`, `traceback`, `silent` (exit 0: the bad input ran), `unclear` (the message does not name the
-problem) or `hung` (still running at --timeout: it started work it should have refused). The cases are not the tests' cases (tests/test_bad_input.py, test_damaged_files.py): they were written
-after those, to find what the tests miss. Damaged files and models are made here, in a temporary folder, on a
+problem) or `hung` (still running at --timeout: it started work it should have refused). The cases are not the
+tests' cases (tests/test_bad_input.py, test_damaged_files.py): they were written after those, to find what the tests
+miss. Damaged files and models are made here, in a temporary folder, on a
 tiny random model (no network).
 
   python benchmarks/bad_input_probe.py          # writes benchmarks/results/bad_input_probe.json
@@ -37,7 +38,10 @@ class Args:
     only: str = ""
     """run only the cases whose command contains this text"""
     timeout: ranges.PositiveFloat = 300.0
-    """seconds a case may run; one still running then is stopped and judged `hung` (it started work it should have refused)"""
+    (
+        """seconds a case may run; one still running then is stopped and judged `hung` """
+        """(it started work it should have refused)"""
+    )
 
 
 def make_fixtures(folder: Path) -> dict[str, str]:

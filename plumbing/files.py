@@ -120,8 +120,8 @@ def read_log(path: Path, what: str = "log") -> list[dict]:
 
 
 def write_atomic(path: str | Path, text: str | bytes, what: str = "file") -> None:
-    """Write `text` (or bytes) to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it. A failure
-    (disk full, read-only, the parent is a file) removes the temporary file and is one UsageError."""
+    """Write `text` (or bytes) to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it.
+    A failure (disk full, read-only, the parent is a file) removes the temporary file and is one UsageError."""
     path = Path(path)
     temporary = None
     try:

@@ -187,7 +187,10 @@ def disk_full_message(cache: Path) -> str:
 def _smollm2_dir_from_a_plain_process(target: Path) -> Path:
     """smollm2_dir() run by a fresh Python process (no process group, so save_pretrained writes every file). Each
     rank starts one; the staging directory and the completion marker make concurrent conversions safe."""
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); from plumbing import models; models.smollm2_dir()"
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+        "from plumbing import models; models.smollm2_dir()"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if result.returncode != 0 or not (target / SMOLLM2_DONE).exists():
         last = (result.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("plumbing.UsageError: ")
@@ -283,7 +286,10 @@ def model_directory_problem(path: str | Path) -> str | None:
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         return f"{path} has config.json but no weights (model.safetensors or pytorch_model.bin)"
     if not any((path / name).exists() for name in TOKENIZER_FILES):
-        return f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy them from the model it was trained from"
+        return (
+            f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): "
+            "copy them from the model it was trained from"
+        )
     return None
 
 

@@ -610,3 +610,40 @@ def test_sampler_follows_the_chosen_precision(tiny, monkeypatch):
         hook.remove()
     assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+
+
+# ---- majority vote (maj@k) and greedy samples
+
+
+def test_majority_vote_counts_numbers_by_value_and_ties_without_sample_order():
+    """ "5.0", "5", "5.00" are one answer and outvote "6", "6"; a tie scores the mean of the tied answers, so a
+    reordering of the samples never changes the score."""
+    texts = ["#### 5.0", "#### 5", "#### 6", "#### 6", "#### 5.00"]
+    assert ev.majority_votes([texts], [[1.0, 1.0, 0.0, 0.0, 1.0]], "gsm8k") == [1.0]
+    tie, scores = ["#### 6", "#### 5", "#### 6", "#### 5"], [0.0, 1.0, 0.0, 1.0]
+    for order in ([0, 1, 2, 3], [1, 0, 3, 2], [3, 2, 1, 0]):
+        assert ev.majority_votes([[tie[i] for i in order]], [[scores[i] for i in order]], "gsm8k") == [0.5]
+
+
+def test_majority_vote_joins_forms_the_grader_finds_equal():
+    r"""0.5 and \frac{1}{2} are one answer by the grader, not by their text."""
+    texts = [r"The answer is \boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{3}", r"\boxed{3}", r"\boxed{\tfrac12}"]
+    assert ev.majority_votes([texts], [[1.0, 1.0, 0.0, 0.0, 1.0]], "math") == [1.0]
+    assert ev.majority_votes([texts[:4]], [[1.0, 1.0, 0.0, 0.0]], "math") == [0.5]  # 2 against 2: a tie
+
+
+def test_greedy_samples_are_computed_once(tiny, gsm8k_jsonl):
+    model, tokenizer = tiny
+    asked = []
+
+    class Counting(engines.HFSampler):
+        def sample(self, prompts, n, **kwargs):
+            asked.append(n)
+            return super().sample(prompts, n, **kwargs)
+
+    result = ev.evaluate(
+        model, tokenizer, str(gsm8k_jsonl), limit=2, samples=4, temperature=0.0, max_new_tokens=4,
+        sampler=Counting(model, tokenizer),
+    )  # fmt: skip
+    assert asked == [1] and all(len(set(r["responses"])) == 1 and len(r["responses"]) == 4 for r in result["records"])
+    assert result["pass@4"] == result["accuracy"]
