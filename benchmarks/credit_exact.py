@@ -575,28 +575,33 @@ def truth_of(samples: list[dict], owners: list[Exact]) -> list[float]:
 
 def run_grpo(model, sampler, exacts, group_size: int, args: Args) -> dict[str, Run]:
     """grpo_baseline: group-normalised rewards on every token; the loss through attach_targets +
-    accumulate_gradients."""
+    accumulate_gradients, without the probability mask (grpo) and with it (grpo_mask: the paper's GRPO+mask
+    ablation, the script's --prob-mask), on the same draws."""
     samples, owners, rewards = draw_responses(sampler, exacts, group_size)
     advantages = grpo_baseline.group_advantages(torch.tensor(rewards), group_size)  # [N]
-    script_args = grpo_baseline.Args(
-        temperature=args.temperature,
-        micro_batch_size=args.micro_batch_size,
-        prob_mask=False,
-        prob_threshold=args.prob_threshold,
-        beta=0.0,
-    )
-    grpo_baseline.attach_targets(samples, advantages, model, None, script_args, EOS, on_policy=False, precision=FP32)
     per_token = [[float(a)] * len(s["response_ids"]) for a, s in zip(advantages, samples)]
-    run = Run(
-        sampler.tokens,
-        trained_estimates(samples, per_token),
-        truth_of(samples, owners),
-        advantages.tolist(),
-        [r - exact.value([]) for r, exact in zip(rewards, owners)],
-        loss_gradient(model, grpo_baseline.accumulate_gradients, samples, args),
-        {"samples": samples, "rewards": rewards},
-    )
-    return {"grpo": run}
+    runs = {}
+    for prob_mask in (False, True):
+        script_args = grpo_baseline.Args(
+            temperature=args.temperature,
+            micro_batch_size=args.micro_batch_size,
+            prob_mask=prob_mask,
+            prob_threshold=args.prob_threshold,
+            beta=0.0,
+        )
+        grpo_baseline.attach_targets(
+            samples, advantages, model, None, script_args, EOS, on_policy=False, precision=FP32
+        )
+        runs["grpo_mask" if prob_mask else "grpo"] = Run(
+            sampler.tokens,
+            trained_estimates(samples, per_token),
+            truth_of(samples, owners),
+            advantages.tolist(),
+            [r - exact.value([]) for r, exact in zip(rewards, owners)],
+            loss_gradient(model, grpo_baseline.accumulate_gradients, samples, args),
+            {"samples": [dict(s) for s in samples], "rewards": rewards},
+        )
+    return runs
 
 
 def chain_segments(cutpoints: list[int], length: int) -> list[tuple[int, int]]:
@@ -679,14 +684,22 @@ def run_exact_advantage(model, sampler, exacts, group_size: int, args: Args) -> 
     }
 
 
-def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
-    """spo_tree: one tree per prompt grown by grow_trees (tree_depth levels of `branch` children, M tokens per segment),
-    leaves graded by the reward, tree_segments' edges as samples; the loss through attach_targets +
-    accumulate_gradients, with the probability mask and without (the same trees)."""
+def tree_branches(branch: int, args: Args, wide: bool = False) -> list[int]:
+    """The tree of size `branch`: tree_depth levels of `branch` children, or (wide) 2 * branch at the first level."""
+    return [2 * branch if wide else branch] + [branch] * (args.tree_depth - 1)
+
+
+def run_tree(model, sampler, exacts, branch: int, args: Args, wide: bool = False) -> dict[str, Run]:
+    """spo_tree: one tree per prompt grown by grow_trees (tree_branches: tree_depth levels of `branch` children, or
+    2 * branch at the first level when `wide`; M tokens per segment), leaves graded by the reward, tree_segments'
+    edges as samples; the loss through attach_targets + accumulate_gradients, with the probability mask and without
+    (the same trees), and with the mask under --edge-weight depth (spo_tree.depth_weights: gradient only, the
+    advantages are the uniform rows'). Names start with spo_tree, or spo_tree_wide."""
+    name, branches = "spo_tree_wide" if wide else "spo_tree", tree_branches(branch, args, wide)
     roots, _ = spo_tree.grow_trees(
         sampler,
         [exact.prompt for exact in exacts],
-        [branch] * args.tree_depth,
+        branches,
         segment_tokens=args.segment_tokens,
         max_new_tokens=args.horizon,
         context=2 + args.horizon,
@@ -699,9 +712,9 @@ def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
             if not node.children:
                 node.reward = reward(exact, before + node.tokens, node.finish_reason)
     samples = [
-        {"prompt_ids": query, "response_ids": segment, "advantage": advantage}
+        {"prompt_ids": query, "response_ids": segment, "advantage": advantage, "depth": depth}
         for root in roots
-        for query, segment, advantage, _ in spo_tree.tree_segments(root, "rloo")
+        for query, segment, advantage, depth in spo_tree.tree_segments(root, "rloo")
     ]  # backs the values up
     # Every edge (zero ones too: the estimator gives them 0) beside its truth, per token and as a segment, in
     # tree_segments' order (depth-first pre-order), so the non-zero ones line up with the samples.
@@ -736,7 +749,7 @@ def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
                 next(trained)["loss_mask"].tolist() if advantage != 0 else [False] * len(segment)
             )  # a zero edge is not trained
             estimates += [advantage if keep else 0.0 for keep in kept]
-        runs["spo_tree" + ("" if prob_mask else "_nomask")] = Run(
+        runs[name + ("" if prob_mask else "_nomask")] = Run(
             sampler.tokens,
             estimates,
             truth,
@@ -745,6 +758,29 @@ def run_tree(model, sampler, exacts, branch: int, args: Args) -> dict[str, Run]:
             loss_gradient(model, spo_tree.accumulate_gradients, samples, args) if samples else None,
             {"samples": [dict(s) for s in samples], "roots": roots},
         )
+    # --edge-weight depth: the same edges, every one kept (E_q / k_q = 1), each weighted by its depth's weight.
+    by_depth = spo_tree.depth_weights(branches)
+    weighted = [{**s, "weight": by_depth[s["depth"] - 1]} for s in samples]
+    spo_tree.attach_targets(
+        weighted,
+        None,
+        micro_batch_size=args.micro_batch_size,
+        temperature=args.temperature,
+        pad_id=EOS,
+        prob_threshold=args.prob_threshold,
+        prob_mask=True,
+        precision=FP32,
+    )
+    runs[name + "_depth"] = Run(
+        sampler.tokens,
+        [],
+        [],
+        [],
+        [],
+        loss_gradient(model, spo_tree.accumulate_gradients, weighted, args) if weighted else None,
+    )
+    if wide:
+        return runs
     # Reference: the same trees' edges with their exact advantage V(child) - V(parent), through the same loss.
     exact_edges = [
         {"prompt_ids": exact.prompt + before, "response_ids": segment, "advantage": value}
@@ -880,6 +916,7 @@ def families(args: Args) -> dict[str, tuple]:
     for interval in args.intervals:
         out[f"spo_chain_int{interval}"] = (lambda *a, interval=interval: run_chain(*a, interval=interval), 1)
     out["spo_tree"] = (run_tree, 2)
+    out["spo_tree_wide"] = (lambda *a: run_tree(*a, wide=True), 2)
     for lam in args.lams:
         out[f"ppo_lam{lam:g}"] = (lambda *a, lam=lam: run_ppo(*a, lam=lam), 2)
     out["mc_token"] = (lambda *a: run_chain(*a, interval=None), 1)
@@ -929,20 +966,21 @@ def pilot_costs(exacts: list[Exact], args: Args, seed: int = 10**6, repeats: int
 
     for name, interval in [(f"spo_chain_int{i}", i) for i in args.intervals] + [("mc_token", None)]:
         costs[name] = measured(lambda size, interval=interval: chain_draw(size, interval), SIZES)
-    costs["spo_tree"] = measured(
-        lambda branch: spo_tree.grow_trees(
-            sampler,
-            [e.prompt for e in exacts],
-            [branch] * args.tree_depth,
-            segment_tokens=args.segment_tokens,
-            max_new_tokens=args.horizon,
-            context=2 + args.horizon,
-            temperature=args.temperature,
-            top_p=1.0,
-            stop=[],
-        ),
-        range(2, 100),
-    )
+    for name, wide in (("spo_tree", False), ("spo_tree_wide", True)):
+        costs[name] = measured(
+            lambda branch, wide=wide: spo_tree.grow_trees(
+                sampler,
+                [e.prompt for e in exacts],
+                tree_branches(branch, args, wide),
+                segment_tokens=args.segment_tokens,
+                max_new_tokens=args.horizon,
+                context=2 + args.horizon,
+                temperature=args.temperature,
+                top_p=1.0,
+                stop=[],
+            ),
+            range(2, 100),
+        )
     return costs
 
 
@@ -1077,6 +1115,8 @@ def plot(results: dict, path: Path) -> None:
         "spo_chain_int1": "tab:red",
         "spo_chain_int5": "tab:orange",
         "spo_tree": "tab:green",
+        "grpo_mask": "tab:cyan",
+        "spo_tree_wide": "tab:pink",
         "ppo_lam1": "tab:purple",
         "ppo_lam0.96": "tab:brown",
         "mc_token": "tab:gray",
@@ -1098,16 +1138,17 @@ def plot(results: dict, path: Path) -> None:
                 [max(0.0, p[1]["mean"] - p[1]["ci"][0]) if p[1]["ci"] else 0 for p in points],
                 [max(0.0, p[1]["ci"][1] - p[1]["mean"]) if p[1]["ci"] else 0 for p in points],
             ]
-            variant = name.endswith("_nomask")  # the same draws as its masked row: dotted, same colour
+            base = name.removesuffix("_nomask").removesuffix("_depth")
+            variant = base != name  # the same draws as its masked uniform row: dotted, same colour
             axis.errorbar(
                 x,
                 y,
                 yerr=errors,
-                marker="x" if variant else "o",
+                marker=("s" if name.endswith("_depth") else "x") if variant else "o",
                 ms=4,
                 capsize=2,
                 label=name,
-                color=palette.get(name.removesuffix("_nomask"), None),
+                color=palette.get(base, None),
                 linestyle=":" if variant else "--" if name in REFERENCES or name == "mc_token" else "-",
             )
         axis.set_xscale("log")
@@ -1189,6 +1230,7 @@ def machine() -> dict:
         "spo_tree.py",
         "plumbing",
         "benchmarks/credit_assignment.py",
+        "benchmarks/credit_exact.py",
     ]
     return {
         "cpu": cpu_description(),
