@@ -544,7 +544,12 @@ def update_policy(
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
             if not skipped_non_finite(
-                stats, iteration, streak, keys=("loss", "value_loss"), fix="lower --lr / --critic-lr"
+                stats,
+                iteration,
+                streak,
+                keys=("loss", "value_loss"),
+                fix="lower --lr / --critic-lr",
+                temperature=args.temperature,
             ):
                 distributed.all_reduce_gradients(model, critic)
                 stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
@@ -566,7 +571,9 @@ def update_policy(
 
 
 def main(args: Args) -> dict:
-    device = distributed.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    device = distributed.init_distributed(
+        args
+    )  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
@@ -581,6 +588,8 @@ def main(args: Args) -> dict:
     run_dir, checkpoint_dir, first_start = runs.locate_run(
         args
     )  # --resume: the run, its newest checkpoint, first start
+    if (finished := runs.finished_run(run_dir, checkpoint_dir, args.iterations)) is not None:
+        return finished  # resumed after its last iteration: reported, left as it is
     plan = memory.size_run(args, device, precision, str(checkpoint_dir or args.model), first_start)  # the `auto` knobs
     run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
     args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
@@ -591,6 +600,7 @@ def main(args: Args) -> dict:
         device,
         args.beta,
         reference_on_device=args.reference_on_device,
+        context=args.context,
     )
     critic = load_critic(args, model, checkpoint_dir, device, precision)
     train_examples, eval_examples = ev.load_examples(

@@ -427,7 +427,7 @@ def update_policy(
                 precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
-            if not skipped_non_finite(stats, iteration, streak):
+            if not skipped_non_finite(stats, iteration, streak, temperature=args.temperature):
                 distributed.all_reduce_gradients(model)
                 stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
                 optimizer.step()
@@ -442,7 +442,9 @@ def update_policy(
 
 
 def main(args: Args) -> dict:
-    device = distributed.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    device = distributed.init_distributed(
+        args
+    )  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:
@@ -455,6 +457,8 @@ def main(args: Args) -> dict:
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
+    if (finished := runs.finished_run(run_dir, checkpoint, args.iterations)) is not None:
+        return finished  # resumed after its last iteration: reported, left as it is
     plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
     run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
     args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
@@ -466,6 +470,7 @@ def main(args: Args) -> dict:
         reference_on_device=args.reference_on_device,
         gradient_checkpointing=args.gradient_checkpointing,
         fsdp=args.fsdp,
+        context=args.context,
     )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
     train_examples, eval_examples = ev.load_examples(

@@ -722,7 +722,7 @@ def update_policy(
                 precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
-            if skipped_non_finite(stats, iteration, streak):
+            if skipped_non_finite(stats, iteration, streak, temperature=args.temperature):
                 continue
             distributed.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
@@ -741,7 +741,9 @@ def update_policy(
 
 
 def main(args: Args) -> dict:
-    device = distributed.init_distributed()  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    device = distributed.init_distributed(
+        args
+    )  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
     branches = validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
@@ -761,6 +763,8 @@ def main(args: Args) -> dict:
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
+    if (finished := runs.finished_run(run_dir, checkpoint, args.iterations)) is not None:
+        return finished  # resumed after its last iteration: reported, left as it is
     plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
     run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
     args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
@@ -773,6 +777,7 @@ def main(args: Args) -> dict:
         reference_on_device=args.reference_on_device,
         gradient_checkpointing=args.gradient_checkpointing,
         fsdp=args.fsdp,
+        context=args.context,
     )
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
@@ -796,9 +801,7 @@ def main(args: Args) -> dict:
     optimizer, scheduler = checkpoints.make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, state
     )
-    start_iteration, buffer = (
-        (state["iteration"] + 1, state["buffer"]) if state else (1, [])
-    )  # buffer: edges waiting, oldest first
+    start_iteration, buffer = (state["iteration"] + 1, state["buffer"]) if state else (1, [])  # buffer: oldest first
     log = runs.RunLog(run_dir, start_iteration, args)
 
     accuracy_before = accuracy_after = None
@@ -946,6 +949,15 @@ def validate(args: Args) -> list[int]:
         branches = parse_tree(args.tree)
     except ValueError as error:
         problems.append(f"--tree {error}")
+    if single := [depth for depth, branch in enumerate(branches) if branch == 1]:
+        problems.append(
+            f"--tree {args.tree}: depth {single[0]} has one child per node, whose advantage against its parent (its "
+            "own value) is always 0, so its edges are never trained: give every depth 2 or more children"
+        )
+    if len(branches) > MAX_DEPTH:
+        problems.append(
+            f"--tree has {len(branches)} levels: at most {MAX_DEPTH} (a saved tree nests one JSON level per depth)"
+        )
     if branches and (size := tree_size_problem(branches, args)):
         problems.append(size)
     elif branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
@@ -973,6 +985,7 @@ def validate(args: Args) -> list[int]:
 
 
 WARN_LEAVES, MAX_LEAVES = 50_000, 1_000_000  # leaves per iteration (stated in --tree's help)
+MAX_DEPTH = 100  # levels of --tree (viewer.py reads saved trees up to about 495 levels deep)
 
 
 def tree_size_problem(branches: list[int], args: Args) -> str | None:

@@ -9,8 +9,10 @@ the identity.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,14 +22,73 @@ from transformers import PreTrainedModel
 from plumbing import UsageError
 
 
-def init_distributed() -> str:
+def init_distributed(args=None) -> str:
     """Join torchrun's process group when it started this process (WORLD_SIZE > 1); returns the device to train on
-    ("cuda" is then this rank's own GPU, LOCAL_RANK)."""
+    ("cuda" is then this rank's own GPU, LOCAL_RANK). Before joining, torchrun's variables are checked (launch_problem:
+    a shell left from another launch would wait for ranks that never come); after, every rank's settings (`args`, a
+    script's Args) are compared with rank 0's (settings_difference). Collectives time out after
+    --collective-timeout-minutes, so a mismatch that slips through ends with an error, not never."""
+    if (problem := launch_problem(os.environ)) is not None:
+        raise UsageError(problem)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        minutes = getattr(args, "collective_timeout_minutes", 30.0)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=minutes))
+    if args is not None and world_size() > 1:
+        everyone = [None] * world_size()
+        dist.all_gather_object(everyone, dataclasses.asdict(args))
+        if (difference := settings_difference(everyone)) is not None:
+            raise UsageError(difference)
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def launch_problem(env) -> str | None:
+    """What is wrong with torchrun's variables in `env` (os.environ), or None: WORLD_SIZE must be a positive integer;
+    above 1 the process must have been started by torchrun (TORCHELASTIC_RUN_ID), with RANK below WORLD_SIZE and
+    MASTER_ADDR and MASTER_PORT set."""
+    unset = (
+        "unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT (left from another launch), or launch with torchrun"
+    )
+    world = env.get("WORLD_SIZE")
+    if world is None:
+        return None
+    if not world.isdigit() or int(world) < 1:
+        return f"WORLD_SIZE={world!r} is not a positive integer: {unset}"
+    if int(world) == 1:
+        return None
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return (
+            f"WORLD_SIZE={world} is set, but this process was not started by torchrun (no TORCHELASTIC_RUN_ID): {unset}"
+        )
+    rank, missing = env.get("RANK", ""), [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if missing:
+        return f"WORLD_SIZE={world} without {' and '.join(missing)}: {unset}"
+    if not rank.isdigit() or int(rank) >= int(world):
+        return f"RANK={rank} is not below WORLD_SIZE={world}: {unset}"
+    return None
+
+
+def settings_difference(per_rank: list[dict]) -> str | None:
+    """The settings in which ranks differ from rank 0 (each rank's settings as a dict, in rank order), in one line, or
+    None when every rank has rank 0's.
+
+    >>> settings_difference([{"lr": 1e-6, "seed": 1}, {"lr": 1e-3, "seed": 1}]).split(": ", 1)[1]
+    '--lr on rank 1 (rank 0 has 1e-06); every rank must run the same command line'
+    """
+    first, differing = per_rank[0], {}
+    for rank_index, values in enumerate(per_rank[1:], 1):
+        for name in first:
+            if values.get(name) != first[name]:
+                differing.setdefault(name, []).append(rank_index)
+    if not differing:
+        return None
+    named = ", ".join(
+        f"--{name.replace('_', '-')} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+        f"(rank 0 has {first[name]!r})"
+        for name, ranks in differing.items()
+    )
+    return f"the processes were given different settings: {named}; every rank must run the same command line"
 
 
 def rank() -> int:

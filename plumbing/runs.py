@@ -101,6 +101,10 @@ def locate_run(args) -> tuple[Path, Path | None, dict | None]:
             f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)"
         )
     check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
+    if checkpoint is None:
+        distributed.print0(
+            f"--resume {run_dir}: no checkpoint: it starts over from --model (its metrics log starts anew)"
+        )
     if checkpoint is not None:
         # each rank's questions and seeds depend on the world size (checkpoints from before torchrun: 1)
         distributed.check_world_size(
@@ -121,7 +125,10 @@ def open_run(run_dir: Path, args, precision_line: str, device, plan: memory.Plan
             if not args.resume:
                 run_dir = make_new_directory(run_dir)
             lock_run(run_dir)
-            files.write_atomic(run_dir / "args.json", json.dumps(asdict(args), indent=1), "the run's settings")
+            given = asdict(args)
+            if args.resume:  # a resumed run stays where it is: its args.json keeps the run's own --output-dir
+                given["output_dir"] = files.read_json(run_dir / "args.json", "the run's settings")["output_dir"]
+            files.write_atomic(run_dir / "args.json", json.dumps(given, indent=1), "the run's settings")
             record_start(
                 run_dir,
                 resumed=bool(args.resume),
@@ -242,7 +249,9 @@ class RunLog:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        kept = [r for r in files.read_log(self.path, "metrics log") if r.get("iteration", 0) < start_iteration]
+        # A resume keeps the iterations before its checkpoint's; a run that starts over (no checkpoint) keeps none.
+        records = files.read_log(self.path, "metrics log") if start_iteration > 1 else []
+        kept = [r for r in records if r.get("iteration", 0) < start_iteration]
         files.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept), "metrics log")
         self.train_seconds = max([r.get("time/train_seconds", 0.0) for r in kept], default=0.0)
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
@@ -264,6 +273,20 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def finished_run(run_dir: Path, checkpoint: Path | None, iterations: int) -> dict | None:
+    """A resumed run whose checkpoint is at --iterations already: reported, and left as it is (nothing in its directory
+    is written); returns its summary. None for a run with iterations still to train."""
+    if checkpoint is None or checkpoints.load_trainer_state(checkpoint, mmap=True)["iteration"] < iterations:
+        return None
+    summary_path = run_dir / "summary.json"
+    summary = files.read_json(summary_path, "the run's summary") if summary_path.exists() else {}
+    distributed.print0(
+        f"{run_dir} finished its {iterations} iteration(s): nothing to train (give --iterations above {iterations} "
+        f"to go on); accuracy {summary.get('accuracy_before')} -> {summary.get('accuracy_after')}, left as it is"
+    )
+    return {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint"), **summary}
 
 
 def write_samples(path: Path, records: list[dict]) -> None:

@@ -17,12 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
-from plumbing import UsageError, engines, files, ranges
+from plumbing import UsageError, distributed, engines, files, ranges
 
-# Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs,
-# memory knobs that leave the update unchanged (the gradient does not depend on the micro-batch split), and
-# the matmul precision (a resume on another machine may need another; the choice is logged per start).
-# Anything else would change the algorithm mid-run.
+# Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs, memory knobs
+# that leave the update unchanged (on a CPU in fp32 the numbers stay bit-identical), and three whose change shows in
+# the numbers, each stated when a resume makes it (RESUMED_CHANGES): --iterations (the way to extend a run), the
+# micro-batch split and the matmul precision (a resume on another machine may need others). Anything else would
+# change the algorithm mid-run. --output-dir has no effect on a resume (the run stays in its directory): said so.
 RESUMABLE_SETTINGS = (
     "resume",
     "dry_run",
@@ -41,7 +42,15 @@ RESUMABLE_SETTINGS = (
     "precision",
     "eval_before",
     "reference_on_device",
+    "collective_timeout_minutes",
 )
+RESUMED_CHANGES = {
+    "iterations": "the learning-rate schedule is planned anew for that many iterations from the next one on (a run "
+    "started with it would have had other rates all along)",
+    "micro_batch_size": "the update's sums are split otherwise: equal up to rounding, not bit for bit",
+    "precision": "the matmuls round otherwise from here on: the numbers differ from an uninterrupted run's in their "
+    "last digits",
+}
 
 
 # Settings added after runs were made, with the value such a run ran with: it resumes with that value. The HF sampler
@@ -106,6 +115,14 @@ def _fits(value, hint) -> bool:
 def check_resume_settings(args, run_dir: str | Path) -> None:
     """Refuse to resume with a setting that changes the algorithm: only RESUMABLE_SETTINGS may differ."""
     saved, current = asdict(saved_settings(type(args), run_dir)), asdict(args)
+    if current["output_dir"] != saved["output_dir"]:
+        distributed.print0(
+            f"--output-dir {current['output_dir']} has no effect on --resume: the run stays in {run_dir} "
+            f"(its args.json keeps --output-dir {saved['output_dir']})"
+        )
+    for name, effect in RESUMED_CHANGES.items():
+        if saved[name] != current[name]:
+            distributed.print0(f"--{name.replace('_', '-')} {current[name]} (the run had {saved[name]}): {effect}")
     changed = [k for k in saved if k not in RESUMABLE_SETTINGS and saved[k] != current[k]]
     if changed:
         given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
@@ -242,6 +259,11 @@ class TrainArgs:
     """evaluation nucleus threshold (paper GSM8K protocol: 0.9, the authors' eval config)"""
     save_every: ranges.PositiveInt = 10
     """checkpoint every N iterations (and after the last)"""
+    collective_timeout_minutes: ranges.PositiveFloat = 30.0
+    (
+        "under torchrun: minutes a collective waits for every rank before the run ends with an error (long enough "
+        "for rank 0 to write a 1.5B model's checkpoint)"
+    )
     max_minutes: ranges.OptionalPositiveFloat = None
     (
         "stop after the iteration that ends past this many minutes of training (evaluation not counted), "

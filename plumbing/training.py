@@ -288,17 +288,31 @@ def reseed(seed: int, iteration: int, sampler) -> random.Random:
     return random.Random(iteration_seed)
 
 
+TINY_TEMPERATURE = 0.01  # below it, logits / temperature overflow where a logit is large (named as the likely cause)
+
+
 def skipped_non_finite(
-    stats: dict, iteration: int, streak: list[int], keys: tuple[str, ...] = ("loss",), fix: str = "lower --lr"
+    stats: dict,
+    iteration: int,
+    streak: list[int],
+    keys: tuple[str, ...] = ("loss",),
+    fix: str = "lower --lr",
+    temperature: float | None = None,
 ) -> bool:
     """True when one of this optimizer step's losses (`keys` of stats) is inf or nan, so the step is skipped; three
-    in a row end the run with one line (`fix` says what to change). `streak` ([count]) carries the number of
-    non-finite steps in a row across steps and iterations."""
+    in a row end the run with one line (`fix` says what to change; a `temperature` below TINY_TEMPERATURE is named
+    first, since every log-prob divides the logits by it). `streak` ([count]) carries the number of non-finite steps
+    in a row across steps and iterations."""
     if all(math.isfinite(stats[key]) for key in keys):
         streak[0] = 0
         return False
     streak[0] += 1
     warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
     if streak[0] >= 3:
+        if temperature is not None and temperature < TINY_TEMPERATURE:
+            fix = (
+                f"--temperature {temperature:g} divides the logits by so little that the log-probs overflow: "
+                f"sample at {TINY_TEMPERATURE:g} or above"
+            )
         raise UsageError(f"three non-finite losses in a row: {fix}, or check the model and data")
     return True

@@ -1,0 +1,143 @@
+"""What a run does with what it is given: a resume says what it does and loses nothing, ranks agree or stop,
+degenerate settings are refused before anything is sampled."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import grpo_baseline
+import spo_tree
+from conftest import make_tiny_model, smoke_args
+from plumbing import UsageError, checkpoints, cli, distributed, runs, settings
+
+
+def resume(script, run_dir: Path, *flags: str):
+    """Resume with the command line's flags as a user does: (main's summary, None), or (None, the error line
+    cli.run_cli prints)."""
+    try:
+        return script.main(cli.parse(script.Args, ["--resume", str(run_dir), *flags])), None
+    except UsageError as error:
+        return None, f"error: {error}"
+    finally:
+        runs.release_run()
+
+
+@pytest.fixture
+def finished_run(tiny_model_dir, gsm8k_jsonl, tmp_path) -> Path:
+    summary = grpo_baseline.main(smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1))
+    runs.release_run()
+    return Path(summary["run_dir"])
+
+
+def test_resuming_a_finished_run_reports_it_and_leaves_it_as_it_is(finished_run, capsys):
+    before = {p.name: p.read_bytes() for p in finished_run.iterdir() if p.is_file() and p.name != "starts.jsonl"}
+    summary, error = resume(grpo_baseline, finished_run)
+    assert error is None and summary["accuracy_after"] is not None
+    assert f"{finished_run} finished its 1 iteration(s)" in capsys.readouterr().out
+    after = {p.name: p.read_bytes() for p in finished_run.iterdir() if p.is_file() and p.name != "starts.jsonl"}
+    assert after == before  # summary.json keeps its accuracies; metrics untouched
+
+
+def test_a_resume_that_starts_over_says_so_and_keeps_one_iteration_zero_row(finished_run, capsys):
+    for name in ("checkpoint", "checkpoint.old"):
+        if (finished_run / name).exists():
+            import shutil
+
+            shutil.rmtree(finished_run / name)
+    summary, error = resume(grpo_baseline, finished_run)
+    assert error is None
+    assert "no checkpoint: it starts over from --model" in capsys.readouterr().out
+    iterations = [json.loads(line)["iteration"] for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    assert iterations.count(0) == 1 and iterations.count(1) == 2  # iteration 1: its metrics and its evaluation
+
+
+def test_resume_states_what_iterations_and_precision_change(finished_run, capsys):
+    summary, error = resume(grpo_baseline, finished_run, "--iterations", "2", "--precision", "bf16")
+    assert error is None
+    out = capsys.readouterr().out
+    assert "--iterations 2 (the run had 1): the learning-rate schedule is planned anew" in out
+    assert "--precision bf16 (the run had 'fp32'" not in out or "matmuls" in out
+    assert checkpoints.trained_iterations(finished_run) == 2
+
+
+def test_resume_says_another_output_dir_has_no_effect_and_records_the_runs_own(finished_run, tmp_path, capsys):
+    saved = json.loads((finished_run / "args.json").read_text())["output_dir"]
+    summary, error = resume(
+        grpo_baseline, finished_run, "--output-dir", str(tmp_path / "elsewhere"), "--iterations", "2"
+    )
+    assert error is None and Path(summary["run_dir"]) == finished_run
+    assert f"--output-dir {tmp_path / 'elsewhere'} has no effect on --resume" in capsys.readouterr().out
+    assert json.loads((finished_run / "args.json").read_text())["output_dir"] == saved
+    assert not (tmp_path / "elsewhere").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks
+
+
+def test_launch_variables_are_checked_before_joining():
+    assert distributed.launch_problem({}) is None
+    assert distributed.launch_problem({"WORLD_SIZE": "1"}) is None
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    assert distributed.launch_problem(torchrun) is None
+    assert "WORLD_SIZE='abc' is not a positive integer" in distributed.launch_problem({"WORLD_SIZE": "abc"})
+    stale = distributed.launch_problem({"WORLD_SIZE": "2", "RANK": "0"})
+    assert "was not started by torchrun" in stale and "unset WORLD_SIZE" in stale
+    assert "MASTER_ADDR" in distributed.launch_problem({**torchrun, "MASTER_ADDR": ""})
+    assert "RANK=2 is not below WORLD_SIZE=2" in distributed.launch_problem({**torchrun, "RANK": "2"})
+
+
+def test_settings_that_differ_between_ranks_are_named():
+    base = vars(grpo_baseline.Args())
+    assert distributed.settings_difference([base, dict(base)]) is None
+    other = {**base, "lr": 1e-3}
+    message = distributed.settings_difference([base, other, dict(base), {**base, "lr": 1e-3, "epochs": 3}])
+    assert message == (
+        "the processes were given different settings: --lr on ranks 1, 3 (rank 0 has 1e-06), --epochs on rank 3 (rank "
+        "0 has 2); every rank must run the same command line"
+    )
+
+
+def test_collective_timeout_is_a_flag_long_enough_for_a_checkpoint():
+    assert settings.TrainArgs().collective_timeout_minutes >= 30
+    assert "collective_timeout_minutes" in settings.RESUMABLE_SETTINGS
+
+
+# ----------------------------------------------------------------------------------------------
+# Degenerate settings
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ("1", "--tree 1: depth 0 has one child per node"),
+        ("6,1", "--tree 6,1: depth 1 has one child per node"),
+        (",".join(["2"] * 101), "levels: at most 100"),
+    ],
+)
+def test_spo_tree_refuses_a_tree_that_trains_nothing_or_nests_too_deep(tree, message, tmp_path):
+    args = spo_tree.Args(tree=tree, segment_tokens=1, max_new_tokens=4000, context=4096, output_dir=str(tmp_path))
+    with pytest.raises(UsageError, match=message):
+        spo_tree.validate(args)
+
+
+def test_a_context_beyond_the_models_positions_is_refused_before_sampling(gsm8k_jsonl, tmp_path, monkeypatch):
+    model_dir = make_tiny_model(tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (model_dir / "config.json").write_text(json.dumps(config))
+    sampled = []
+    monkeypatch.setattr(grpo_baseline.engines.HFSampler, "sample", lambda *a, **k: sampled.append(1))
+    args = smoke_args(grpo_baseline, model_dir, gsm8k_jsonl, tmp_path / "runs", context=300)
+    with pytest.raises(UsageError, match="--context 300 is beyond the model's 64 positions"):
+        grpo_baseline.main(args)
+    assert not sampled
+
+
+def test_a_non_finite_loss_names_a_tiny_temperature():
+    from plumbing.training import skipped_non_finite
+
+    streak = [2]
+    with pytest.raises(UsageError, match=r"--temperature 1e-40 divides the logits"):
+        skipped_non_finite({"loss": float("nan")}, 3, streak, temperature=1e-40)
