@@ -232,6 +232,7 @@ def _command_lines():
         "logprob_memory": ["Args"],
         "trl_side_by_side": ["Args"],
         "credit_exact": ["Args"],
+        "learning_exact": ["Args"],
         "bad_input_probe": ["Args"],
         "gpu_check": ["Args"],
     }

@@ -1,0 +1,198 @@
+"""benchmarks/learning_exact.py: the exact J and KL after an update against a fresh enumeration and brute force, the
+pure pieces (sizes, iterations to a gain, bootstrap intervals, the sweep's widening) on hand-made numbers, and a tiny
+end-to-end run."""
+
+import dataclasses
+import doctest
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import credit_exact as ce  # noqa: E402
+import learning_exact as le  # noqa: E402
+
+import spo_tree  # noqa: E402
+
+ARGS = dataclasses.replace(le.Args(), **le.TINY)  # horizon 4, prompts 21 and 13
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread, as the benchmark runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world():
+    model, _ = ce.make_policy(le.credit_args(ARGS))
+    exacts = le.enumerate_policy(model, ARGS)
+    sizes, _ = le.plan_sizes(exacts, list(le.SETTINGS), ARGS)
+    return le.World(model, exacts, sizes)
+
+
+def response_probabilities(exact: ce.Exact) -> dict[tuple[int, ...], float]:
+    """Brute force: P(y) of every complete response (digits then EOS, or `horizon` digits: unfinished) as the product
+    of its tokens' table probabilities."""
+    out = {}
+    for length in range(exact.horizon + 1):
+        for digits in itertools.product(range(1, ce.VOCAB), repeat=length):
+            response = list(digits) + ([ce.EOS] if length < exact.horizon else [])
+            out[tuple(response)] = math.prod(exact.token_probs(response))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The exact answer after an update
+
+
+@pytest.mark.parametrize("name", ["grpo", "spo_tree_depth", "ppo_lam1"])
+def test_exact_j_and_kl_after_one_update_match_a_fresh_enumeration_and_brute_force(world, name):
+    curve, learner = le.train_run(name, 1e-2, 7, world, dataclasses.replace(ARGS, iterations=1))
+    fresh = [
+        ce.enumerate_exact(learner.model, *ce.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64)
+        for text in ARGS.prompts
+    ]
+    assert curve["J"][0] == ce.expected_reward(world.exacts) and curve["kl"][0] == 0.0
+    assert curve["J"][1] == pytest.approx(ce.expected_reward(fresh), abs=1e-12)
+    assert curve["J"][1] != pytest.approx(curve["J"][0], abs=1e-6)  # the update moved the policy
+    # KL over whole responses, summed over every response's probability under both policies
+    brute = np.mean(
+        [
+            sum(p * math.log(p / start[y]) for y, p in response_probabilities(exact).items())
+            for exact, start in zip(fresh, [response_probabilities(e) for e in world.exacts])
+        ]
+    )
+    assert curve["kl"][1] == pytest.approx(brute, rel=1e-9) and brute > 0
+    assert 0 < curve["tokens"][0] <= 2 * ARGS.budget
+
+
+def test_spo_tree_depth_weights_its_edges_as_main_does_and_uniform_does_not(world, monkeypatch):
+    seen = []
+    original = spo_tree.attach_targets
+
+    def spy(samples, *a, **k):
+        seen.append([dict(s) for s in samples])
+        return original(samples, *a, **k)
+
+    monkeypatch.setattr(spo_tree, "attach_targets", spy)
+    for name in ("spo_tree_uniform", "spo_tree_depth"):
+        le.train_run(name, 1e-3, 3, world, dataclasses.replace(ARGS, iterations=1))
+    uniform, depth = seen
+    branches = [world.sizes["spo_tree_depth"]] * ARGS.tree_depth
+    assert uniform and all("weight" not in s for s in uniform)
+    # buffer age 1 and every edge taken: E_q / k_q = 1, so each weight is its depth's
+    assert [s["weight"] for s in depth] == [spo_tree.depth_weights(branches)[s["depth"] - 1] for s in depth]
+    assert {s["depth"] for s in depth} == set(range(1, ARGS.tree_depth + 1))
+
+
+def test_every_setting_learns_something_from_the_same_start(world):
+    for name in le.SETTINGS:
+        curve, _ = le.train_run(name, 1e-2, 11, world, dataclasses.replace(ARGS, iterations=2))
+        assert curve["J"][0] == ce.expected_reward(world.exacts), name
+        assert all(np.isfinite(curve["J"])) and min(curve["kl"][1:]) > 0, name
+
+
+# ----------------------------------------------------------------------------------------------
+# The pure pieces, on hand-made numbers
+
+
+def test_iterations_to_gain_counts_the_first_iteration_and_censors_the_rest():
+    assert le.iterations_to_gain([0.4, 0.45, 0.5, 0.6], 0.1) == 2  # J_2 = J_0 + 0.1 exactly (up to round-off)
+    assert le.iterations_to_gain([0.4, 0.55, 0.3, 0.3], 0.1) == 1  # the first crossing counts, not the last
+    assert le.iterations_to_gain([0.4, 0.45, 0.49, 0.3], 0.1) == 4  # never: iterations + 1
+    assert le.iterations_to_gain([0.4], 0.1) == 1
+
+
+def test_summary_pairs_the_seeds_in_its_bootstrap_intervals():
+    args = dataclasses.replace(le.Args(), iterations=4, bootstrap=500, gain=0.1)
+    rng = np.random.default_rng(0)
+    base = [0.3 + np.cumsum(np.r_[0, rng.uniform(0, 0.05, 4)]) + rng.normal(0, 0.2) for _ in range(6)]
+
+    def runs(shift: float) -> list[dict]:  # seed-level noise shared by the settings: paired, the difference is exact
+        return [{"J": (b + shift * np.arange(5) / 4).tolist(), "kl": [0.0] * 5, "tokens": [100.0] * 4} for b in base]
+
+    curves = {"grpo": runs(0.0), "spo_tree_uniform": runs(0.2), "spo_tree_depth": runs(0.3)}
+    summary, differences = le.summarise(curves, args)
+    assert differences["spo_tree_uniform - grpo"]["100%"] == pytest.approx([0.2, 0.2, 0.2])
+    assert differences["spo_tree_depth - spo_tree_uniform"]["50%"] == pytest.approx([0.05, 0.05, 0.05])
+    mean, low, high = summary["grpo"]["J_100%"]
+    assert low < mean < high and mean == pytest.approx(np.mean([b[-1] for b in base]))
+    assert summary["spo_tree_depth"]["iterations_to_gain"]["reached"] == 6
+
+
+def test_the_sweep_widens_its_grid_at_an_edge_until_the_best_is_inside(monkeypatch):
+    def fake_run_all(jobs, world, args):  # final J peaks at lr 0.1, beyond the grid's top
+        return [{"J": [0.0, 1 - abs(math.log10(lr) + 1)]} for _, lr, _ in jobs]
+
+    monkeypatch.setattr(le, "run_all", fake_run_all)
+    args = dataclasses.replace(le.Args(), lrs=[1e-3, 3e-3, 1e-2], lr_step=3.0, max_extensions=3)
+    entry = le.sweep(["grpo"], None, args)["grpo"]
+    assert [e["side"] for e in entry["extensions"]] == ["high", "high", "high"]
+    assert entry["grid"] == pytest.approx([1e-3, 3e-3, 1e-2, 3e-2, 9e-2, 2.7e-1])
+    assert entry["chosen"] == pytest.approx(9e-2) and not entry["at_edge"]
+    bounded = le.sweep(["grpo"], None, dataclasses.replace(args, max_extensions=1))["grpo"]
+    assert bounded["chosen"] == pytest.approx(3e-2) and bounded["at_edge"]  # out of extensions: recorded
+    assert len(bounded["grid"]) == 4
+
+
+def test_sizes_are_the_closest_to_the_budget():
+    assert le.closest_size(3.3, 128, 2) == 39  # 39 x 3.3 = 128.7
+    assert le.closest_size(100.0, 30, 2) == 2  # at least the smallest size
+    assert le.closest_size({1: 56.0, 2: 80.0, 3: 86.0, 9: 141.0}, 128, 1) == 9
+    assert le.closest_size({2: 10.0, 3: 50.0}, 30, 2) == 2  # tie: the smaller
+
+
+def test_docstring_examples():
+    assert doctest.testmod(le).failed == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_every_setting_with_curves_from_one_start_and_paired_intervals(tmp_path):
+    results = le.main(dataclasses.replace(le.Args(), tiny=True, out=str(tmp_path / "learning.json")))
+    saved = json.loads((tmp_path / "learning.json").read_text())
+    assert (tmp_path / "learning.png").stat().st_size > 10_000
+    assert saved["machine"]["commit"] and isinstance(saved["machine"]["imported_code_modified"], bool)
+    assert set(saved["curves"]) == set(le.SETTINGS) == set(saved["summary"]) == set(saved["sweep"])
+    start = results["policy"]["expected_reward"]
+    for name, runs in results["curves"].items():
+        assert [run["seed"] for run in runs] == [0, 1, 2], name
+        for run in runs:
+            assert len(run["J"]) == len(run["kl"]) == 5 and len(run["tokens"]) == 4, name
+            assert all(np.isfinite(run["J"])) and all(0 <= j <= 1 for j in run["J"]), name
+            assert run["J"][0] == start and run["kl"][0] == 0.0, name  # the same start policy everywhere
+            assert min(run["kl"][1:]) >= 0 and max(run["kl"][1:]) > 0, name
+            assert run["lr"] == saved["sweep"][name]["chosen"]
+        entry = saved["sweep"][name]
+        assert len(entry["grid"]) == 3 and len(entry["extensions"]) == 1  # two values: the best is at an edge
+        assert all(len(js) == 1 for js in entry["final_J"].values())  # one tuning seed
+    for key in [f"{name} - grpo" for name in le.SETTINGS if name != "grpo"] + ["spo_tree_depth - spo_tree_uniform"]:
+        for measure in ("25%", "50%", "100%", "iterations_to_gain"):
+            mean, low, high = saved["differences"][key][measure]
+            assert low <= mean + 1e-9 and mean <= high + 1e-9, (key, measure)
+    for row in saved["summary"].values():
+        assert 0 < row["tokens_per_iteration"] and row["iterations_to_gain"]["runs"] == 3
+
+
+@pytest.mark.slow
+def test_runs_do_not_depend_on_the_number_of_workers(world):
+    args = dataclasses.replace(ARGS, iterations=1)
+    jobs = [("grpo", 1e-2, 0), ("spo_chain_int1", 1e-2, 1)]
+    alone = le.run_all(jobs, world, args)
+    side_by_side = le.run_all(jobs, world, dataclasses.replace(args, workers=2))
+    assert [c["J"] for c in alone] == [c["J"] for c in side_by_side]
