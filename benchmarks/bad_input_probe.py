@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,6 +94,10 @@ def make_fixtures(folder: Path) -> dict[str, str]:
     (paths["TREERUN"] / "args.json").write_text(json.dumps(vars(spo_tree.Args())))
     make_untrusted_inputs(folder, paths)
     make_untrusted_runs(folder, paths, tiny)
+    paths["SHORTPOS"] = folder / "short_positions"  # the tiny model with 64 positions
+    shutil.copytree(tiny, paths["SHORTPOS"])
+    config = json.loads((tiny / "config.json").read_text())
+    (paths["SHORTPOS"] / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     return {name: str(path) for name, path in paths.items()}
 
 
@@ -188,6 +193,8 @@ def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> Non
     os.symlink(outside / "metrics.jsonl", run("LINKDEEP", ppo_baseline) / "checkpoint" / "tokenizer.json.bak")
 
 
+DEEP_TREE = ",".join(["2"] * 101)  # 101 levels
+
 # (command, text the error must contain). NAMES in capitals are replaced by make_fixtures' paths.
 CASES = [
     # numbers outside their ranges, non-finite, of the wrong type
@@ -255,6 +262,34 @@ CASES = [
     ("viewer.py curves ARGSSTRING -o OUT.png", "holds a JSON str, not a JSON object"),
     ("viewer.py html DEEPTREE -o OUT.html", "nests deeper than the JSON reader allows"),
     ("viewer.py html SAMPLESDIR -o OUT.html", "is a directory, not a file"),
+    # settings that pass the range checks but would train nothing, run past the model or wait for ranks that never
+    # come (tests/test_run_bookkeeping.py has other instances)
+    ("spo_tree.py --tree 1", "--tree 1: depth 0 has one child per node"),
+    ("spo_tree.py --tree 4,1,4", "--tree 4,1,4: depth 1 has one child per node"),
+    ("spo_tree.py --tree 3,1", "depth 1 has one child per node"),
+    ("spo_tree.py --tree 1,1", "depth 0 has one child per node"),
+    (
+        f"spo_tree.py --segment-tokens 1 --max-new-tokens 4096 --context 8192 --tree {DEEP_TREE}",
+        "levels: at most 100",
+    ),
+    (
+        "grpo_baseline.py --model SHORTPOS --task GOODTASK --context 300 --output-dir RUNS",
+        "beyond the model's 64 positions",
+    ),
+    ("ppo_baseline.py --model SHORTPOS --task GOODTASK --context 100000 --output-dir RUNS", "beyond the model's 64"),
+    ("spo_chain.py --model SHORTPOS --task GOODTASK --context 65 --max-new-tokens 8 --output-dir RUNS", "64 positions"),
+    ("WORLD_SIZE=abc grpo_baseline.py --model TINY --task GOODTASK", "WORLD_SIZE='abc' is not a positive integer"),
+    ("WORLD_SIZE=0 spo_chain.py --model TINY --task GOODTASK", "WORLD_SIZE='0' is not a positive integer"),
+    ("WORLD_SIZE=-1 spo_tree.py --model TINY --task GOODTASK", "WORLD_SIZE='-1' is not a positive integer"),
+    ("WORLD_SIZE=2 RANK=0 grpo_baseline.py --model TINY --task GOODTASK", "was not started by torchrun"),
+    (
+        "WORLD_SIZE=4 RANK=1 MASTER_ADDR=localhost MASTER_PORT=29999 ppo_baseline.py --model TINY",
+        "not started by torchrun",
+    ),
+    ("WORLD_SIZE=2 TORCHELASTIC_RUN_ID=x RANK=0 spo_chain.py --model TINY", "without MASTER_ADDR and MASTER_PORT"),
+    ("WORLD_SIZE=2 TORCHELASTIC_RUN_ID=x RANK=5 MASTER_ADDR=h MASTER_PORT=1 spo_tree.py", "RANK=5 is not below"),
+    ("grpo_baseline.py --collective-timeout-minutes 0", "--collective-timeout-minutes (0.0) must be positive"),
+    ("spo_chain.py --collective-timeout-minutes nan", "--collective-timeout-minutes (nan)"),
     # run directories from someone else: pickled objects in .pt files, links out of the run (test_run_directory_safety)
     ("grpo_baseline.py --resume PICKLESTATE", "holds objects other than tensors and numbers"),
     ("spo_tree.py --resume PICKLEOLD", "checkpoint.old/trainer_state.pt holds objects other than tensors"),
@@ -273,7 +308,10 @@ CASES = [
 
 
 def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeout: float = 300.0) -> dict:
+    """Run one case; leading NAME=value words set the process's environment (a shell left from another launch)."""
     words = [fixtures.get(word, word) for word in command.split()]
+    environment = dict(word.split("=", 1) for word in words[: next(i for i, w in enumerate(words) if "=" not in w)])
+    words = words[len(environment) :]
     words = [
         str(cwd / "out" / word) if word.startswith("OUT.") else str(cwd / "runs") if word == "RUNS" else word
         for word in words
@@ -285,7 +323,7 @@ def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeo
         stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **environment},
         start_new_session=True,
     )  # its own process group: a hung case is stopped with its children
     try:

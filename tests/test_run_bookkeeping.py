@@ -141,3 +141,26 @@ def test_a_non_finite_loss_names_a_tiny_temperature():
     streak = [2]
     with pytest.raises(UsageError, match=r"--temperature 1e-40 divides the logits"):
         skipped_non_finite({"loss": float("nan")}, 3, streak, temperature=1e-40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["--lr 0.003", "--epochs 3"])
+def test_ranks_given_different_settings_stop_with_one_line_naming_them(flags, tiny_model_dir, gsm8k_jsonl, tmp_path):
+    """A rank with another --lr would train a diverging replica, one with other --epochs would hang in collectives:
+    both end at start, on every rank, with the differing flag and its rank named."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SMOKE_SETTINGS, cli_flags
+
+    settings = {**SMOKE_SETTINGS["grpo_baseline"], "model": str(tiny_model_dir), "task": str(gsm8k_jsonl)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(Path(__file__).parent / "rank_flags_run.py"), "grpo_baseline"]
+    command += cli_flags({**settings, "output_dir": str(tmp_path), "questions": 2, "batch_size": 8})
+    environment = {**os.environ, "RANK_FLAGS_RANK": "1", "RANK_FLAGS": flags}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    assert result.returncode != 0
+    flag = flags.split()[0]
+    assert f"error: the processes were given different settings: {flag} on rank 1" in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing was trained or written
