@@ -635,6 +635,7 @@ def main(args: EvalArgs) -> dict:
         args.model,
         seed=args.seed,
         precision=precision,
+        context=args.context,
         max_model_len=args.context or 4096,
         enforce_eager=args.vllm_enforce_eager,
     )

@@ -600,7 +600,6 @@ def main(args: Args) -> dict:
         device,
         args.beta,
         reference_on_device=args.reference_on_device,
-        context=args.context,
     )
     critic = load_critic(args, model, checkpoint_dir, device, precision)
     train_examples, eval_examples = ev.load_examples(
@@ -615,7 +614,7 @@ def main(args: Args) -> dict:
         seed=args.seed,
         precision=precision,
         sampler_batch_tokens=args.sampler_batch_tokens,
-        max_model_len=args.context,
+        context=args.context,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enforce_eager=args.vllm_enforce_eager,
     )

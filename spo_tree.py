@@ -777,7 +777,6 @@ def main(args: Args) -> dict:
         reference_on_device=args.reference_on_device,
         gradient_checkpointing=args.gradient_checkpointing,
         fsdp=args.fsdp,
-        context=args.context,
     )
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
@@ -791,7 +790,7 @@ def main(args: Args) -> dict:
         seed=args.seed,
         precision=precision,
         sampler_batch_tokens=args.sampler_batch_tokens,
-        max_model_len=args.context,
+        context=args.context,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enforce_eager=args.vllm_enforce_eager,
     )

@@ -1,10 +1,10 @@
 """What the paper's runs need on one GPU: the `auto` memory plan (plumbing/memory.py) for each paper run of each
 script on GPUs of 24, 40, 80 and 141 GiB, and the work of one SPO-tree long-CoT iteration. Computed, not measured:
-the formula's activation terms are measured on a CPU (tests/test_memory.py); benchmarks/gpu_check.py measures the
-update's real peak where a GPU is lent.
+the formula's activation terms are measured on a CPU (tests/test_memory.py); benchmarks/gpu_lease.sh measures the
+update's real peak beside this estimate where a GPU is lent (gpu_check.py's real_shape_update step).
 
   python benchmarks/memory_plan.py           # print the table
-  python benchmarks/memory_plan.py --write   # replace the table in README.md (tests/test_memory_plan.py checks it)
+  python benchmarks/memory_plan.py --write   # replace the table in README.md (tests/test_memory.py checks it)
 """
 
 from __future__ import annotations
@@ -101,25 +101,55 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def tree_iteration() -> str:
-    """Tokens of one SPO-tree long-CoT iteration at most (prompts aside), and the passes' compute."""
-    paper = spo_tree.PAPER_SETTINGS["math"]
-    branches, segment, context = [int(b) for b in paper["tree"].split(",")], paper["segment_tokens"], paper["context"]
-    edges, tokens, width = 0, 0, 1
-    for depth, b in enumerate(branches):
-        width *= b
+def tree_work(branches: list[int], segment: int, context: int, questions: int, trained_edges: int) -> dict:
+    """What one SPO-tree iteration's passes read at most (full trees; the question's prompt aside). Every edge is a
+    row of its ancestors' segments (its query) and its own: inner segments of `segment` tokens, the last level's to
+    the context's end. The old-log-prob pass reads every edge, and each parent's query once for all its children
+    (siblings share it in a pass: training.response_logprobs); each trained edge (the reference pass, the update)
+    pays its whole row, at most `context` positions.
+
+    >>> tree_work([2, 2], segment=3, context=10, questions=1, trained_edges=4)
+    {'edges': 6, 'tokens': 34, 'pass_positions': 40, 'trained_positions': 40}
+
+    (2 edges of 3 tokens under the root, 4 of 10 - 3 = 7 under 2 parents, whose 3-token queries are read once each.)
+    """
+    edges = tokens = queries = 0
+    width = 1  # nodes at the current depth
+    for depth, branch in enumerate(branches):
+        parents, width = width, width * branch
         length = segment if depth < len(branches) - 1 else context - segment * (len(branches) - 1)
-        edges, tokens = edges + paper["questions"] * width, tokens + paper["questions"] * width * length
-    trained = paper["samples_per_iteration"] * paper["epochs"] * (context - segment * (len(branches) - 1))
+        edges += questions * width
+        tokens += questions * width * length
+        queries += questions * parents * segment * depth  # a depth-d parent's query: d segments
+    return {
+        "edges": edges,
+        "tokens": tokens,
+        "pass_positions": tokens + queries,
+        "trained_positions": trained_edges * context,
+    }
+
+
+def tree_iteration() -> str:
+    """The work of one SPO-tree long-CoT iteration at most: its tokens, the passes' positions and compute."""
+    paper = spo_tree.PAPER_SETTINGS["math"]
+    work = tree_work(
+        [int(b) for b in paper["tree"].split(",")],
+        paper["segment_tokens"],
+        paper["context"],
+        paper["questions"],
+        paper["samples_per_iteration"],
+    )
     params = SHAPES[paper["model"]].params
-    flops = 2 * params * tokens + 2 * params * trained + 6 * params * trained  # old log-probs, reference, update
+    # old log-probs, reference: a forward pass (2 P per position); the update: forward and backward (6 P), per epoch
+    flops = 2 * params * work["pass_positions"] + (2 + 6 * paper["epochs"]) * params * work["trained_positions"]
     return textwrap.fill(
-        f"One SPO-tree long-CoT iteration samples at most {edges:,} edges ({tokens / 1e6:.1f}M tokens); "
-        "the old-log-prob "
-        f"pass reads them all, the reference and the update read {paper['samples_per_iteration']} edges "
-        f"(at most {trained / 1e6:.2f}M tokens): {flops / 1e15:.0f} PFLOP, {flops / (0.4 * 989e12):.0f} s "
-        "on an H200 at 40 % "
-        "of its bf16 peak (computed), plus the rollout (not measured).",
+        f"One SPO-tree long-CoT iteration samples at most {work['edges']:,} edges ({work['tokens'] / 1e6:.1f}M "
+        "tokens). Each edge is a row of its ancestors' segments and its own: the old-log-prob pass reads every edge "
+        f"and each parent's segments once for its children ({work['pass_positions'] / 1e6:.1f}M positions), the "
+        f"reference and the update read {paper['samples_per_iteration']} edges of at most {paper['context']:,} "
+        f"positions ({work['trained_positions'] / 1e6:.2f}M): {flops / 1e15:.0f} PFLOP, "
+        f"{flops / (0.4 * 989e12):.0f} s on an H200 at 40 % of its bf16 peak (computed), plus the rollout (not "
+        "measured).",
         118,
     )
 

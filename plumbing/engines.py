@@ -58,14 +58,23 @@ def make_sampler(
     seed: int = 0,
     precision: Precision = FP32,
     sampler_batch_tokens: int = 2**16,
+    context: int | None = None,
     **vllm_kwargs,
 ):
     """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present).
     `precision` and `sampler_batch_tokens` (positions one batch caches) are the HF sampler's (vLLM computes in its own
-    dtype and schedules its own batches)."""
+    dtype and schedules its own batches). `context` (--context, vLLM's max_model_len unless that is given) is refused
+    beyond the model's positions, before anything is sampled."""
     backend, why = resolve_backend(backend)
     if problems := backend_problems(backend):
         raise UsageError(problems[0])
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and context is not None and context > positions:
+        raise UsageError(
+            f"--context {context} is beyond the model's {positions} positions ({model_path}): it never saw a "
+            f"position past {positions - 1}; give --context {positions} or less"
+        )
+    vllm_kwargs.setdefault("max_model_len", context)
     distributed.print0(f"rollout engine: {backend} ({why})")
     if backend == "hf":
         return HFSampler(model, tokenizer, seed=seed, precision=precision, max_batch_tokens=sampler_batch_tokens)

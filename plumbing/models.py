@@ -325,22 +325,14 @@ def load_policy(
     reference_on_device: bool,
     gradient_checkpointing: bool = False,
     fsdp: bool = False,
-    context: int | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel | None]:
     """(policy, tokenizer, reference): the policy in fp32 master weights from the checkpoint when resuming, else
     from `name_or_path`; the frozen reference model from `name_or_path` (None with beta 0). reference_on_device
     (--reference-on-device, which memory.size_run resolves): True, the reference lives on `device` for the whole run;
     False, it is parked in pinned CPU memory and visits `device` for its passes only (`with on_device(reference):`).
     On a CPU both are the same. gradient_checkpointing and fsdp (under torchrun: FSDP2 shards) apply to the policy;
-    the reference stays whole. context: --context, refused (before anything is sampled) beyond the model's positions.
-    """
+    the reference stays whole."""
     model, tokenizer = load_model(str(checkpoint) if checkpoint else name_or_path, dtype=torch.float32, device=device)
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if context is not None and isinstance(positions, int) and context > positions:
-        raise UsageError(
-            f"--context {context} is beyond the model's {positions} positions ({name_or_path}): it never saw a "
-            f"position past {positions - 1}; give --context {positions} or less"
-        )
     check_logits_from_hidden(model)  # training's response_logprobs applies the LM head itself
     reference = None
     if beta > 0:

@@ -1,8 +1,7 @@
-"""benchmarks/gpu_check.py, the one prepared GPU check, runs every step at toy sizes on the CPU (--device cpu), so it
-cannot rot between GPU leases."""
+"""benchmarks/gpu_check.py, the steps of the lease command: one step a process, its result or its error in its JSON,
+and each script's command line as the scripts parse it (tests/test_gpu_lease.py runs every step at toy sizes)."""
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -13,40 +12,44 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402
 
-pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
+from plumbing import cli  # noqa: E402
 
 
-def test_every_step_runs_on_the_cpu_and_the_results_are_written(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    results = gpu_check.main(gpu_check.Args(device="cpu", out=str(out)))
-    assert json.loads(out.read_text()) == results
-    failed = {step: value["error"] for step, value in results.items() if isinstance(value, dict) and "error" in value}
-    assert failed == {}
-    for name in ("grpo", "spo_chain", "spo_tree", "ppo"):
-        assert results[f"script_{name}"]["iterations"] == 2 and results[f"script_{name}"]["finite_metrics"]
-    update = results["real_shape_update"]
-    assert set(update) >= {"rows8", "rows4", "rows8_gc", "no_grad_logprob_tokens_per_second"}
-    assert results["script_spo_tree"]["memory"].startswith("memory: ")  # what `auto` chose, recorded per script
-    tree_pass = results["spo_tree_old_logprob_pass"]
-    assert (
-        tree_pass["edges"] == 2 * (3 + 9) and tree_pass["logprob_max_difference"] == 0
-    )  # 2 toy trees 3,3; a CPU: same passes
-    for name in ("micro_batch_8", "sized_to_memory"):
-        assert tree_pass[name]["passes"] >= 1 and 0 < tree_pass[name]["share_of_pass_and_update"] < 1
-    assert tree_pass["sized_to_memory"]["budget_positions"] is None  # a CPU sizes nothing: the micro-batches
-    assert results["hf_sampler"]["rows240"]["tokens"] == 240 * 16  # ignore_eos: every row its full budget
-    round_trip = results["reference_round_trip"]
-    assert (
-        all(math.isfinite(round_trip[key]) for key in ("pageable", "pin_once", "resident"))
-        and len(round_trip["pinned"]) == 3
-    )
-    assert round_trip["logprobs_equal_resident_and_parked"] and round_trip["parked_after_its_pass"] == ["cpu"]
-    assert "vllm" in results["vllm_sampler"].get("skipped", "") or "greedy_equal_to_hf" in results["vllm_sampler"]
-    assert results["environment"]["vllm_preflight"].startswith("vLLM pre-flight:")
-
-
-def test_a_failing_step_keeps_the_others(tmp_path):
+def test_a_failing_step_keeps_the_others():
     results = {}
     gpu_check.timed("broken", results, lambda: 1 / 0)
+    gpu_check.timed("exits", results, lambda: sys.exit(2))  # tyro exits on a flag it does not know
     gpu_check.timed("fine", results, lambda: {"value": 1})
-    assert results["broken"]["error"] == "ZeroDivisionError: division by zero" and results["fine"]["value"] == 1
+    assert results["broken"]["error"] == "ZeroDivisionError: division by zero"
+    assert results["exits"]["error"] == "SystemExit: 2" and results["fine"]["value"] == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", ["grpo", "spo_chain", "spo_tree", "ppo", "spo_tree_vllm"])
+def test_each_scripts_command_line_parses_as_the_script_parses_it(name, device, tmp_path):
+    """The flags a lease passes, at the GPU's sizes too: a renamed flag fails here, not minutes into a lease."""
+    module = gpu_check.SCRIPTS[name.removesuffix("_vllm")]
+    args = cli.parse(module.Args, gpu_check.script_flags(name, tmp_path, device))
+    assert args.iterations == 2 and args.model == str(tmp_path / "digits")
+    assert args.backend == ("vllm" if name.endswith("_vllm") else "hf")
+    if name == "spo_tree":  # every memory knob at auto but the parked reference
+        assert (args.micro_batch_size, args.reference_on_device) == ("auto", False)
+
+
+def test_one_step_writes_its_json(tmp_path):
+    result = gpu_check.main(gpu_check.Args(step="models", device="cpu", work=str(tmp_path)))
+    written = json.loads((tmp_path / "models.json").read_text())
+    assert written["step"] == "models" and written["models"] == result
+    assert set(result["built"]) == {"digits", "printable"} and (tmp_path / "sevens.jsonl").is_file()
+    again = gpu_check.main(
+        gpu_check.Args(step="models", device="cpu", work=str(tmp_path), out=str(tmp_path / "o.json"))
+    )
+    assert again["built"] == {}  # the models are built once; every later step reuses them
+
+
+def test_a_step_that_fails_writes_its_error(tmp_path):
+    (tmp_path / "digits").mkdir()
+    (tmp_path / "digits" / "config.json").write_text("{")  # a damaged model directory
+    result = gpu_check.main(gpu_check.Args(step="script_grpo", device="cpu", work=str(tmp_path)))
+    assert "error" in result and "trace" in result
+    assert json.loads((tmp_path / "script_grpo.json").read_text())["script_grpo"]["error"] == result["error"]
