@@ -143,7 +143,7 @@ def toolchain_problems(enforce_eager: bool) -> list[str]:
     eager = (
         ""
         if enforce_eager
-        else "; eager mode (--vllm-enforce-eager) avoids torch.compile, not vLLM's own Triton kernels"
+        else "; --vllm-enforce-eager does not avoid it: it skips torch.compile, not vLLM's own Triton kernels"
     )
     problems = []
     if c_compiler() is None:
@@ -179,11 +179,12 @@ def describe(enforce_eager: bool = False) -> str:
 def prepare_vllm(enforce_eager: bool = False) -> None:
     """Run before the vLLM engine is built. FlashInfer's top-p sampler is JIT-compiled with nvcc while the engine
     warms up (vllm/envs.py: VLLM_USE_FLASHINFER_SAMPLER defaults on), so it is turned off unless the user set it:
-    no CUDA toolkit needed, and seeded requests skip it anyway. A CUDA mismatch raises (one line, with the fix);
-    a toolchain problem is printed (a warm Triton cache may still serve)."""
+    no CUDA toolkit needed, and seeded requests skip it anyway. A CUDA mismatch or a missing compiler or Python.h
+    raises (one line, with the apt command, or --backend hf, which compiles nothing): the engine would die in its
+    warm-up, after minutes of loading."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if problems := cuda_problems():
         raise UsageError(problems[0])
+    if problems := toolchain_problems(enforce_eager):
+        raise UsageError("; ".join(problems) + "; or run with --backend hf, which compiles nothing")
     distributed.print0(describe(enforce_eager))
-    for problem in toolchain_problems(enforce_eager):
-        distributed.print0(f"warning: {problem}")

@@ -142,6 +142,10 @@ def test_missing_compiler_and_headers_are_named(monkeypatch, tmp_path):
     assert str(tmp_path / "Python.h") in headers and dev in headers and "--vllm-enforce-eager" in headers
     assert all("enforce-eager" not in line for line in gpu.toolchain_problems(enforce_eager=True))
 
+    monkeypatch.setattr(gpu, "cuda_problems", lambda: [])
+    with pytest.raises(UsageError, match=r"apt-get install gcc.*; or run with --backend hf, which compiles nothing"):
+        gpu.prepare_vllm()  # refused before the engine is built: it would die in its warm-up
+
     (tmp_path / "Python.h").write_text("")
     monkeypatch.setenv("CC", "/opt/cc")
     assert gpu.toolchain_problems(enforce_eager=False) == []
@@ -149,6 +153,7 @@ def test_missing_compiler_and_headers_are_named(monkeypatch, tmp_path):
 
 def test_flashinfer_sampler_off_only_when_unset(monkeypatch):
     monkeypatch.setattr(gpu, "cuda_problems", lambda: [])
+    monkeypatch.setattr(gpu, "toolchain_problems", lambda enforce_eager: [])
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     gpu.prepare_vllm()
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
