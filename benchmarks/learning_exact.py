@@ -85,6 +85,7 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import signal
 import subprocess
 import sys
 import time
@@ -574,6 +575,13 @@ def _start_worker(world: World, args: Args) -> None:
     _WORKER.update(world=world, args=args)
 
 
+def _start_pool_worker(world: World, args: Args) -> None:
+    """A pool worker's setup: SIGTERM back to its default (the pool ends its workers so; the handler of cli.run_cli,
+    inherited at fork, would print a traceback for each), then _start_worker."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _start_worker(world, args)
+
+
 def _run(job: tuple[str, float, int]) -> dict:
     """One (setting, lr, seed) job's curve."""
     return train_run(*job, _WORKER["world"], _WORKER["args"])[0]
@@ -585,7 +593,7 @@ def run_all(jobs: list[tuple[str, float, int]], world: World, args: Args) -> lis
     if args.workers == 1 or len(jobs) == 1:
         _start_worker(world, args)
         return [_run(job) for job in jobs]
-    with multiprocessing.get_context("fork").Pool(args.workers, _start_worker, (world, args)) as pool:
+    with multiprocessing.get_context("fork").Pool(args.workers, _start_pool_worker, (world, args)) as pool:
         return pool.map(_run, jobs, chunksize=1)
 
 

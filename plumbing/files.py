@@ -8,6 +8,7 @@ folder or a kill mid-write leaves the previous file whole and no partial one. Ap
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -180,3 +181,16 @@ def refuse_links(run_dir: Path, limit: int = 100_000) -> None:
                 )
             if seen > limit:
                 raise UsageError(f"{run_dir} holds more than {limit:,} files: it is not a run directory")
+
+
+def file_fingerprint(path: str | Path) -> str | None:
+    """A short hash of a local file's bytes (None where `path` is no file, e.g. a task name such as gsm8k): a resumed
+    run given its task file at another path checks it against its first start's."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]

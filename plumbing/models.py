@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import errno
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -204,6 +205,23 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path == "smollm2-135m":
         return str(smollm2_dir())
     return ALIASES.get(name_or_path) or os.path.expanduser(name_or_path)
+
+
+def fingerprint(name_or_path: str) -> str | None:
+    """A short hash of what a local model directory holds: its config.json and every safetensors header (tensor names,
+    shapes, dtypes and offsets; the weights themselves are not read), or None where `name_or_path` is no local
+    directory (a Hub id). A resumed run given its base model at another path checks it against its first start's."""
+    path = Path(os.path.expanduser(ALIASES.get(name_or_path, name_or_path)))
+    if name_or_path == "smollm2-135m":
+        path = Path(resolve_model(name_or_path))
+    if not (path / "config.json").is_file():
+        return None
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        with weights.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(size, 100_000_000)))
+    return digest.hexdigest()[:16]
 
 
 def is_local_path(name: str) -> bool:

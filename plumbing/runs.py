@@ -19,7 +19,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from plumbing import UsageError, checkpoints, distributed, engines, files, memory
+from plumbing import UsageError, checkpoints, distributed, engines, files, memory, models
 from plumbing.settings import check_resume_settings
 
 active_run: dict = {}  # the run directory main() is working in (record_start) and its lock, for cli.run_cli's messages
@@ -137,6 +137,7 @@ def open_run(run_dir: Path, args, precision_line: str, device, plan: memory.Plan
                 backend=engines.resolve_backend(args.backend)[0],
                 device=str(device) if device is not None else None,
                 memory={**plan.settings(), "update_peak_gib": plan.peak_gb, "line": plan.line},
+                fingerprints={"model": models.fingerprint(args.model), "task": files.file_fingerprint(args.task)},
             )
         except UsageError as error:
             problem = str(error)

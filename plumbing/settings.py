@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
-from plumbing import UsageError, distributed, engines, files, ranges
+from plumbing import UsageError, distributed, engines, files, models, ranges
 
 # Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs, memory knobs
 # that leave the update unchanged (on a CPU in fp32 the numbers stay bit-identical), and three whose change shows in
@@ -123,13 +123,41 @@ def check_resume_settings(args, run_dir: str | Path) -> None:
     for name, effect in RESUMED_CHANGES.items():
         if saved[name] != current[name]:
             distributed.print0(f"--{name.replace('_', '-')} {current[name]} (the run had {saved[name]}): {effect}")
-    changed = [k for k in saved if k not in RESUMABLE_SETTINGS and saved[k] != current[k]]
+    moved = [name for name in MOVABLE if saved[name] != current[name]]
+    if moved:
+        check_moved(run_dir, {name: (saved[name], current[name]) for name in moved})
+    changed = [k for k in saved if k not in RESUMABLE_SETTINGS and k not in moved and saved[k] != current[k]]
     if changed:
         given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
         raise UsageError(
             f"--resume {run_dir}: {given} would change the run's algorithm mid-run; leave "
             f"{'it' if len(changed) == 1 else 'them'} out (the run keeps its own settings) or start a new run"
         )
+
+
+MOVABLE = {"model": models.fingerprint, "task": files.file_fingerprint}  # given anew on resume when they moved
+
+
+def check_moved(run_dir: str | Path, moved: dict[str, tuple[str, str]]) -> None:
+    """A run whose base model or task file moved is resumed with --model / --task at the new path: allowed when the
+    new one holds what the run started with (the fingerprint its first start recorded in starts.jsonl: the model's
+    config and weight headers, the task file's bytes), refused otherwise. `moved`: {name: (the run's, given)}."""
+    log = Path(run_dir) / "starts.jsonl"
+    first = (files.read_log(log, "the run's start log") or [{}])[0] if log.exists() else {}
+    recorded = first.get("fingerprints") or {}
+    for name, (was, given) in moved.items():
+        flag, now = f"--{name}", MOVABLE[name](given)
+        if recorded.get(name) is None:
+            raise UsageError(
+                f"--resume {run_dir}: {flag} {given!r} (the run has {was!r}) cannot be checked against the run, which "
+                f"recorded no fingerprint of its {name}: leave {flag} out, or start a new run"
+            )
+        if now != recorded[name]:
+            raise UsageError(
+                f"--resume {run_dir}: {flag} {given!r} is not the {name} the run started with ({was!r}): its "
+                f"fingerprint is {now}, the run's {recorded[name]}; give the {name} the run started with"
+            )
+        distributed.print0(f"{flag} {given}: the run's {name} ({was}), found at a new path (fingerprint {now})")
 
 
 def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]:

@@ -164,3 +164,30 @@ def test_ranks_given_different_settings_stop_with_one_line_naming_them(flags, ti
     flag = flags.split()[0]
     assert f"error: the processes were given different settings: {flag} on rank 1" in result.stderr
     assert not any(tmp_path.iterdir())  # nothing was trained or written
+
+
+def test_a_moved_model_and_task_file_are_given_anew_and_checked_against_the_run(tmp_path, gsm8k_jsonl, capsys):
+    import shutil
+
+    model, task = make_tiny_model(tmp_path / "model"), tmp_path / "task.jsonl"
+    shutil.copy(gsm8k_jsonl, task)
+    summary = grpo_baseline.main(smoke_args(grpo_baseline, model, task, tmp_path / "runs", iterations=1))
+    runs.release_run()
+    run_dir = Path(summary["run_dir"])
+    model.rename(tmp_path / "moved-model")
+    task.rename(tmp_path / "moved-task.jsonl")
+    other = make_tiny_model(tmp_path / "other-model", alphabet="0123456789 ")  # another config: another model
+    other_task = tmp_path / "other-task.jsonl"
+    other_task.write_text(gsm8k_jsonl.read_text().replace("#### ", "#### 1"))
+    _, error = resume(grpo_baseline, run_dir, "--model", str(other), "--task", str(tmp_path / "moved-task.jsonl"))
+    assert error.startswith(f"error: --resume {run_dir}: --model '{other}' is not the model the run started with")
+    _, error = resume(grpo_baseline, run_dir, "--task", str(other_task), "--model", str(tmp_path / "moved-model"))
+    assert error.startswith(f"error: --resume {run_dir}: --task '{other_task}' is not the task the run started with")
+    summary, error = resume(
+        grpo_baseline, run_dir, "--iterations", "2", "--model", str(tmp_path / "moved-model"), "--task",
+        str(tmp_path / "moved-task.jsonl"),
+    )  # fmt: skip
+    assert error is None and checkpoints.trained_iterations(run_dir) == 2
+    out = capsys.readouterr().out
+    assert f"--model {tmp_path / 'moved-model'}: the run's model ({model}), found at a new path" in out
+    assert json.loads((run_dir / "args.json").read_text())["model"] == str(tmp_path / "moved-model")
