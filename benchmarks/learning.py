@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from plumbing import files, ranges  # noqa: E402
+from plumbing import files, ranges, settings  # noqa: E402
 from plumbing import runs as run_files  # noqa: E402
 from plumbing.precision import cpu_description  # noqa: E402
 
@@ -359,7 +359,7 @@ def main(args: Args) -> None:
         if results.is_dir()
         else [f"--results {results}: give a .json file path"]
         if results.suffix != ".json"
-        else run_files.directory_problems(str(results.parent), "--results' folder")
+        else settings.directory_problems(str(results.parent), "--results' folder")
     )
     if not args.algorithms:
         problems.append("--algorithms needs at least one value")
