@@ -387,18 +387,7 @@ def main(args: Args) -> dict:
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = engines.make_sampler(
-        args.backend,
-        model,
-        tokenizer,
-        str(checkpoint) if checkpoint else args.model,
-        seed=args.seed,
-        precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens,
-        context=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager,
-    )
+    sampler = engines.run_sampler(args, model, tokenizer, checkpoint, precision)
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
     # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).

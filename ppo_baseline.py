@@ -606,18 +606,7 @@ def main(args: Args) -> dict:
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = engines.make_sampler(
-        args.backend,
-        model,
-        tokenizer,
-        str(checkpoint_dir) if checkpoint_dir else args.model,
-        seed=args.seed,
-        precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens,
-        context=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager,
-    )
+    sampler = engines.run_sampler(args, model, tokenizer, checkpoint_dir, precision)
     # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
     state = checkpoints.load_trainer_state(checkpoint_dir) if checkpoint_dir else None
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)

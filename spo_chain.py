@@ -475,18 +475,7 @@ def main(args: Args) -> dict:
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
-    sampler = engines.make_sampler(
-        args.backend,
-        model,
-        tokenizer,
-        str(checkpoint) if checkpoint else args.model,
-        seed=args.seed,
-        precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens,
-        context=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager,
-    )
+    sampler = engines.run_sampler(args, model, tokenizer, checkpoint, precision)
     state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     optimizer, scheduler = checkpoints.make_optimizer(

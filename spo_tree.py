@@ -782,18 +782,7 @@ def main(args: Args) -> dict:
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
     pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = engines.make_sampler(
-        args.backend,
-        model,
-        tokenizer,
-        str(checkpoint) if checkpoint else args.model,
-        seed=args.seed,
-        precision=precision,
-        sampler_batch_tokens=args.sampler_batch_tokens,
-        context=args.context,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager,
-    )
+    sampler = engines.run_sampler(args, model, tokenizer, checkpoint, precision)
     # The schedule steps once per iteration (see the docstring). On the CPU: the buffer's log-probs stay there with
     # the new edges'; the optimizer moves its state to the parameters.
     state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None

@@ -79,3 +79,20 @@ def make_sampler(
     if backend == "hf":
         return HFSampler(model, tokenizer, seed=seed, precision=precision, max_batch_tokens=sampler_batch_tokens)
     return VLLMSampler(models.resolve_model(model_path), model=model, seed=seed, **vllm_kwargs)
+
+
+def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, checkpoint, precision: Precision):
+    """A training run's rollout engine: make_sampler with the run's --backend, --seed, --sampler-batch-tokens,
+    --context and vLLM flags (`args`, a script's Args); vLLM loads the checkpoint's weights when resuming."""
+    return make_sampler(
+        args.backend,
+        model,
+        tokenizer,
+        str(checkpoint) if checkpoint else args.model,
+        seed=args.seed,
+        precision=precision,
+        sampler_batch_tokens=args.sampler_batch_tokens,
+        context=args.context,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enforce_eager=args.vllm_enforce_eager,
+    )

@@ -105,8 +105,7 @@ def locate_run(args) -> tuple[Path, Path | None, dict | None]:
         distributed.print0(
             f"--resume {run_dir}: no checkpoint: it starts over from --model (its metrics log starts anew)"
         )
-    if checkpoint is not None:
-        # each rank's questions and seeds depend on the world size (checkpoints from before torchrun: 1)
+    else:  # each rank's questions and seeds depend on the world size (checkpoints from before torchrun: 1)
         distributed.check_world_size(
             checkpoint, checkpoints.load_trainer_state(checkpoint, mmap=True).get("world_size", 1)
         )
