@@ -525,7 +525,7 @@ def main(args: Args) -> dict:
                 "device": device,
                 "threads": torch.get_num_threads(),
                 "date": time.strftime("%Y-%m-%d"),
-                "commit": runs.code_commit(short=True),
+                **runs.code_state(),
             },
             "tree": {
                 "edges": len(edges),

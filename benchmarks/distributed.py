@@ -154,9 +154,14 @@ def measure(world: int, scratch: Path) -> dict:
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         return worker(*sys.argv[2:4])
+    sys.path.insert(0, str(ROOT))
+    from plumbing.precision import cpu_description
+    from plumbing.runs import code_state
+
+    code = code_state()
     with tempfile.TemporaryDirectory() as scratch:
         runs = [measure(world, Path(scratch)) for world in (1, 2)]
-    result = {"settings": SETTINGS, "cpu_cores": os.cpu_count(), "runs": runs}
+    result = {"cpu": cpu_description(), "code": code, "settings": SETTINGS, "cpu_cores": os.cpu_count(), "runs": runs}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
     for run in runs:

@@ -365,6 +365,7 @@ def main(args: Args) -> None:
         problems.append("--algorithms needs at least one value")
     if problems:
         raise SystemExit(f"error: {'; '.join(problems)}")
+    code = run_files.code_state()  # the code the figures come from, before an hour of runs
     runs = earlier_runs(args) if args.keep_other_seeds else []
     for seed in args.seeds:
         base_accuracy = None  # the first algorithm of each seed evaluates the starting model; the others reuse it
@@ -375,7 +376,9 @@ def main(args: Args) -> None:
     table = summarize(runs)
     files.write_atomic(
         results,
-        json.dumps({"args": asdict(args), "cpu_count": os.cpu_count(), "summary": table, "runs": runs}, indent=1),
+        json.dumps(
+            {"args": asdict(args), "cpu_count": os.cpu_count(), "code": code, "summary": table, "runs": runs}, indent=1
+        ),
         "the results",
     )
     plot(runs, results.with_suffix(".png"))

@@ -30,7 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import grpo_baseline  # noqa: E402
-from plumbing import models, ranges  # noqa: E402
+from plumbing import models, ranges, runs  # noqa: E402
+from plumbing.precision import cpu_description  # noqa: E402
 
 
 @dataclass
@@ -150,6 +151,8 @@ def main(args: Args) -> None:
     logits_gb = args.rows * args.response_tokens * results[0]["vocab_size"] * 4 / 2**30
     record = {
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": cpu_description(),
+        "code": runs.code_state(),
         "settings": asdict(args),
         "one_fp32_logits_tensor_gb": logits_gb,
         "torch": torch.__version__,

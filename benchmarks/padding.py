@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
 import grpo_baseline as grpo  # noqa: E402
-from plumbing import engines, models, training  # noqa: E402
-from plumbing.precision import FP32, choose_precision  # noqa: E402
+from plumbing import engines, models, runs, training  # noqa: E402
+from plumbing.precision import FP32, choose_precision, cpu_description  # noqa: E402
 
 TASK, QUESTIONS, GROUP, NEW_TOKENS, BATCH, MICRO = (
     "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",
@@ -134,6 +134,8 @@ def main() -> None:
     batches = [[samples[i] for i in order[start : start + BATCH]] for start in range(0, len(order), BATCH)]
     result = {
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": cpu_description(),
+        "code": runs.code_state(),
         "precision": precision.line,
         "model": "smollm2-135m",
         "task": TASK,

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
 import grpo_baseline as grpo  # noqa: E402
-from plumbing import engines, models  # noqa: E402
-from plumbing.precision import choose_precision, fast_bf16  # noqa: E402
+from plumbing import engines, models, runs  # noqa: E402
+from plumbing.precision import choose_precision, cpu_description, fast_bf16  # noqa: E402
 
 TASK, QUESTIONS, SAMPLES, NEW_TOKENS, TEMPERATURE, THRESHOLD = (
     "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",
@@ -59,6 +59,9 @@ def main() -> None:
     p32, p16 = logps["fp32"].exp(), logps["bf16"].exp()
     ratio = (logps["bf16"] - logps["fp32"]).exp()
     result = {
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpu": cpu_description(),
+        "code": runs.code_state(),
         "model": "smollm2-135m",
         "task": TASK,
         "rollouts": len(samples),

@@ -27,7 +27,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
-from plumbing import engines, models  # noqa: E402
+from plumbing import engines, models, runs  # noqa: E402
 from plumbing.precision import choose_precision, cpu_description, fast_bf16  # noqa: E402
 
 REPEATS = 3
@@ -166,6 +166,7 @@ def main(out: Path = Path(__file__).parent / "results" / "sampler.json") -> None
         "model": "smollm2-135m",
         "device": "cpu",
         "cpu": cpu_description(),
+        "code": runs.code_state(),
         "threads": torch.get_num_threads(),
         "fast_bf16": fast,
         "why": why,

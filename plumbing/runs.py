@@ -42,6 +42,23 @@ def code_commit(short: bool = False) -> str | None:
         return None
 
 
+def code_state() -> dict:
+    """The code a benchmark's figures came from: {"commit": its short commit, "tree_modified": whether the checkout
+    held uncommitted changes (None outside a checkout)}. Every results file records it."""
+    try:
+        status = subprocess.run(
+            ["git", "status", "--porcelain"],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        modified = bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        modified = None
+    return {"commit": code_commit(short=True), "tree_modified": modified}
+
+
 def record_start(run_dir: Path, resumed: bool, precision_line: str | None = None, **how) -> None:
     """Append this start or resume (time, command line, commit, the precision chosen, and `how` it runs: world size,
     backend, device) to RUN/starts.jsonl."""
