@@ -109,6 +109,8 @@ PAPER_SETTINGS = {
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-8) -> torch.Tensor:
     """(r - group mean) / (group std + eps), groups being `group_size` consecutive rewards (std with ddof 0).
 
+    Paper: GRPO's advantage (baseline).
+
     >>> group_advantages(torch.tensor([1., 0., 0., 1., 1., 1.]), 3)
     tensor([ 1.4142, -0.7071, -0.7071,  0.0000,  0.0000,  0.0000])
     """
@@ -126,6 +128,8 @@ def loss_mask(
     all_sum: Callable = lambda x: x,
 ) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
+
+    Paper: policy optimization with the probability mask.
 
     Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
     over the processes that share the batch (distributed.all_sum under torchrun; the identity in one process).
@@ -152,6 +156,8 @@ def whiten(
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
     statistics are those of the whole batch.
 
+    Paper: policy optimization with the probability mask.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
     """
@@ -175,6 +181,8 @@ def policy_loss(
     batch_sequences: int,
 ) -> tuple[torch.Tensor, dict]:
     """PPO-clip surrogate + beta * k3 KL to the reference model, for a micro-batch of [rows, T] token tensors.
+
+    Paper: policy optimization with the probability mask; the KL penalty.
 
     Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
     (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.

@@ -120,6 +120,8 @@ def gae_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over a right-padded batch; returns (advantages, returns), both [batch, T].
 
+    Paper: PPO's advantage (baseline).
+
     rewards[b, t]: reward received after response token t (here the graded reward on the last token);
     values[b, t]: the critic's V(s_{t-1}), the state just before token t is sampled; mask[b, t]: response
     tokens (a prefix of each row). The value after the last response token is 0 (the episode ends);
@@ -158,6 +160,8 @@ def loss_mask(
     """Tokens that count in the policy loss: response tokens, and with the probability mask only those with
     p_t < threshold.
 
+    Paper: policy optimization with the probability mask.
+
     Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
     over the processes that share the batch (distributed.all_sum under torchrun; the identity in one process).
 
@@ -183,6 +187,8 @@ def whiten(
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
     statistics are those of the whole batch.
 
+    Paper: policy optimization with the probability mask.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
     """
@@ -206,6 +212,8 @@ def policy_loss(
     batch_sequences: int,
 ) -> tuple[torch.Tensor, dict]:
     """PPO-clip surrogate + beta * k3 KL to the reference model, for a micro-batch of [rows, T] token tensors.
+
+    Paper: policy optimization with the probability mask; the KL penalty.
 
     Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
     (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
@@ -244,6 +252,8 @@ def value_loss(
     batch_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Clipped value loss 0.5 * max((V - ret)^2, (clip(V, V_old - eps, V_old + eps) - ret)^2), masked, for [rows, T].
+
+    Paper: PPO's advantage (baseline).
 
     Like PPO's ratio clip, a new value may not move the loss down by leaving the eps-band around the
     rollout's value. Normalised by the whole batch's masked-token count `batch_tokens` (default: this
@@ -316,7 +326,10 @@ class Critic(torch.nn.Module):
 
 
 def make_critic(policy, precision: Precision = FP32) -> Critic:
-    """A critic initialised from the policy's weights: a separate copy of its backbone (the LM head is dropped)."""
+    """A critic initialised from the policy's weights: a separate copy of its backbone (the LM head is dropped).
+
+    Paper: PPO's advantage (baseline).
+    """
     return Critic(copy.deepcopy(policy.base_model), policy.config.hidden_size, precision)
 
 

@@ -101,6 +101,8 @@ PAPER_SETTINGS = {
 def find_cutpoints(probs: Sequence[float], threshold: float = 0.9, interval: int = 5) -> list[int]:
     """Cutpoints of a response: the state just before every `interval`-th low-probability token.
 
+    Paper: segment partition: SPO-chain's cutpoint-based partition.
+
     probs[t] = p_t, the old policy's probability of response token t. Token t is low-probability when
     p_t < threshold; its cutpoint is t - 1 (state s_{t-1} = prompt + y_0..y_{t-1}; -1 is the prompt alone).
     Cutpoints are strictly increasing and at most T - 2; there is no cap on their number.
@@ -125,6 +127,8 @@ def chain_advantages(
     prob_mask: bool = True,
 ) -> list[float]:
     """Token advantages of one response from its cutpoint values (values[i] = V(s_{cutpoints[i]})) and its reward R.
+
+    Paper: segment advantage estimation: SPO-chain's chain-based advantage estimation.
 
     Value positions, left to right: each cutpoint c >= 0 carries V(s_c), the last token T-1 carries R.
     A value position's advantage is its value minus the previous one's; the first gets 0, unless
@@ -173,6 +177,8 @@ def loss_mask(
 ) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
 
+    Paper: policy optimization with the probability mask.
+
     Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
     over the processes that share the batch (distributed.all_sum under torchrun; the identity in one process).
 
@@ -198,6 +204,8 @@ def whiten(
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
     statistics are those of the whole batch.
 
+    Paper: policy optimization with the probability mask.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
     """
@@ -221,6 +229,8 @@ def policy_loss(
     batch_sequences: int,
 ) -> tuple[torch.Tensor, dict]:
     """PPO-clip surrogate + beta * k3 KL to the reference model, for a micro-batch of [rows, T] token tensors.
+
+    Paper: policy optimization with the probability mask; the KL penalty.
 
     Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
     (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
@@ -268,6 +278,8 @@ def mc_values(
     stop: list[str],
 ) -> tuple[list[float], dict]:
     """V(s) of each state (prompt_ids, response_prefix_ids, answer): mean reward of `mc_samples` continuations.
+
+    Paper: segment advantage estimation: SPO-chain's chain-based advantage estimation.
 
     Identical states (same token ids, same answer) are estimated once: for instance c = -1, the prompt
     itself, is shared by every response of a question whose first token is low-probability. All states go

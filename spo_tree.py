@@ -232,6 +232,8 @@ def backup_values(root: Node) -> float:
     (recursive in definition, not leaf-weighted; computed children first without recursion, so any depth is fine);
     return the root's value.
 
+    Paper: segment advantage estimation: SPO-tree's tree-based advantage estimation.
+
     >>> backup_values(Node([0], [Node([1], reward=1.0), Node([2], [Node([3], reward=0.0), Node([4], reward=1.0)])]))
     0.75
     """
@@ -254,6 +256,8 @@ def edge_advantages(parent: Node, advantage: str = "rloo") -> list[float]:
     """Advantage of each child of `parent` (values already backed up): "rloo" V(child) - V(parent),
     "grpo" that / (population std of the children's values + 1e-8).
 
+    Paper: segment advantage estimation: SPO-tree's tree-based advantage estimation.
+
     >>> edge_advantages(Node([0], [Node([1], value=1.0), Node([2], value=0.0)], value=0.5))
     [0.5, -0.5]
     """
@@ -268,6 +272,8 @@ def edge_advantages(parent: Node, advantage: str = "rloo") -> list[float]:
 def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], list[int], float, int]]:
     """Training samples of a tree: (query ids, segment ids, advantage, depth) per non-root node, depth-first
     pre-order (a node, then its subtree, then its next sibling). Calls backup_values.
+
+    Paper: segment advantage estimation: SPO-tree's tree-based advantage estimation.
 
     query = root.tokens + the ancestors' segments; advantage "rloo" = V(node) - V(parent), "grpo" = that
     / (population std of the node and its siblings' values + 1e-8); depth: 1 for the root's children. Edges with
@@ -343,6 +349,8 @@ def sample_buffer(
     """Replay buffer step: drop edges older than `max_age` iterations, then take at most `per_question`
     random edges per question. Returns (taken, remaining); taken edges leave the buffer.
 
+    Paper: SPO-tree's replay buffer.
+
     An edge born in iteration i (edge["born"]) can be taken in iterations i .. i + max_age - 1.
     Edges are grouped by edge["question"]; both lists keep the buffer's order.
     """
@@ -363,6 +371,8 @@ def fill_samples(taken: list[dict], remaining: list[dict], n: int, rng: random.R
     them: a random subset of n when it took more (the others go back to the buffer), every edge once plus
     n - len(taken) drawn again with replacement when it took fewer. n = 0, n = len(taken) or no edges at all:
     the taken edges unchanged. Returns (samples, remaining); samples keep the buffer's order, repeats last.
+
+    Paper: SPO-tree's replay buffer.
 
     A repeat is the same dict as its edge: setting a sample's tensors sets every copy's, which would get the
     same values anyway, and each copy still counts in the per-sample statistics (whitening, loss normalisation).
@@ -394,6 +404,8 @@ def depth_weights(branches: list[int]) -> list[float]:
     the tree's expected loss gradient is proportional to the policy gradient (an option beyond the paper, whose
     edges all weigh 1).
 
+    Paper: edge weighting (beyond the paper).
+
     A full tree has n_d = b_0 ... b_{d-1} nodes at depth d, each an equally weighted sample, so uniform weights
     count a depth-d segment n_d times per tree; with the rloo baseline the parent's value includes the child itself,
     which scales its expected contribution by (b_{d-1} - 1) / b_{d-1}. The weight that undoes both is
@@ -420,6 +432,8 @@ def edge_weights(taken: list[dict], remaining: list[dict], by_depth: list[float]
     random k_q of them, and E_q depends on the tree's outcomes: without the factor a question with many non-zero
     edges would count as much as one with few).
 
+    Paper: edge weighting (beyond the paper).
+
     >>> taken = [{"question": 0, "depth": 1}, {"question": 0, "depth": 2}, {"question": 1, "depth": 2}]
     >>> edge_weights(taken, [{"question": 0, "depth": 2}] * 2, [1.0, 0.5])  # question 0: 2 of 4 kept
     [2.0, 1.0, 0.5]
@@ -437,6 +451,8 @@ def loss_mask(
     all_sum: Callable = lambda x: x,
 ) -> torch.Tensor:
     """Tokens that count in the loss: response tokens, and with the probability mask only those with p_t < threshold.
+
+    Paper: policy optimization with the probability mask.
 
     Falls back to all response tokens when no token of the batch is below the threshold. `all_sum` sums a tensor
     over the processes that share the batch (distributed.all_sum under torchrun; the identity in one process).
@@ -463,6 +479,8 @@ def whiten(
     `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
     statistics are those of the whole batch.
 
+    Paper: policy optimization with the probability mask.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
     """
@@ -486,6 +504,8 @@ def policy_loss(
     batch_sequences: int,
 ) -> tuple[torch.Tensor, dict]:
     """PPO-clip surrogate + beta * k3 KL to the reference model, for a micro-batch of [rows, T] token tensors.
+
+    Paper: policy optimization with the probability mask; the KL penalty.
 
     Normalised by the whole batch's masked-token count (`batch_tokens`) and sequence count
     (`batch_sequences`), so summing micro-batch losses gives the batch loss whatever the split.
@@ -532,6 +552,8 @@ def grow_trees(
     stop: list[str],
 ) -> tuple[list[Node], list[float]]:
     """One tree per prompt, grown level by level with one batched sampler call per level across all trees.
+
+    Paper: segment partition: SPO-tree's fixed-length segments.
 
     Level d: every open node samples branches[d] children of at most `segment_tokens` new tokens (the sampler
     prefills each prefix once); at the last level children run to completion, up to `max_new_tokens` minus

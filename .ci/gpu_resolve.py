@@ -1,6 +1,6 @@
-"""CI: the README's GPU install resolves with every pin unchanged (pip's resolver, metadata only, no download).
+"""CI: RUNNING.md's GPU install resolves with every pin unchanged (pip's resolver, metadata only, no download).
 
-Reads the ```bash block after `<!-- gpu-install` in README.md, checks that it installs the torch pin of
+Reads the ```bash block after `<!-- gpu-install` in RUNNING.md, checks that it installs the torch pin of
 requirements.txt, then requirements.txt, then requirements-vllm.txt, and runs
 `pip install --dry-run --ignore-installed -r requirements.txt -r requirements-vllm.txt`. It fails when
 the resolver finds no solution (a pin bumped without the others) or resolves a pinned package to
@@ -29,7 +29,7 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def gpu_install(readme: str) -> list[list[str]] | None:
-    """The commands (as words) of the ```bash block after `<!-- gpu-install` in the README's text; None: no block.
+    """The commands (as words) of the ```bash block after `<!-- gpu-install` in the guide's text; None: no block.
     tests/test_vllm_source.py reads the torch index from them."""
     block = re.search(r"```bash\n(.*?)```", readme.split("<!-- gpu-install", 1)[-1], re.S)
     if "<!-- gpu-install" not in readme or block is None:
@@ -38,9 +38,9 @@ def gpu_install(readme: str) -> list[list[str]] | None:
 
 
 def main() -> None:
-    commands = gpu_install((ROOT / "README.md").read_text())
+    commands = gpu_install((ROOT / "RUNNING.md").read_text())
     if commands is None:
-        sys.exit("gpu_resolve: README.md has no ```bash block after a <!-- gpu-install comment")
+        sys.exit("gpu_resolve: RUNNING.md has no ```bash block after a <!-- gpu-install comment")
     wanted = {name: version for f in FILES for name, version in pins(ROOT / f).items()}
     expected = [
         ["pip", "install", f"torch=={wanted['torch']}"],
@@ -48,7 +48,7 @@ def main() -> None:
         ["pip", "install", "-r", FILES[1]],
     ]  # each command starts with these words (flags may follow)
     if len(commands) != len(expected) or any(c[: len(e)] != e for c, e in zip(commands, expected)):
-        sys.exit(f"gpu_resolve: the README's GPU install should begin, in order: {expected}; it is {commands}")
+        sys.exit(f"gpu_resolve: RUNNING.md's GPU install should begin, in order: {expected}; it is {commands}")
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.json"
         command = [

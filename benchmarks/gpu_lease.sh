@@ -10,7 +10,7 @@
 #                   model (--backend hf), the update at the real DeepSeek-R1-Distill-Qwen-1.5B shape at the memory
 #                   plan's micro-batch, the no-grad passes, the HF sampler. The steps share a budget of 540 s (one
 #                   command may run 600 s); a step that would start past it is recorded as skipped.
-#   --host          your own GPU host (network, root or not): the apt prerequisites, the README's GPU install exactly
+#   --host          your own GPU host (network, root or not): the apt prerequisites, RUNNING.md's GPU install exactly
 #                   (into .venv), then the same steps and the vLLM ones (level-2 sleep against itself, start-up
 #                   seconds, rollout tokens per second, spo_tree.py --backend vllm), each engine in its own process:
 #                   vLLM 0.30 allows one sleep-mode engine per process.
@@ -154,9 +154,9 @@ check() {  # check STEP LIMIT: one step of benchmarks/gpu_check.py
     --out "$steps_dir/$1.json"
 }
 
-readme_block() {  # the lines of the ```bash block after the line of README.md that holds $1
+guide_block() {  # the lines of the ```bash block after the line of RUNNING.md that holds $1
   awk -v marker="$1" 'index($0, marker) { found = 1; next } found && /^```bash/ { inside = 1; next }
-    inside && /^```/ { exit } inside' README.md
+    inside && /^```/ { exit } inside' RUNNING.md
 }
 
 # ----------------------------------------------------------------------------- what each machine needs first
@@ -180,7 +180,7 @@ if [ "$mode" = lent ]; then
   fi
   only=$only_asked
 elif [ "$install" = 1 ]; then
-  # The apt prerequisites (README, GPU): python3 -m venv needs python3-venv on Debian and Ubuntu; Triton compiles its
+  # The apt prerequisites (RUNNING.md, GPU install): python3 -m venv needs python3-venv on Debian and Ubuntu; Triton compiles its
   # launchers with gcc against Python.h (python3-dev).
   apt_packages="python3-venv python3-dev gcc"
   missing=""
@@ -189,7 +189,7 @@ elif [ "$install" = 1 ]; then
     2>/dev/null || missing+=" python3-dev"
   command -v gcc >/dev/null || missing+=" gcc"
   apt="apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $apt_packages"
-  if [ "$dry_run" = 1 ]; then  # the README's line
+  if [ "$dry_run" = 1 ]; then  # RUNNING.md's line
     run_step prerequisites 30 printf 'would run: %s\nmissing here:%s\n' \
       "sudo apt-get update && sudo apt-get install -y $apt_packages" "${missing:- nothing}"
   elif [ -z "$missing" ]; then
@@ -202,8 +202,8 @@ elif [ "$install" = 1 ]; then
     record prerequisites failed 1 0 0 "not root and no sudo without a password: ask for sudo apt-get install -y \
 $apt_packages (missing:$missing)" apt-get install -y $apt_packages
   fi
-  # The README's GPU install, exactly, into .venv (--dry-run: a venv of this run's own, and the install printed).
-  mapfile -t install_lines < <(readme_block "<!-- gpu-install")
+  # RUNNING.md's GPU install, exactly, into .venv (--dry-run: a venv of this run's own, and the install printed).
+  mapfile -t install_lines < <(guide_block "<!-- gpu-install")
   if [ "$dry_run" = 1 ]; then
     run_step venv 300 python3 -m venv "$scratch/venv"
     run_step install 30 printf 'would run: %s\n' "${install_lines[@]}"

@@ -4,7 +4,7 @@ the formula's activation terms are measured on a CPU (tests/test_memory.py); ben
 update's real peak beside this estimate where a GPU is lent (gpu_check.py's real_shape_update step).
 
   python benchmarks/memory_plan.py           # print the table
-  python benchmarks/memory_plan.py --write   # replace the table in README.md (tests/test_memory.py checks it)
+  python benchmarks/memory_plan.py --write   # replace the table in RUNNING.md (tests/test_memory.py checks it)
 """
 
 from __future__ import annotations
@@ -156,15 +156,15 @@ def tree_iteration() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the table in RUNNING.md")
     text = f"{table()}\n\n{tree_iteration()}"
     if parser.parse_args().write:
-        readme = (ROOT / "README.md").read_text()
+        readme = (ROOT / "RUNNING.md").read_text()
         if BEGIN not in readme or END not in readme:
-            raise SystemExit(f"error: README.md has no {BEGIN} ... {END} block to fill")
+            raise SystemExit(f"error: RUNNING.md has no {BEGIN} ... {END} block to fill")
         head, rest = readme.split(BEGIN, 1)
-        (ROOT / "README.md").write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
-        print("README.md: table written")
+        (ROOT / "RUNNING.md").write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+        print("RUNNING.md: table written")
     else:
         print(text)
 

@@ -26,8 +26,8 @@ import torch
 
 from plumbing import UsageError, distributed
 
-# The PyTorch index whose torch build matches each CUDA major version that vLLM wheels are built for. The README's
-# GPU install uses the one of the pinned vllm (tests/test_vllm_source.py checks both against the wheel).
+# The PyTorch index whose torch build matches each CUDA major version that vLLM wheels are built for. The GPU
+# install of RUNNING.md uses the one of the pinned vllm (tests/test_vllm_source.py checks both against the wheel).
 TORCH_INDEX = {12: "https://download.pytorch.org/whl/cu128", 13: "https://download.pytorch.org/whl/cu130"}
 
 

@@ -358,6 +358,8 @@ def grade(
 ) -> list[float]:
     """1.0 for each response whose final answer equals its reference, else 0.0.
 
+    Paper: the reward.
+
     The final answer, by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24), read
     from the response's last 8000 characters:
     1. The last stated answer counts. An answer is stated by a \\boxed{...}, a "####", an "answer is" or

@@ -139,6 +139,8 @@ def response_logprobs(
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
     so that exp(logp) is the probability the sampler used.
 
+    Paper: the token probabilities p_t.
+
     Rows with the same prompt (a question's responses, a tree node's children) share one forward pass of it: each
     distinct prompt runs once, its keys and values are repeated for its rows, and the responses run on top of them.
     The gradient flows back through the shared keys and values: it is the sum over the rows, the same as from a

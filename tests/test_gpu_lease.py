@@ -108,9 +108,9 @@ def with_fake_vllm(fake_vllm: Path) -> dict:
     return {"PYTHONPATH": os.pathsep.join([str(fake_vllm), str(ROOT / "tests")])}
 
 
-def readme_gpu_section() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("\n## GPU\n", 1)[1].split("\n## ", 1)[0]
+def guide_gpu_section() -> str:
+    guide = (ROOT / "RUNNING.md").read_text()
+    return guide.split("\n## GPU install\n", 1)[1].split("\n## ", 1)[0]
 
 
 # ----------------------------------------------------------------------------- both machines, every step
@@ -174,18 +174,18 @@ def test_the_hosts_rehearsal_runs_every_step_and_the_vllm_ones(tmp_path, fake_vl
 # ----------------------------------------------------------------------------- the host's install
 
 
-def test_the_hosts_install_is_the_readmes(tmp_path):
+def test_the_hosts_install_is_the_running_guides(tmp_path):
     code, report, printed = lease(
         tmp_path, "--host", "--device", "cpu", "--dry-run", "--steps", "prerequisites,venv,install"
     )
     by_name = steps(report)
     assert code == 0 and list(by_name) == ["prerequisites", "venv", "install"], printed
-    section = readme_gpu_section()
+    section = guide_gpu_section()
     lease_text = LEASE.read_text()
     packages = re.search(r'apt_packages="([^"]+)"', lease_text).group(1)
     apt = f"sudo apt-get update && sudo apt-get install -y {packages}"
     venv = "python3 -m venv .venv && . .venv/bin/activate"
-    # the README names the apt line and the venv before the install block, as a fresh Debian or Ubuntu host needs them
+    # the guide names the apt line and the venv before the install block, as a fresh Debian or Ubuntu host needs them
     assert section.index(apt) < section.index(venv) < section.index("<!-- gpu-install")
     log = (tmp_path / "gpu_lease.log").read_text()
     assert f"would run: {apt}" in log
@@ -193,7 +193,7 @@ def test_the_hosts_install_is_the_readmes(tmp_path):
     printed_install = [
         line.removeprefix("would run: ") for line in log.splitlines() if line.startswith("would run: pip")
     ]
-    assert printed_install == install  # exactly the README's lines, in its order
+    assert printed_install == install  # exactly the guide's lines, in its order
 
 
 # ----------------------------------------------------------------------------- one step's failure, one engine a process

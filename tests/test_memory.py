@@ -305,7 +305,7 @@ def test_readme_table_is_what_memory_plan_prints():
     spec = importlib.util.spec_from_file_location("memory_plan", root / "benchmarks" / "memory_plan.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    readme = (root / "README.md").read_text()
+    readme = (root / "RUNNING.md").read_text()
     block = readme.split(module.BEGIN, 1)[1].split(module.END, 1)[0].strip()
     assert block == f"{module.table()}\n\n{module.tree_iteration()}", "run: python benchmarks/memory_plan.py --write"
 

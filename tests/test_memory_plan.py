@@ -1,5 +1,5 @@
 """benchmarks/memory_plan.py's work of one SPO-tree iteration: every edge is a row of its ancestors' segments and its
-own, so the passes read more than the segments sampled (tests/test_memory.py checks the README's table)."""
+own, so the passes read more than the segments sampled (tests/test_memory.py checks RUNNING.md's table)."""
 
 import doctest
 import importlib.util

@@ -20,9 +20,9 @@ the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is n
     parallel size 1 (their defaults), not stepped together with the other ranks;
   - every parameter or field of the fake exists in the real counterpart, at the same position when
     positional, and with the same default where both defaults are literals; the fake's __version__ is the pin;
-  - the CUDA of the README's torch index (cuXYZ) is the CUDA the wheel's compiled ops link (libcudart.so.N, read
+  - the CUDA of RUNNING.md's torch index (cuXYZ) is the CUDA the wheel's compiled ops link (libcudart.so.N, read
     from their ELF headers) and its metadata's extras name (e.g. nvidia-cutlass-dsl[cu13]), and plumbing/gpu.py's
-    pre-flight suggests the README's index: a bump of torch's index or of vllm that breaks the pair fails here.
+    pre-flight suggests that index: a bump of torch's index or of vllm that breaks the pair fails here.
 
 The wheel is ~315 MB, so this runs only with SPO_VLLM_SOURCE_CHECK=1 (CI sets it). With
 SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl a local wheel is read instead of downloading one.
@@ -499,15 +499,15 @@ def test_external_launcher_engines_are_independent_in_the_training_world(src):
 
 
 def readme_torch_index() -> str:
-    """The --index-url of the README's GPU install of torch (the block .ci/gpu_resolve.py reads)."""
+    """The --index-url of RUNNING.md's GPU install of torch (the block .ci/gpu_resolve.py reads)."""
     spec = importlib.util.spec_from_file_location("gpu_resolve", ROOT / ".ci" / "gpu_resolve.py")
     gpu_resolve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_resolve)
-    commands = gpu_resolve.gpu_install((ROOT / "README.md").read_text())
-    assert commands, "README.md has no ```bash block after a <!-- gpu-install comment"
+    commands = gpu_resolve.gpu_install((ROOT / "RUNNING.md").read_text())
+    assert commands, "RUNNING.md has no ```bash block after a <!-- gpu-install comment"
     torch_install = commands[0]
     assert "--index-url" in torch_install[:-1], (
-        f"README's torch install names no --index-url: {' '.join(torch_install)}"
+        f"RUNNING.md's torch install names no --index-url: {' '.join(torch_install)}"
     )
     return torch_install[torch_install.index("--index-url") + 1]
 
@@ -515,7 +515,7 @@ def readme_torch_index() -> str:
 def test_readme_torch_index_is_the_cuda_of_the_wheel(src):
     index = readme_torch_index()
     tag = re.search(r"/(cu\d+)/?$", index)
-    assert tag, f"README's torch index {index} names no CUDA build (cuXYZ)"
+    assert tag, f"RUNNING.md's torch index {index} names no CUDA build (cuXYZ)"
     readme_major = gpu.cuda_major(tag.group(1))
     linked = {}
     for name in (n for n in src.names() if re.fullmatch(r"vllm/[^/]+\.so", n)):  # the compiled ops vllm loads
@@ -524,17 +524,17 @@ def test_readme_torch_index_is_the_cuda_of_the_wheel(src):
     assert any(linked.values()), f"no top-level .so of the vllm {PIN} wheel links libcudart"
     wrong = {name: sorted(majors) for name, majors in linked.items() if majors and majors != {readme_major}}
     assert not wrong, (
-        f"README installs torch for CUDA {readme_major} ({index}); vllm {PIN}'s ops link libcudart.so.N: {wrong}"
+        f"RUNNING.md installs torch for CUDA {readme_major} ({index}); vllm {PIN}'s ops link libcudart.so.N: {wrong}"
     )
     metadata = src.zip.read(next(n for n in src.names() if n.endswith(".dist-info/METADATA"))).decode()
     requires = [line.split(":", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     extras = gpu.extra_cuda_majors([r for r in requires if "extra ==" not in r])
     assert extras == {readme_major}, (
-        f"vllm {PIN}'s requirements name CUDA {sorted(extras)} extras; README's torch is CUDA {readme_major}"
+        f"vllm {PIN}'s requirements name CUDA {sorted(extras)} extras; RUNNING.md's torch is CUDA {readme_major}"
     )
     assert gpu.TORCH_INDEX.get(readme_major) == index, (
         f"plumbing/gpu.py's pre-flight suggests {gpu.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; "
-        f"README uses {index}"
+        f"RUNNING.md uses {index}"
     )
 
 
