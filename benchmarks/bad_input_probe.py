@@ -375,14 +375,14 @@ def main(args: Args) -> list[dict]:
     print(f"{len(rows)} cases: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()))
     if not args.only:
         from plumbing.precision import cpu_description
-        from plumbing.runs import code_commit
+        from plumbing.runs import code_state
 
         files.write_atomic(
             ROOT / args.out,
             json.dumps(
                 {
                     "measured": time.strftime("%Y-%m-%d"),
-                    "commit": code_commit(short=True),
+                    **code_state(),  # commit, tree_modified
                     "machine": cpu_description(),
                     "counts": counts,
                     "cases": rows,

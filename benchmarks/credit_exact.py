@@ -1217,8 +1217,8 @@ def validate(args: Args) -> None:
 
 
 def machine() -> dict:
-    """Where and from what code the run was made: the CPU, the commit, and whether the code this benchmark imports
-    differed from that commit (uncommitted changes)."""
+    """Where and from what code the run was made: the CPU, the commit, and whether the checkout, and the code this
+    benchmark imports, differed from that commit (uncommitted changes)."""
 
     def git(*command: str) -> str:
         return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -1239,7 +1239,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "commit": runs.code_commit(short=True),
+        **runs.code_state(),  # commit, tree_modified
         "imported_code_modified": bool(git("status", "--porcelain", "--", *imported)),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
