@@ -11,7 +11,7 @@ whitening and loss counts, gathers for metrics and evaluation, barriers), waitin
 after the run the gradient all-reduce is timed alone (ranks started together by a barrier, median of 3): the
 transfer cost of one optimizer step.
 
-  python benchmarks/distributed.py              # writes benchmarks/results/distributed.json
+  python benchmarks/distributed.py              # writes benchmarks/results/distributed.json (--out elsewhere)
 """
 
 import json
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "distributed.json"
@@ -151,9 +152,8 @@ def measure(world: int, scratch: Path) -> dict:
     }
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["--worker"]:
-        return worker(*sys.argv[2:4])
+def main(out: Path = RESULTS) -> None:
+    """Run the same GRPO iterations in both layouts and write the figures to `out`."""
     sys.path.insert(0, str(ROOT))
     from plumbing.precision import cpu_description
     from plumbing.runs import code_state
@@ -162,8 +162,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         runs = [measure(world, Path(scratch)) for world in (1, 2)]
     result = {"cpu": cpu_description(), "code": code, "settings": SETTINGS, "cpu_cores": os.cpu_count(), "runs": runs}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     for run in runs:
         print(
             f"{run['processes']} process(es) x {run['threads_per_process']} thread(s): "
@@ -174,8 +174,11 @@ def main() -> None:
             f"training); gradient all-reduce alone {run['gradient_all_reduce_seconds']:.2f} s per step "
             f"({run['gradient_megabytes']:.0f} MB)"
         )
-    print(f"-> {RESULTS}")
+    print(f"-> {out}")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:  # one torchrun process of measure()'s launch
+        worker(*sys.argv[2:4])
+    else:
+        tyro.cli(main)

@@ -14,7 +14,7 @@ response) positions; padding is the share of them that hold no token. The second
 untimed warm-up pass, the order of the three rotating from batch to batch; the gradients agree (neither split nor
 sharing changes them).
 
-  python benchmarks/padding.py                 # writes benchmarks/results/padding.json
+  python benchmarks/padding.py                 # writes benchmarks/results/padding.json (--out elsewhere)
 """
 
 import json
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
@@ -103,7 +104,8 @@ def timed_update(model, batch: list[dict], way: str, pad_id: int, precision=FP32
     return seconds, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def main() -> None:
+def main(out: Path = Path(__file__).parent / "results" / "padding.json") -> None:
+    """Run the same batches the three ways, compare their gradients and write the figures to `out`."""
     model, tokenizer = models.load_model("smollm2-135m")
     precision = choose_precision("auto", "cpu")
     print(precision.line)
@@ -167,7 +169,8 @@ def main() -> None:
                 for a, b in zip(grads[way], grads[names[0]])
             )
             result["max_grad_difference"] = max(result["max_grad_difference"], difference)
-    output = Path(__file__).parent / "results" / "padding.json"
+    output = out
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1))
     print(
         f"\n{len(samples)} samples, prompts {result['prompt_tokens']:.0f} and "
@@ -183,4 +186,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tyro.cli(main)

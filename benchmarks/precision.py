@@ -6,7 +6,7 @@ Reports max and mean |delta log p| over response tokens, the fraction of tokens 
 side of the 0.9 probability-mask threshold, the fraction whose ratio exp(delta) leaves the clip range
 [0.8, 1.2], and the seconds of each pass on this machine (with whether the CPU has fast bf16).
 
-  python benchmarks/precision.py               # writes benchmarks/results/precision.json
+  python benchmarks/precision.py               # writes benchmarks/results/precision.json (--out elsewhere)
 """
 
 import json
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval as ev  # noqa: E402
@@ -32,7 +33,8 @@ TASK, QUESTIONS, SAMPLES, NEW_TOKENS, TEMPERATURE, THRESHOLD = (
 )
 
 
-def main() -> None:
+def main(out: Path = Path(__file__).parent / "results" / "precision.json") -> None:
+    """Compute the same rollouts' log-probs in fp32 and in bf16 autocast and write the comparison to `out`."""
     model, tokenizer = models.load_model("smollm2-135m")
     examples = ev.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
     groups = engines.HFSampler(model, tokenizer, seed=0).sample(
@@ -77,7 +79,8 @@ def main() -> None:
         "fast_bf16": fast_bf16("cpu")[0],
         "why": fast_bf16("cpu")[1],
     }
-    output = Path(__file__).parent / "results" / "precision.json"
+    output = out
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1))
     print(
         f"{result['rollouts']} rollouts, {result['response_tokens']} response tokens: "
@@ -91,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tyro.cli(main)
