@@ -117,6 +117,9 @@ def worker(output_dir: str, report: str) -> None:
                 }
             )
         )
+    if torch.distributed.is_initialized():  # leave together: a rank exiting mid-teardown can abort gloo's threads
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def measure(world: int, scratch: Path) -> dict:
