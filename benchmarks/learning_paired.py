@@ -1,0 +1,151 @@
+"""Paired comparison of learning.py's runs: every run's final policy and the starting model answer the same held-out
+questions, so two algorithms can be compared question by question instead of through two separate accuracies.
+
+learning.py records one greedy accuracy per run. Here each run's checkpoint (and the starting model) is evaluated
+again with eval.py's own `main` under the settings of learning.py's in-run evaluation (the task's test split for
+the run's seed, greedy, the runs' --max-new-tokens and --context, --backend hf, --precision auto); each accuracy is
+checked against the one learning.py recorded, and per question the difference to a reference algorithm is taken.
+Reported: each accuracy with its Wilson 95 % interval over the questions, and each algorithm minus the reference
+(and minus the starting model) with a paired 95 % bootstrap interval over questions, plus the discordant questions
+(right here and wrong there, and the reverse).
+
+  python benchmarks/learning_paired.py       # after learning.py; about 8 minutes on 2 cores (6 evaluations)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import eval as ev  # noqa: E402
+from plumbing import UsageError, ranges, runs  # noqa: E402
+from plumbing.cli import run_cli  # noqa: E402
+from plumbing.precision import cpu_description  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Args:
+    learning: Path = RESULTS / "learning_bf16_shared_prompts.json"
+    """learning.py's results JSON (its runs' directories must still hold their checkpoints)"""
+    out: Path = RESULTS / "learning_paired.json"
+    """where the paired figures go (each model's eval.py results JSON is written beside it, in a folder)"""
+    reference: str = "grpo"
+    """the algorithm every other one is compared with"""
+    resamples: ranges.PositiveInt = 10_000
+    """bootstrap resamples of the questions"""
+
+
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score 95 % interval of a proportion correct / n."""
+    p, denominator = correct / n, 1 + z**2 / n
+    centre, half = (p + z**2 / (2 * n)) / denominator, z * math.sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / denominator
+    return centre - half, centre + half
+
+
+def paired(a: list[float], b: list[float], resamples: int, seed: int = 0) -> dict:
+    """mean(a - b) over questions, its 95 % bootstrap interval (questions resampled), and the discordant counts."""
+    difference = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    index = torch.randint(0, len(a), (resamples, len(a)), generator=torch.Generator().manual_seed(seed))
+    means = difference[index].mean(dim=1)
+    return {
+        "difference": difference.mean().item(),
+        "ci": [means.quantile(0.025).item(), means.quantile(0.975).item()],
+        "only_first_right": int((difference > 0).sum()),
+        "only_second_right": int((difference < 0).sum()),
+    }
+
+
+def flag(run: dict, name: str) -> str:
+    """The value of `name` on the command line learning.py ran `run` with."""
+    words = run["command"].split()
+    return words[words.index(name) + 1]
+
+
+def evaluate(model: str, run: dict, output: Path) -> list[float]:
+    """Per-question greedy scores of `model` on the run's held-out questions, with the run's own settings."""
+    result = ev.main(
+        ev.EvalArgs(
+            model=model,
+            task=flag(run, "--task"),
+            split="test",
+            samples=1,
+            temperature=0.0,
+            max_new_tokens=int(flag(run, "--max-new-tokens")),
+            context=int(flag(run, "--context")),
+            backend="hf",
+            seed=run["seed"],
+            precision="auto",
+            output=str(output),
+        )
+    )
+    return [r["scores"][0] for r in result["records"]]
+
+
+def main(args: Args) -> None:
+    if problems := ranges.problems(args):
+        raise UsageError("; ".join(problems))
+    if not args.learning.is_file():
+        raise UsageError(f"--learning {args.learning}: no such file; run benchmarks/learning.py first")
+    learning = json.loads(args.learning.read_text())
+    missing = [r["run_dir"] for r in learning["runs"] if not (Path(r["run_dir"]) / "checkpoint").is_dir()]
+    if missing:
+        raise UsageError(
+            f"{len(missing)} run(s) of {args.learning} have no checkpoint any more (first: {missing[0]}): re-run "
+            "benchmarks/learning.py with the same --output-dir"
+        )
+    folder = args.out.with_suffix("")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {"cpu": cpu_description(), "code": runs.code_state(), "learning": str(args.learning), "seeds": {}}
+    for seed in sorted({r["seed"] for r in learning["runs"]}):
+        seed_runs = {r["algorithm"]: r for r in learning["runs"] if r["seed"] == seed}
+        if args.reference not in seed_runs:
+            raise UsageError(f"--reference {args.reference}: seed {seed} has runs of {sorted(seed_runs)} only")
+        first = next(iter(seed_runs.values()))
+        scores = {"start": evaluate(flag(first, "--model"), first, folder / f"seed{seed}_start.json")}
+        recorded = {"start": first["accuracy_before"]}
+        for algorithm, run in seed_runs.items():
+            output = folder / f"seed{seed}_{algorithm}.json"
+            scores[algorithm] = evaluate(str(Path(run["run_dir"]) / "checkpoint"), run, output)
+            recorded[algorithm] = run["accuracy_after"]
+        n = len(scores["start"])
+        table = {}
+        for name, s in scores.items():
+            accuracy = sum(s) / n
+            table[name] = {
+                "accuracy": accuracy,
+                "wilson_ci": list(wilson(int(sum(s)), n)),
+                "recorded_by_learning": recorded[name],
+                "matches_recorded": abs(accuracy - recorded[name]) < 1e-9,
+                "minus_start": paired(s, scores["start"], args.resamples) if name != "start" else None,
+                f"minus_{args.reference}": paired(s, scores[args.reference], args.resamples)
+                if name not in ("start", args.reference)
+                else None,
+            }
+        out["seeds"][str(seed)] = {"questions": n, "algorithms": table, "scores": scores}
+        print(f"seed {seed}: {n} held-out questions, greedy")
+        for name, row in table.items():
+            line = f"  {name:16s} {row['accuracy']:.3f} [{row['wilson_ci'][0]:.3f}, {row['wilson_ci'][1]:.3f}]"
+            if not row["matches_recorded"]:
+                line += f" (learning.py recorded {row['recorded_by_learning']:.3f})"
+            if versus := row[f"minus_{args.reference}"]:
+                low, high = versus["ci"]
+                line += (
+                    f"  - {args.reference} {versus['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
+                    f" ({versus['only_first_right']} / {versus['only_second_right']} discordant)"
+                )
+            print(line)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"-> {args.out} (each model's eval.py results in {folder}/)")
+
+
+if __name__ == "__main__":
+    run_cli(main, tyro.cli(Args))
