@@ -729,6 +729,9 @@ def main(args: Args) -> None:
         raise SystemExit(
             "--steps and --rounds must be positive and --micro-batch-size must divide questions x group size"
         )
+    from plumbing.runs import code_state
+
+    code = code_state()  # the code the figures come from: commit, tree_modified
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "PYTHONUNBUFFERED": "1"}
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -756,6 +759,7 @@ def main(args: Args) -> None:
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
             "torch_threads_trl_child": trl_run["child"]["torch_threads"],
         },
+        "code": code,
         "versions": trl_run["child"]["versions"],  # both sides run with this interpreter
         "settings": {k: v for k, v in asdict(args).items() if k not in ("side", "child_out")},
         "trl_config": trl_run["child"]["config"],
