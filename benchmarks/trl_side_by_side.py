@@ -141,6 +141,9 @@ class Args:
     """completions per prompt (G; TRL num_generations)"""
     max_new_tokens: ranges.PositiveInt = 64
     """completion token budget (TRL max_completion_length)"""
+    context: ranges.PositiveInt = 2047
+    """prompt + completion positions grpo_baseline.py admits (its --context; at most the model's positions); TRL
+    has no such limit, and the prompts here are far shorter"""
     temperature: ranges.PositiveFloat = 0.7
     """sampling temperature; both sides divide the logits of the loss by it too"""
     lr: ranges.PositiveFloat = 5e-6
@@ -617,6 +620,8 @@ def run_ours(args: Args, work: Path, round_index: int, env: dict) -> dict:
         str(args.temperature),
         "--top-p",
         "1.0",
+        "--context",
+        str(args.context),
         "--max-new-tokens",
         str(args.max_new_tokens),
         "--eval-every",

@@ -145,6 +145,8 @@ def test_side_by_side_run_on_a_tiny_model(tiny_model_dir, gsm8k_jsonl, tmp_path)
             "4",
             "--max-new-tokens",
             "8",
+            "--context",
+            "512",  # the tiny model has 1024 positions; grpo_baseline.py's default is the paper's 2047
             "--micro-batch-size",
             "4",
             "--steps",
