@@ -637,13 +637,9 @@ def main(args: Args) -> dict:
         accuracy_before = accuracy_after = evaluation["eval/accuracy"]
 
     progress = tqdm.tqdm(
-        range(start_iteration, args.iterations + 1),
-        desc="iterations",
-        initial=start_iteration - 1,
-        total=args.iterations,
-        disable=distributed.rank() > 0,
+        desc="iterations", initial=start_iteration - 1, total=args.iterations, disable=distributed.rank() > 0
     )
-    for iteration in progress:
+    for iteration in range(start_iteration, args.iterations + 1):
         rng = reseed(args.seed, iteration, sampler)
 
         # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
@@ -758,8 +754,10 @@ def main(args: Args) -> dict:
             }
             checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state, modules={"critic": critic})
         distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
+        progress.update()  # counted here, not by iterating the bar: a bar left by `break` shows one iteration short
         if last:
             break
+    progress.close()
 
     return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 

@@ -502,13 +502,9 @@ def main(args: Args) -> dict:
         accuracy_before = eval_metrics["eval/accuracy"]
     accuracy_after, streak = accuracy_before, [0]
     progress = tqdm.tqdm(
-        range(start_iteration, args.iterations + 1),
-        desc="iterations",
-        initial=start_iteration - 1,
-        total=args.iterations,
-        disable=distributed.rank() > 0,
+        desc="iterations", initial=start_iteration - 1, total=args.iterations, disable=distributed.rank() > 0
     )
-    for iteration in progress:
+    for iteration in range(start_iteration, args.iterations + 1):
         # 1. Rollout: G responses per question (reseeded per iteration: a resumed run samples the same); under
         #    torchrun each rank takes its share of the questions.
         rng = reseed(args.seed, iteration, sampler)
@@ -638,8 +634,10 @@ def main(args: Args) -> dict:
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
             checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state)
         distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
+        progress.update()  # counted here, not by iterating the bar: a bar left by `break` shows one iteration short
         if last:
             break
+    progress.close()
 
     return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 

@@ -820,13 +820,9 @@ def main(args: Args) -> dict:
         accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
     streak = [0]  # non-finite losses in a row
     progress = tqdm.tqdm(
-        range(start_iteration, args.iterations + 1),
-        desc="iterations",
-        initial=start_iteration - 1,
-        total=args.iterations,
-        disable=distributed.rank() > 0,
+        desc="iterations", initial=start_iteration - 1, total=args.iterations, disable=distributed.rank() > 0
     )
-    for iteration in progress:
+    for iteration in range(start_iteration, args.iterations + 1):
         rng = reseed(args.seed, iteration, sampler)
 
         # 1. Rollout: one tree per question, grown level by level across all trees (this rank's share of them).
@@ -943,8 +939,10 @@ def main(args: Args) -> dict:
                 run_dir, model, tokenizer, trainer_state
             )  # the buffer too: a resumed run trains on the same edges
         distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
+        progress.update()  # counted here, not by iterating the bar: a bar left by `break` shows one iteration short
         if last:
             break
+    progress.close()
     return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 

@@ -2,11 +2,14 @@
 degenerate settings are refused before anything is sampled."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 import grpo_baseline
+import ppo_baseline
+import spo_chain
 import spo_tree
 from conftest import make_tiny_model, smoke_args
 from plumbing import UsageError, checkpoints, cli, distributed, runs, settings
@@ -28,6 +31,15 @@ def finished_run(tiny_model_dir, gsm8k_jsonl, tmp_path) -> Path:
     summary = grpo_baseline.main(smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1))
     runs.release_run()
     return Path(summary["run_dir"])
+
+
+@pytest.mark.parametrize("script", [spo_chain, spo_tree, grpo_baseline, ppo_baseline], ids=lambda s: s.__name__)
+def test_the_progress_bar_ends_on_the_iterations_run(script, tiny_model_dir, gsm8k_jsonl, tmp_path, capsys):
+    """The bar's last state counts every iteration that ran: 2/2 after two, not the 1/2 a bar left by `break` shows."""
+    script.main(smoke_args(script, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=2))
+    runs.release_run()
+    counts = re.findall(r"iterations: +\d+%\|[^|]*\| (\d+)/(\d+)", capsys.readouterr().err)
+    assert counts and counts[-1] == ("2", "2"), counts
 
 
 def test_resuming_a_finished_run_reports_it_and_leaves_it_as_it_is(finished_run, capsys):
