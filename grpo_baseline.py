@@ -412,9 +412,13 @@ def main(args: Args) -> dict:
         accuracy_before = accuracy_after = evaluation["eval/accuracy"]
 
     progress = tqdm.tqdm(
-        desc="iterations", initial=start_iteration - 1, total=args.iterations, disable=distributed.rank() > 0
+        range(start_iteration, args.iterations + 1),
+        desc="iterations",
+        initial=start_iteration - 1,
+        total=args.iterations,
+        disable=distributed.rank() > 0,
     )
-    for iteration in range(start_iteration, args.iterations + 1):
+    for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
         # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
@@ -502,10 +506,10 @@ def main(args: Args) -> dict:
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
             checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state)
         distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        progress.update()  # counted here, not by iterating the bar: a bar left by `break` shows one iteration short
-        if last:
+        if last:  # the bar counts an iteration when the next one is asked for: show this one done, end the bar
+            progress.n = iteration
+            progress.close()
             break
-    progress.close()
     return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 

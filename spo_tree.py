@@ -820,9 +820,13 @@ def main(args: Args) -> dict:
         accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
     streak = [0]  # non-finite losses in a row
     progress = tqdm.tqdm(
-        desc="iterations", initial=start_iteration - 1, total=args.iterations, disable=distributed.rank() > 0
+        range(start_iteration, args.iterations + 1),
+        desc="iterations",
+        initial=start_iteration - 1,
+        total=args.iterations,
+        disable=distributed.rank() > 0,
     )
-    for iteration in range(start_iteration, args.iterations + 1):
+    for iteration in progress:
         rng = reseed(args.seed, iteration, sampler)
 
         # 1. Rollout: one tree per question, grown level by level across all trees (this rank's share of them).
@@ -939,10 +943,10 @@ def main(args: Args) -> dict:
                 run_dir, model, tokenizer, trainer_state
             )  # the buffer too: a resumed run trains on the same edges
         distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        progress.update()  # counted here, not by iterating the bar: a bar left by `break` shows one iteration short
-        if last:
+        if last:  # the bar counts an iteration when the next one is asked for: show this one done, end the bar
+            progress.n = iteration
+            progress.close()
             break
-    progress.close()
     return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
 
 
