@@ -54,9 +54,10 @@ ALGORITHMS = {
         "--interval",
         "20",
     ],
-    # spo_chain's 4 x 4 responses per iteration (one optimizer step each), without MC values: what more, smaller
-    # iterations do for GRPO, apart from SPO-chain's credit. Not in the default set (--algorithms grpo_4x4 ...).
+    # Controls, not in the default set: GRPO at spo_chain's 4 x 4 responses per iteration (one optimizer step each),
+    # without MC values, to separate what smaller iterations and the probability mask do from SPO-chain's credit.
     "grpo_4x4": ["grpo_baseline.py", "--questions", "4", "--group-size", "4", "--epochs", "1"],
+    "grpo_mask_4x4": ["grpo_baseline.py", "--questions", "4", "--group-size", "4", "--epochs", "1", "--prob-mask"],
     # --samples-per-iteration 0: every edge the buffer offers, once (4 small trees give far fewer than the paper's 512).
     "spo_tree": [
         "spo_tree.py",
@@ -81,9 +82,9 @@ class Args:
     """training budget per algorithm and seed (--max-minutes of every script)"""
     seeds: ranges.Seeds = field(default_factory=lambda: [1])
     """training seeds; each seed also fixes its held-out draw"""
-    algorithms: list[str] = field(default_factory=lambda: [name for name in ALGORITHMS if name != "grpo_4x4"])
+    algorithms: list[str] = field(default_factory=lambda: [name for name in ALGORITHMS if "4x4" not in name])
     """which of grpo, spo_chain, spo_chain_int20 (one cutpoint per 20 low-probability tokens), spo_tree, ppo,
-    grpo_4x4 (GRPO at spo_chain's 4 x 4 responses per iteration) to run"""
+    grpo_4x4 and grpo_mask_4x4 (GRPO, and with --prob-mask, at spo_chain's 4 x 4 responses per iteration) to run"""
     model: str = "smollm2-135m"
     """policy to start from"""
     task: str = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
