@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -158,15 +159,8 @@ def command(args: Args, algorithm: str, seed: int, eval_before: bool = True) -> 
     ]
 
 
-SHARED_SETTINGS = (
-    "minutes",
-    "model",
-    "task",
-    "lr",
-    "max_new_tokens",
-    "batch_size",
-    "micro_batch_size",
-)  # equal across merged seeds
+# equal across merged seeds
+SHARED_SETTINGS = ("minutes", "model", "task", "lr", "max_new_tokens", "batch_size", "micro_batch_size")
 
 
 def earlier_runs(args: Args) -> list[dict]:
@@ -261,9 +255,8 @@ def run_one(args: Args, algorithm: str, seed: int, base_accuracy: float | None =
             }
         )
     bench = json.loads((run_dir / "benchmark.json").read_text()) if (run_dir / "benchmark.json").exists() else {}
-    starts = (
-        run_dir / "starts.jsonl"
-    )  # each start records the precision it chose (--precision auto: bf16 only on fast-bf16 hardware)
+    # each start records the precision it chose (--precision auto: bf16 only on fast-bf16 hardware)
+    starts = run_dir / "starts.jsonl"
     precision = json.loads(starts.read_text().splitlines()[0]).get("precision") if starts.exists() else None
     return {
         "algorithm": algorithm,
@@ -301,13 +294,32 @@ def summarize(runs: list[dict]) -> dict:
     return table
 
 
+# One colour per algorithm, by name: the same algorithm has the same colour in every figure, whichever others it is
+# plotted beside (spo_tree and ppo as in the other benchmarks' figures).
+COLORS = {
+    "grpo": "tab:blue",
+    "spo_chain": "tab:red",
+    "spo_chain_int20": "tab:orange",
+    "spo_tree": "tab:green",
+    "ppo": "tab:purple",
+    "grpo_4x4": "tab:brown",
+    "grpo_mask_4x4": "tab:cyan",
+}
+
+
+def color(algorithm: str) -> str:
+    """COLORS' colour, or for a name it lacks (a results file from another version) one of matplotlib's ten that
+    depends on the name alone."""
+    return COLORS.get(algorithm, f"C{zlib.crc32(algorithm.encode()) % 10}")
+
+
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(ALGORITHMS, ["tab:blue", "tab:red", "tab:orange", "tab:green", "tab:purple"]))
+    colors = {name: color(name) for name in dict.fromkeys(r["algorithm"] for r in runs)}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for r in runs:
         label = f"{r['algorithm']} (seed {r['seed']})"

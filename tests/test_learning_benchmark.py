@@ -1,5 +1,5 @@
 """benchmarks/learning.py: reading a finished run (also from an --output-dir outside the repository), and evaluating
-the starting model once per seed (--no-eval-before in the later runs)."""
+the starting model once per seed (--no-eval-before in the later runs), and the plot of every algorithm it knows."""
 
 import dataclasses
 import importlib
@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import learning  # noqa: E402
 
-pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
+# The tests marked slow run with --slow (README, Tests); the plot test is quick.
 
 
 def started_with(run_dir: Path, cmd: list[str], **entry) -> None:
@@ -40,6 +40,7 @@ def finished_run(run_dir: Path, accuracy_after: float, args=None) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_finished_run_outside_the_repository_is_read(tmp_path):
     run_dir = finished_run(tmp_path / "seed1" / "grpo" / "run", accuracy_after=0.4)
     started_with(
@@ -49,20 +50,21 @@ def test_finished_run_outside_the_repository_is_read(tmp_path):
     )
     result = learning.run_one(learning.Args(output_dir=str(tmp_path)), "grpo", 1)  # absolute: not under the repository
     assert result["run_dir"] == str(run_dir)
-    assert (
-        result["precision"] == "precision: cpu fp32 (--precision fp32)"
-    )  # what the run computed in, from its first start
+    # what the run computed in, from its first start
+    assert result["precision"] == "precision: cpu fp32 (--precision fp32)"
     assert (result["accuracy_before"], result["accuracy_after"], result["iterations"]) == (0.2, 0.4, 1)
 
 
+@pytest.mark.slow
 def test_later_algorithms_reuse_the_seeds_starting_accuracy(tmp_path):
     run_dir = tmp_path / "seed1" / "ppo" / "run"
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text("{}")
+    # started with --no-eval-before: no iteration-0 evaluation
     lines = [
         {"iteration": 1, "charts/reward": 0.5, "charts/generated_tokens": 10, "time/train_seconds": 3.0},
         {"iteration": 1, "eval/accuracy": 0.4},
-    ]  # started with --no-eval-before: no iteration-0 evaluation
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     started_with(run_dir, learning.command(learning.Args(output_dir=str(tmp_path)), "ppo", 1, eval_before=False))
     result = learning.run_one(learning.Args(output_dir=str(tmp_path)), "ppo", 1, base_accuracy=0.25)
@@ -75,6 +77,7 @@ def test_later_algorithms_reuse_the_seeds_starting_accuracy(tmp_path):
     assert "--no-eval-before" not in first and later[1] == "ppo_baseline.py" and "--no-eval-before" in later
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["grpo_baseline", "ppo_baseline", "spo_chain", "spo_tree"])
 def test_no_eval_before_skips_only_the_starting_evaluation(script, tiny_model_dir, gsm8k_jsonl, tmp_path):
     module = importlib.import_module(script)
@@ -83,6 +86,7 @@ def test_no_eval_before_skips_only_the_starting_evaluation(script, tiny_model_di
     assert evals == [1] and summary["accuracy_before"] is None and summary["accuracy_after"] is not None
 
 
+@pytest.mark.slow
 def test_keep_other_seeds_adds_a_seed_to_the_results_it_finds(tmp_path):
     finished_run(
         tmp_path / "runs" / "seed1" / "grpo" / "run",
@@ -116,12 +120,12 @@ def test_keep_other_seeds_adds_a_seed_to_the_results_it_finds(tmp_path):
     results.write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="--lr 1e-06 there, 1e-05 here"):
         learning.main(args)
-    learning.main(
-        dataclasses.replace(args, keep_other_seeds=False)
-    )  # without the flag the file holds this call's seeds only
+    # without the flag the file holds this call's seeds only
+    learning.main(dataclasses.replace(args, keep_other_seeds=False))
     assert [r["seed"] for r in json.loads(results.read_text())["runs"]] == [1]
 
 
+@pytest.mark.slow
 def test_a_finished_run_made_with_other_settings_is_not_reused(tmp_path, monkeypatch):
     run_dir = finished_run(tmp_path / "seed1" / "grpo" / "run", accuracy_after=0.4)
     args = learning.Args(output_dir=str(tmp_path))
@@ -147,6 +151,7 @@ def test_a_finished_run_made_with_other_settings_is_not_reused(tmp_path, monkeyp
     assert launched and "3e-05" in launched[0]
 
 
+@pytest.mark.slow
 def test_results_that_cannot_be_written_are_refused_before_any_run(tmp_path, monkeypatch):
     monkeypatch.setattr(learning, "run_one", lambda *a, **k: pytest.fail("a run started"))
     (tmp_path / "dir.json").mkdir()
@@ -159,3 +164,21 @@ def test_results_that_cannot_be_written_are_refused_before_any_run(tmp_path, mon
         with pytest.raises(SystemExit, match=message):
             learning.main(learning.Args(results=str(results), output_dir=str(tmp_path / "runs")))
     assert learning.last_line(tmp_path / "afile") == "x"
+
+
+def test_the_plot_has_a_colour_for_every_algorithm(tmp_path):
+    names = [*learning.ALGORITHMS, "renamed_since"]  # a results file may hold a name this version lacks
+    runs = [
+        {
+            "algorithm": name,
+            "seed": seed,
+            "accuracy_before": 0.2,
+            "accuracy_after": 0.3 + 0.05 * i,
+            "curve": [{"seconds": 1.0, "tokens": 5, "reward": 0.1}, {"seconds": 2.0, "tokens": 9, "reward": 0.2}],
+        }
+        for seed in (1, 2)
+        for i, name in enumerate(names)
+    ]
+    learning.plot(runs, tmp_path / "learning.png")
+    assert (tmp_path / "learning.png").read_bytes().startswith(b"\x89PNG")
+    assert len({learning.color(name) for name in learning.ALGORITHMS}) == len(learning.ALGORITHMS)
