@@ -493,9 +493,8 @@ def evaluate(
             examples = check_prompt_room(examples, context, f"--task {task}", drop=False)
     sampler = sampler or HFSampler(model, tokenizer, seed=seed)
     started = time.time()
-    examples = distributed.shard(
-        examples
-    )  # under torchrun each rank evaluates its share; the records are gathered below
+    # under torchrun each rank evaluates its share; the records are gathered below
+    examples = distributed.shard(examples)
     # Greedy decoding (temperature 0) gives every sample of a prompt the same tokens: it is computed once.
     distinct = 1 if temperature == 0 else samples
     completions = sampler.sample(

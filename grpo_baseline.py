@@ -19,17 +19,23 @@ code". --prob-mask gives the paper's GRPO+mask ablation (loss only on tokens wit
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
-from plumbing.precision import FP32, Precision, choose_precision
-from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
+from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing.precision import FP32, Precision
+from plumbing.training import (
+    collate,
+    make_optimizer,
+    micro_batches,
+    reseed,
+    response_logprobs,
+    sample_logprobs,
+    skipped_non_finite,
+)
 
 
 @dataclass
@@ -52,54 +58,16 @@ class Args(settings.TrainArgs, GrpoSettings):
     """experiment name, part of the run name"""
 
 
-# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
-# Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's values,
-# and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
+# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
+# setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
+# algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
+# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# fmt: off
 PAPER_SETTINGS = {
-    "gsm8k": dict(
-        model="rho-1b-sft-gsm8k",
-        task="gsm8k",
-        eval_task="gsm8k",
-        temperature=0.6,
-        top_p=0.9,
-        max_new_tokens=1024,
-        context=2047,
-        eval_samples=16,
-        eval_temperature=0.35,
-        eval_top_p=0.9,
-        questions=64,
-        group_size=8,
-        epochs=2,
-        batch_size=64,
-        lr=1e-6,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        clip_eps=0.2,
-        beta=1e-4,
-        prob_mask=False,
-    ),
-    "math": dict(
-        model="deepseek-r1-distill-qwen-1.5b",
-        task="math",
-        eval_task="math500",
-        temperature=0.6,
-        top_p=1.0,
-        context=2048,
-        eval_samples=1,
-        eval_temperature=0.6,
-        eval_top_p=0.95,
-        questions=64,
-        group_size=8,
-        lr=1e-6,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        clip_eps=0.2,
-        beta=1e-4,
-        prob_mask=False,
-    ),
+    "gsm8k": dict(paper.GSM8K_RUN, questions=64, group_size=8, epochs=2, batch_size=64, prob_mask=False),
+    "math":  dict(paper.MATH_RUN,  questions=64, group_size=8, prob_mask=False),
 }
+# fmt: on
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,9 +259,8 @@ def attach_targets(
         flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
         flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask, all_sum=distributed.all_sum)
     if reference is not None:
-        with models.on_device(
-            reference
-        ):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+        # Parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+        with models.on_device(reference):
             for s, logps in zip(
                 samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id, precision)
             ):
@@ -362,87 +329,46 @@ def update_policy(
 
 
 def main(args: Args) -> dict:
-    device = distributed.init_distributed(
-        args
-    )  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    # torchrun: this rank's GPU (or the CPU over gloo); plain python: one process
+    device = distributed.init_distributed(args)
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return paper.dry_run(
-            args,
-            PAPER_SETTINGS,
-            resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
-        )
-    torch.manual_seed(args.seed)
-    precision = choose_precision(args.precision, device)
-    distributed.print0(precision.line)
-    run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
-    if (finished := runs.finished_run(run_dir, checkpoint, args.iterations)) is not None:
-        return finished  # resumed after its last iteration: reported, left as it is
-    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
-    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
-    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
-    model, tokenizer, reference = models.load_policy(
-        args.model,
-        checkpoint,
-        device,
-        args.beta,
-        reference_on_device=args.reference_on_device,
-        gradient_checkpointing=args.gradient_checkpointing,
-        fsdp=args.fsdp,
-    )
+        return paper.dry_run(args, PAPER_SETTINGS, eval_task)
+    run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
+    if run.finished:
+        return run.finished  # resumed after its last iteration: reported, left as it is
+    args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
+    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device)
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
-    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = engines.run_sampler(args, model, tokenizer, checkpoint, precision)
+    sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
+    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
     # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).
     on_policy = steps_per_iteration == 1 and not args.prob_mask
-    state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
-    optimizer, scheduler = checkpoints.make_optimizer(
-        model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations * steps_per_iteration, state
+    optimizer, scheduler = make_optimizer(
+        model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations * steps_per_iteration, run.state
     )
-    start_iteration = state["iteration"] + 1 if state else 1
-    log, streak = runs.RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
-    accuracy_before = accuracy_after = None
-    if start_iteration == 1 and args.eval_before:
-        log.write(0, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-        accuracy_before = accuracy_after = evaluation["eval/accuracy"]
+    evaluate = lambda: ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)  # noqa: E731
+    book = bookkeeping.Loop(run, args, eval_task, evaluate)
 
-    progress = tqdm.tqdm(
-        range(start_iteration, args.iterations + 1),
-        desc="iterations",
-        initial=start_iteration - 1,
-        total=args.iterations,
-        disable=distributed.rank() > 0,
-    )
-    for iteration in progress:
-        rng = reseed(args.seed, iteration, sampler)
+    for iteration in book.iterations():
+        rng = reseed(args.seed, iteration, sampler)  # a resumed run samples what the uninterrupted one would
 
         # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
-        started = iteration_started = time.time()
         questions = distributed.shard([rng.choice(train_examples) for _ in range(args.questions)])
-        groups = sampler.sample(
-            [q.prompt_ids for q in questions],
-            args.group_size,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
-            stop=stop,
-            context=args.context,
-            progress="rollout",
-        )
+        with book.timed("rollout"):
+            groups = sampler.sample([q.prompt_ids for q in questions], args.group_size, **sampling, progress="rollout")
         completions = [completion for group in groups for completion in group]
-        rollout_seconds = time.time() - started
 
         # 2. Rewards: the graded final answer; an unfinished response scores 0.
         texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
-        scores = ev.grade(texts, [q.answer for q in questions for _ in range(args.group_size)], args.task)
-        rewards = torch.tensor(
-            [s if completion.finish_reason == "stop" else 0.0 for s, completion in zip(scores, completions)]
-        )
+        answers = [q.answer for q in questions for _ in range(args.group_size)]
+        scores = ev.grade(texts, answers, args.task)
+        rewards = torch.tensor([s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)])
 
         # 3. Advantages: group-normalised, broadcast to every token, whitened over the iteration's masked tokens
         #    (of all ranks: distributed.all_sum).
@@ -453,64 +379,34 @@ def main(args: Args) -> dict:
             {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids}
             for i, c in enumerate(completions)
         ]
-        flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, on_policy, precision)
+        flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, on_policy, run.precision)
 
         # 4. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
-        started = time.time()
-        steps, forward_logps = update_policy(
-            model, optimizer, scheduler, samples, args, pad_id, on_policy, iteration, streak, precision
-        )
+        with book.timed("update"):
+            update_stats, forward_logps = update_policy(
+                model, optimizer, scheduler, samples, args, pad_id, on_policy, iteration, book.streak, run.precision
+            )
         if on_policy:  # pi_old is what the update's forward pass computed: keep it for the samples file
             for s, logps in zip(samples, forward_logps):
                 s["old_logps"] = logps
-        update_seconds = time.time() - started
         sampler.wake_up()
         sampler.load_weights(model)
-        iteration_seconds = time.time() - iteration_started
-        log.train_seconds += iteration_seconds
-        last = distributed.broadcast(
-            iteration == args.iterations
-            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
-        )
+        seconds = book.iteration_seconds()  # rollout, update, iteration (without evaluation and checkpoint), train
 
         # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
-        metrics = iteration_metrics(
-            distributed.gather(rewards),
-            distributed.gather(completions),
-            distributed.gather(flat_mask),
-            steps,
-            scheduler.get_last_lr()[0],
-            args.group_size,
-            {
-                "rollout": rollout_seconds,
-                "update": update_seconds,
-                "iteration": iteration_seconds,
-                "train": log.train_seconds,
-            },
-        )
-        log.write(iteration, metrics)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        distributed.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
-        if args.save_samples and iteration % args.save_samples == 0 and distributed.rank() == 0:  # rank 0's questions
-            runs.write_samples(
-                run_dir / "samples" / f"iter_{iteration}.jsonl",
-                sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args),
-            )
-        if iteration % args.eval_every == 0 or last:
-            log.write(
-                iteration, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
-            )
-            accuracy_after = evaluation["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
+        lr = scheduler.get_last_lr()[0]
+        metrics = iteration_metrics(rewards, completions, flat_mask, args.group_size, update_stats, lr, seconds)
+        book.log(iteration, metrics, progress_line(iteration, metrics))
+        if book.saves_samples(iteration):  # rank 0's questions
+            records = sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args)
+            book.write_samples(iteration, records)
+        if book.due(iteration, args.eval_every):
+            book.evaluate(iteration)
+        if book.due(iteration, args.save_every):
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
-            checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state)
-        distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        if last:  # the bar counts an iteration when the next one is asked for: show this one done, end the bar
-            progress.n = iteration
-            progress.close()
-            break
-    return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
+            checkpoints.save_checkpoint(run.dir, model, tokenizer, trainer_state)
+    return book.finish()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,12 +426,18 @@ def iteration_metrics(
     rewards: torch.Tensor,
     completions: list[engines.Completion],
     flat_mask: torch.Tensor,
-    steps: list[dict],
-    lr: float,
     group_size: int,
+    update_stats: list[dict],
+    lr: float,
     seconds: dict[str, float],
 ) -> dict:
-    """The metrics.jsonl entry of one iteration (`seconds`: rollout, update, iteration, train)."""
+    """One iteration's metrics.jsonl entry, over all ranks' responses (`update_stats`: the optimizer steps taken;
+    `seconds`: rollout, update, iteration and train timings)."""
+    rewards, completions, flat_mask = (
+        distributed.gather(rewards),
+        distributed.gather(completions),
+        distributed.gather(flat_mask),
+    )
     generated = sum(len(completion.ids) for completion in completions)
     metrics = {
         "charts/reward": rewards.mean().item(),
@@ -547,13 +449,12 @@ def iteration_metrics(
         "charts/tokens_per_second": generated / max(seconds["rollout"], 1e-9),
         "charts/generated_tokens": generated,
         "charts/loss_mask_fraction": flat_mask.float().mean().item(),
-        **{
-            f"time/{name}_seconds": value for name, value in seconds.items()
-        },  # iteration: without evaluation and checkpoint
+        # iteration: without evaluation and checkpoint
+        **{f"time/{name}_seconds": value for name, value in seconds.items()},
     }
     for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-        if steps:
-            metrics[f"losses/{key}"] = sum(step[key] for step in steps) / len(steps)
+        if update_stats:
+            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
     return metrics
 
 

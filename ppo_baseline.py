@@ -26,20 +26,19 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import tqdm
 from transformers import Cache
 
 import eval as ev
-from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
-from plumbing.precision import FP32, Precision, choose_precision
+from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing.precision import FP32, Precision
 from plumbing.training import (
     collate,
+    make_optimizer,
     micro_batches,
     no_grad_batches,
     reseed,
@@ -78,37 +77,16 @@ class Args(settings.TrainArgs, PpoSettings):
     """experiment name, part of the run name"""
 
 
-# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
-# Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's values,
-# and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
+# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
+# setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
+# algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
+# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# fmt: off
 PAPER_SETTINGS = {
-    "gsm8k": dict(
-        model="rho-1b-sft-gsm8k",
-        task="gsm8k",
-        eval_task="gsm8k",
-        temperature=0.6,
-        top_p=0.9,
-        max_new_tokens=1024,
-        context=2047,
-        eval_samples=16,
-        eval_temperature=0.35,
-        eval_top_p=0.9,
-        questions=64,
-        group_size=8,
-        epochs=2,
-        batch_size=64,
-        lr=1e-6,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        clip_eps=0.2,
-        beta=1e-4,
-        gamma=1.0,
-        lam=1.0,
-        value_clip_eps=0.2,
-        prob_mask=False,
-    ),
+    "gsm8k": dict(paper.GSM8K_RUN, questions=64, group_size=8, epochs=2, batch_size=64, gamma=1.0, lam=1.0,
+                  value_clip_eps=0.2, prob_mask=False),
 }
+# fmt: on
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,12 +311,12 @@ def make_critic(policy, precision: Precision = FP32) -> Critic:
     return Critic(copy.deepcopy(policy.base_model), policy.config.hidden_size, precision)
 
 
-def load_critic(args: Args, model, checkpoint_dir: Path | None, device: str, precision: Precision = FP32) -> Critic:
+def load_critic(args: Args, model, checkpoint: Path | None, device: str, precision: Precision = FP32) -> Critic:
     """The critic from the policy's weights, or the checkpoint's critic.pt; then --gradient-checkpointing and
     --fsdp for policy and critic (after make_critic copied the policy's backbone)."""
     critic = make_critic(model, precision)
-    if checkpoint_dir:
-        critic.load_state_dict(checkpoints.load_data(checkpoint_dir / "critic.pt"))  # data only, never code
+    if checkpoint:
+        critic.load_state_dict(checkpoints.load_data(checkpoint / "critic.pt"))  # data only, never code
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
         critic.backbone.activation_checkpointing_enable()
@@ -357,22 +335,15 @@ def response_values(critic: Critic, batch: dict) -> torch.Tensor:
     (the prompt's last token for y_0), the same positions whose logits give log pi(y_t). As in
     response_logprobs, each distinct prompt runs once and its rows' responses continue its KV cache."""
     prompt_len = batch["prompt_ids"].shape[1]
-    if (
-        critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled()
-    ):  # as in response_logprobs
+    # As in response_logprobs
+    if critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled():
         values, _ = critic(batch["input_ids"], batch["attention_mask"], batch["positions"])  # [rows, P + R]
         return values[:, prompt_len - 1 : -1]  # [rows, R]; the value after the last column belongs to no token
-    prompt_values, cache = critic(
-        batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True
-    )  # [prompts, P]
+    # [prompts, P]
+    prompt_values, cache = critic(batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True)
     cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]
-    values, _ = critic(
-        batch["input_ids"][:, prompt_len:],
-        batch["attention_mask"],
-        batch["positions"][:, prompt_len:],
-        cache,
-        use_cache=True,
-    )  # [rows, R]
+    response_ids, positions = batch["input_ids"][:, prompt_len:], batch["positions"][:, prompt_len:]
+    values, _ = critic(response_ids, batch["attention_mask"], positions, cache, use_cache=True)  # [rows, R]
     return torch.cat([prompt_values[batch["prompt_of_row"], -1:], values[:, :-1]], dim=1)  # [rows, R]
 
 
@@ -397,7 +368,6 @@ def add_old_logprobs_and_values(
     model,
     reference,
     critic: Critic,
-    *,
     micro_batch_size: int,
     temperature: float,
     pad_id: int,
@@ -411,9 +381,8 @@ def add_old_logprobs_and_values(
     ):
         sample["old_logps"] = sample["ref_logps"] = logps
     if reference is not None:
-        with models.on_device(
-            reference
-        ):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+        # Parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+        with models.on_device(reference):
             for sample, logps in zip(
                 samples, sample_logprobs(reference, samples, micro_batch_size, temperature, pad_id, precision)
             ):
@@ -423,7 +392,7 @@ def add_old_logprobs_and_values(
 
 
 def add_advantages_and_returns(
-    samples: list[dict], rewards: torch.Tensor, *, gamma: float, lam: float, prob_threshold: float, prob_mask: bool
+    samples: list[dict], rewards: torch.Tensor, gamma: float, lam: float, prob_threshold: float, prob_mask: bool
 ) -> torch.Tensor:
     """GAE over the whole iteration batch, from each sample's old_values and its reward (rewards[i], on the last
     response token); stores each sample's loss_mask, advantages (whitened over the masked tokens of the whole batch,
@@ -472,15 +441,10 @@ def accumulate_gradients(
     gradients add up to its full-batch gradient. Under torchrun each rank passes its share of the batch and
     `all_sum=distributed.all_sum`: both losses are normalised by the whole batch's counts, so the ranks' gradients (and
     stats) sum to those of the whole batch."""
-    counts = all_sum(
-        torch.tensor(
-            [  # policy: masked tokens; critic: every response token; sequences
-                sum(int(s["loss_mask"].sum()) for s in batch_samples),
-                sum(len(s["response_ids"]) for s in batch_samples),
-                len(batch_samples),
-            ]
-        )
-    )
+    # The whole batch's counts: the policy's masked tokens, the critic's tokens (every response token), sequences
+    masked_tokens = sum(int(s["loss_mask"].sum()) for s in batch_samples)
+    response_tokens = sum(len(s["response_ids"]) for s in batch_samples)
+    counts = all_sum(torch.tensor([masked_tokens, response_tokens, len(batch_samples)]))
     batch_tokens, value_tokens, batch_sequences = max(1, int(counts[0])), max(1, int(counts[1])), int(counts[2])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0, "value_loss": 0.0, "value_clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
@@ -501,12 +465,7 @@ def accumulate_gradients(
         stats["loss"] += loss.item()
         values = response_values(critic, batch)
         critic_loss, critic_micro = value_loss(
-            values,
-            batch["old_values"],
-            batch["returns"],
-            batch["response_mask"],
-            value_clip_eps,
-            value_tokens,
+            values, batch["old_values"], batch["returns"], batch["response_mask"], value_clip_eps, value_tokens
         )
         critic_loss.backward()
         for key, value in {**micro, **critic_micro}.items():
@@ -584,89 +543,47 @@ def update_policy(
 
 
 def main(args: Args) -> dict:
-    device = distributed.init_distributed(
-        args
-    )  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    # torchrun: this rank's GPU (or the CPU over gloo); plain python: one process
+    device = distributed.init_distributed(args)
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return paper.dry_run(
-            args,
-            PAPER_SETTINGS,
-            resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
-        )
-    torch.manual_seed(args.seed)
-    precision = choose_precision(args.precision, device)
-    distributed.print0(precision.line)
-    run_dir, checkpoint_dir, first_start = runs.locate_run(
-        args
-    )  # --resume: the run, its newest checkpoint, first start
-    if (finished := runs.finished_run(run_dir, checkpoint_dir, args.iterations)) is not None:
-        return finished  # resumed after its last iteration: reported, left as it is
-    plan = memory.size_run(args, device, precision, str(checkpoint_dir or args.model), first_start)  # the `auto` knobs
-    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
-    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
-
-    model, tokenizer, reference = models.load_policy(  # checkpointing and --fsdp: load_critic, after the critic's copy
-        args.model,
-        checkpoint_dir,
-        device,
-        args.beta,
-        reference_on_device=args.reference_on_device,
-    )
-    critic = load_critic(args, model, checkpoint_dir, device, precision)
+        return paper.dry_run(args, PAPER_SETTINGS, eval_task)
+    run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
+    if run.finished:
+        return run.finished  # resumed after its last iteration: reported, left as it is
+    args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
+    # The critic is a copy of the policy: gradient checkpointing and --fsdp are applied by load_critic, after the copy.
+    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, wrap=False)
+    critic = load_critic(args, model, run.checkpoint, device, run.precision)
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
-    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = engines.run_sampler(args, model, tokenizer, checkpoint_dir, precision)
-    # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
-    state = checkpoints.load_trainer_state(checkpoint_dir) if checkpoint_dir else None
+    sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
+    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
-    optimizer, scheduler = checkpoints.make_optimizer(
-        model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state
+    # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
+    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, run.state)
+    critic_optimizer, critic_scheduler = make_optimizer(
+        critic, args.critic_lr, args.weight_decay, args.warmup_ratio, total_steps, run.state, prefix="critic_"
     )
-    critic_optimizer, critic_scheduler = checkpoints.make_optimizer(
-        critic, args.critic_lr, args.weight_decay, args.warmup_ratio, total_steps, state, prefix="critic_"
-    )
-    start_iteration = state["iteration"] + 1 if state else 1
-    log, streak = runs.RunLog(run_dir, start_iteration, args), [0]  # streak: non-finite losses in a row
-    accuracy_before = accuracy_after = None
-    if start_iteration == 1 and args.eval_before:  # a resumed run has no "before"
-        log.write(0, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-        accuracy_before = accuracy_after = evaluation["eval/accuracy"]
+    evaluate = lambda: ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)  # noqa: E731
+    book = bookkeeping.Loop(run, args, eval_task, evaluate)
 
-    progress = tqdm.tqdm(
-        range(start_iteration, args.iterations + 1),
-        desc="iterations",
-        initial=start_iteration - 1,
-        total=args.iterations,
-        disable=distributed.rank() > 0,
-    )
-    for iteration in progress:
-        rng = reseed(args.seed, iteration, sampler)
+    for iteration in book.iterations():
+        rng = reseed(args.seed, iteration, sampler)  # a resumed run samples what the uninterrupted one would
 
         # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
-        iteration_started = time.time()
         questions = distributed.shard([rng.choice(train_examples) for _ in range(args.questions)])
-        groups = sampler.sample(
-            [q.prompt_ids for q in questions],
-            args.group_size,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
-            stop=stop,
-            context=args.context,
-            progress="rollout",
-        )
-        rollout_seconds = time.time() - iteration_started
+        with book.timed("rollout"):
+            groups = sampler.sample([q.prompt_ids for q in questions], args.group_size, **sampling, progress="rollout")
+        completions = [completion for group in groups for completion in group]
 
-        # 2. Rewards: graded final answer; unfinished responses score 0.
-        completions = [c for group in groups for c in group]
-        texts = [tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
+        # 2. Rewards: the graded final answer; an unfinished response scores 0.
+        texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
         answers = [q.answer for q in questions for _ in range(args.group_size)]
         scores = ev.grade(texts, answers, args.task)
-        rewards = torch.tensor([score if c.finish_reason == "stop" else 0.0 for score, c in zip(scores, completions)])
+        rewards = torch.tensor([s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)])
 
         # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch (the
         #    loss mask's fallback and the whitening over all ranks' tokens: distributed.all_sum).
@@ -675,95 +592,52 @@ def main(args: Args) -> dict:
             for i, c in enumerate(completions)
         ]
         add_old_logprobs_and_values(
-            samples,
-            model,
-            reference,
-            critic,
-            micro_batch_size=args.micro_batch_size,
-            temperature=args.temperature,
-            pad_id=pad_id,
-            precision=precision,
+            samples, model, reference, critic, args.micro_batch_size, args.temperature, pad_id, run.precision
         )
-        gae = add_advantages_and_returns(  # [N, T], before whitening
-            samples,
-            rewards,
-            gamma=args.gamma,
-            lam=args.lam,
-            prob_threshold=args.prob_threshold,
-            prob_mask=args.prob_mask,
+        # [N, T], before whitening
+        advantages = add_advantages_and_returns(
+            samples, rewards, args.gamma, args.lam, args.prob_threshold, args.prob_mask
         )
 
-        # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches.
+        # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches (the rollout
+        #    engine sleeps meanwhile).
         sampler.sleep()
-        update_started = time.time()
-        step_stats = update_policy(
-            model,
-            critic,
-            optimizer,
-            scheduler,
-            critic_optimizer,
-            critic_scheduler,
-            samples,
-            args,
-            pad_id,
-            iteration,
-            streak,
-            precision,
-        )
-        update_seconds = time.time() - update_started
+        with book.timed("update"):
+            update_stats = update_policy(
+                model,
+                critic,
+                optimizer,
+                scheduler,
+                critic_optimizer,
+                critic_scheduler,
+                samples,
+                args,
+                pad_id,
+                iteration,
+                book.streak,
+                run.precision,
+            )
         sampler.wake_up()
         sampler.load_weights(model)
-        iteration_seconds = time.time() - iteration_started
-        log.train_seconds += iteration_seconds
-        last = distributed.broadcast(
-            iteration == args.iterations
-            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
-        )
+        seconds = book.iteration_seconds()  # rollout, update, iteration (without evaluation and checkpoint), train
 
         # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
-        seconds = {
-            "rollout": rollout_seconds,
-            "update": update_seconds,
-            "iteration": iteration_seconds,
-            "train": log.train_seconds,
-        }
-        token_info = distributed.gather(
-            [{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples]
-        )  # what the metrics read
-        metrics = iteration_metrics(
-            distributed.gather(completions),
-            distributed.gather(rewards),
-            token_info,
-            step_stats,
-            scheduler.get_last_lr()[0],
-            critic_scheduler.get_last_lr()[0],
-            seconds,
-        )
-        log.write(iteration, metrics)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        distributed.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
-        if args.save_samples and iteration % args.save_samples == 0 and distributed.rank() == 0:  # rank 0's questions
-            records = sample_records(iteration, questions, answers, completions, rewards, samples, gae, tokenizer, args)
-            runs.write_samples(run_dir / "samples" / f"iter_{iteration}.jsonl", records)
-        if iteration % args.eval_every == 0 or last:
-            log.write(
-                iteration, evaluation := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
-            )
-            accuracy_after = evaluation["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:  # every rank: with --fsdp the states are gathered from the shards
+        lr, critic_lr = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]
+        metrics = iteration_metrics(rewards, completions, samples, update_stats, lr, critic_lr, seconds)
+        book.log(iteration, metrics, progress_line(iteration, metrics))
+        if book.saves_samples(iteration):  # rank 0's questions
+            records = sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args)
+            book.write_samples(iteration, records)
+        if book.due(iteration, args.eval_every):
+            book.evaluate(iteration)
+        if book.due(iteration, args.save_every):  # every rank: with --fsdp the states are gathered from the shards
             trainer_state = {
                 **checkpoints.optimizer_checkpoint(model, optimizer, scheduler),
                 **checkpoints.optimizer_checkpoint(critic, critic_optimizer, critic_scheduler, prefix="critic_"),
                 "iteration": iteration,
             }
-            checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state, modules={"critic": critic})
-        distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        if last:  # the bar counts an iteration when the next one is asked for: show this one done, end the bar
-            progress.n = iteration
-            progress.close()
-            break
-
-    return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
+            checkpoints.save_checkpoint(run.dir, model, tokenizer, trainer_state, modules={"critic": critic})
+    return book.finish()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -780,16 +654,19 @@ def validate(args: Args) -> None:
 
 
 def iteration_metrics(
-    completions: list[engines.Completion],
     rewards: torch.Tensor,
+    completions: list[engines.Completion],
     samples: list[dict],
-    step_stats: list[dict],
+    update_stats: list[dict],
     lr: float,
     critic_lr: float,
     seconds: dict[str, float],
 ) -> dict:
-    """One iteration's training metrics (losses/ averaged over the optimizer steps taken); `seconds` holds its
-    rollout, update, iteration and train timings."""
+    """One iteration's metrics.jsonl entry, over all ranks' responses (losses/ averaged over `update_stats`, the
+    optimizer steps taken; `seconds`: rollout, update, iteration and train timings)."""
+    rewards, completions = distributed.gather(rewards), distributed.gather(completions)
+    # What the metrics read of each sample, from every rank
+    samples = distributed.gather([{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples])
     generated = sum(len(c.ids) for c in completions)
     flat_mask = torch.cat([s["loss_mask"] for s in samples])  # every response token of the iteration
     flat_values, flat_returns = (
@@ -816,8 +693,8 @@ def iteration_metrics(
     if len(flat_returns) > 1 and flat_returns.var() > 0:
         metrics["losses/explained_variance"] = (1 - (flat_returns - flat_values).var() / flat_returns.var()).item()
     for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "value_loss", "value_clip_frac", "critic_grad_norm"):
-        if step_stats:
-            metrics[f"losses/{key}"] = sum(stats[key] for stats in step_stats) / len(step_stats)
+        if update_stats:
+            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
     return metrics
 
 
@@ -833,11 +710,10 @@ def progress_line(iteration: int, metrics: dict) -> str:
 def sample_records(
     iteration: int,
     questions: list[ev.Example],
-    answers: list[str],
     completions: list[engines.Completion],
     rewards: torch.Tensor,
+    advantages: torch.Tensor,
     samples: list[dict],
-    gae: torch.Tensor,
     tokenizer,
     args: Args,
 ) -> list[dict]:
@@ -848,14 +724,14 @@ def sample_records(
             "iteration": iteration,
             "question_index": i // args.group_size,
             "question": questions[i // args.group_size].question,
-            "reference": answers[i],
+            "reference": questions[i // args.group_size].answer,
             "prompt": questions[i // args.group_size].prompt,
             "reward": rewards[i].item(),
             "finish_reason": completions[i].finish_reason,
             "token_ids": completions[i].ids,
             "tokens": engines.token_pieces(tokenizer, completions[i].ids),
             "probs": samples[i]["old_logps"].exp().tolist(),
-            "advantages": gae[i, : len(completions[i].ids)].tolist(),  # GAE, before whitening
+            "advantages": advantages[i, : len(completions[i].ids)].tolist(),  # GAE, before whitening
             "loss_mask": samples[i]["loss_mask"].tolist(),
             "prob_threshold": args.prob_threshold,
             "cutpoints": None,

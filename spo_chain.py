@@ -24,17 +24,23 @@ response budget (it may add at most max_new_tokens - (c+1) tokens, and must fit 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
-from plumbing.precision import FP32, Precision, choose_precision
-from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
+from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing.precision import FP32, Precision
+from plumbing.training import (
+    collate,
+    make_optimizer,
+    micro_batches,
+    reseed,
+    response_logprobs,
+    sample_logprobs,
+    skipped_non_finite,
+)
 
 
 @dataclass
@@ -61,37 +67,16 @@ class Args(settings.TrainArgs, SpoChainSettings):
     """experiment name, part of the run name"""
 
 
-# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
-# Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's values,
-# and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
+# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
+# setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
+# algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
+# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# fmt: off
 PAPER_SETTINGS = {
-    "gsm8k": dict(
-        model="rho-1b-sft-gsm8k",
-        task="gsm8k",
-        eval_task="gsm8k",
-        temperature=0.6,
-        top_p=0.9,
-        max_new_tokens=1024,
-        context=2047,
-        eval_samples=16,
-        eval_temperature=0.35,
-        eval_top_p=0.9,
-        questions=64,
-        group_size=8,
-        epochs=2,
-        batch_size=64,
-        lr=1e-6,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        clip_eps=0.2,
-        beta=1e-4,
-        mc_samples=9,
-        interval=5,
-        prob_mask=True,
-        prob_threshold=0.9,
-    ),
+    "gsm8k": dict(paper.GSM8K_RUN, questions=64, group_size=8, epochs=2, batch_size=64, mc_samples=9, interval=5,
+                  prob_mask=True, prob_threshold=0.9),
 }
+# fmt: on
 
 
 # ----------------------------------------------------------------------------------------------
@@ -454,196 +439,105 @@ def update_policy(
 
 
 def main(args: Args) -> dict:
-    device = distributed.init_distributed(
-        args
-    )  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    # torchrun: this rank's GPU (or the CPU over gloo); plain python: one process
+    device = distributed.init_distributed(args)
     validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
-    if args.dry_run:
-        return paper.dry_run(
-            args,
-            PAPER_SETTINGS,
-            resolved={"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model)},
-        )
-    torch.manual_seed(args.seed)
-    precision = choose_precision(args.precision, device)
-    distributed.print0(precision.line)
-    run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
-    if (finished := runs.finished_run(run_dir, checkpoint, args.iterations)) is not None:
-        return finished  # resumed after its last iteration: reported, left as it is
-    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
-    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
-    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
-    model, tokenizer, reference = models.load_policy(
-        args.model,
-        checkpoint,
-        device,
-        args.beta,
-        reference_on_device=args.reference_on_device,
-        gradient_checkpointing=args.gradient_checkpointing,
-        fsdp=args.fsdp,
-    )
-    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
+    if args.dry_run:  # nothing is loaded: the alias is expanded by name only
+        return paper.dry_run(args, PAPER_SETTINGS, eval_task)
+    run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
+    if run.finished:
+        return run.finished  # resumed after its last iteration: reported, left as it is
+    args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
+    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device)
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
-    sampler = engines.run_sampler(args, model, tokenizer, checkpoint, precision)
-    state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
+    sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
+    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
-    optimizer, scheduler = checkpoints.make_optimizer(
-        model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, state
-    )
-    start_iteration = state["iteration"] + 1 if state else 1
-    log = runs.RunLog(run_dir, start_iteration, args)
+    optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, run.state)
+    evaluate = lambda: ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)  # noqa: E731
+    book = bookkeeping.Loop(run, args, eval_task, evaluate)
 
-    accuracy_before = None
-    if start_iteration == 1 and args.eval_before:
-        log.write(0, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-        accuracy_before = eval_metrics["eval/accuracy"]
-    accuracy_after, streak = accuracy_before, [0]
-    progress = tqdm.tqdm(
-        range(start_iteration, args.iterations + 1),
-        desc="iterations",
-        initial=start_iteration - 1,
-        total=args.iterations,
-        disable=distributed.rank() > 0,
-    )
-    for iteration in progress:
-        # 1. Rollout: G responses per question (reseeded per iteration: a resumed run samples the same); under
-        #    torchrun each rank takes its share of the questions.
-        rng = reseed(args.seed, iteration, sampler)
-        started = iteration_started = time.time()
+    for iteration in book.iterations():
+        rng = reseed(args.seed, iteration, sampler)  # a resumed run samples what the uninterrupted one would
+
+        # 1. Rollout: G responses per question (under torchrun, per question of this rank's share).
         questions = distributed.shard([rng.choice(train_examples) for _ in range(args.questions)])
-        groups = sampler.sample(
-            [q.prompt_ids for q in questions],
-            args.group_size,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
-            stop=stop,
-            context=args.context,
-            progress="rollout",
-        )
-        seconds = {"rollout": time.time() - started}
-
-        # 2. Rewards: graded final answer; unfinished responses score 0.
+        with book.timed("rollout"):
+            groups = sampler.sample([q.prompt_ids for q in questions], args.group_size, **sampling, progress="rollout")
         completions = [completion for group in groups for completion in group]
+
+        # 2. Rewards: the graded final answer; an unfinished response scores 0.
         texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
         answers = [q.answer for q in questions for _ in range(args.group_size)]
         scores = ev.grade(texts, answers, args.task)
-        rewards = [
-            score if completion.finish_reason == "stop" else 0.0 for score, completion in zip(scores, completions)
-        ]
+        rewards = [s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)]
 
         # 3. Old and reference log-probs, once; p_t = exp(old log-prob) comes from the same forward pass.
         samples = [
-            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": completion.ids}
-            for i, completion in enumerate(completions)
+            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids}
+            for i, c in enumerate(completions)
         ]
         old_logps, ref_logps = old_and_reference_logprobs(
-            model, reference, samples, args.micro_batch_size, args.temperature, pad_id, precision
+            model, reference, samples, args.micro_batch_size, args.temperature, pad_id, run.precision
         )
         for s, old, ref in zip(samples, old_logps, ref_logps):
             s["old_logps"], s["ref_logps"] = old, ref
-        lengths = [len(s["response_ids"]) for s in samples]
-        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # [all response tokens], p_t
-        probs = [p.tolist() for p in flat_probs.split(lengths)]
+        flat_probs = torch.cat(old_logps).exp()  # [all response tokens], p_t
+        probs = [p.tolist() for p in flat_probs.split([len(s["response_ids"]) for s in samples])]
 
         # 4. Partition: cutpoints before every interval-th low-probability token.
         cutpoints = [find_cutpoints(p, args.prob_threshold, args.interval) for p in probs]
 
         # 5. Segment values: V(s_c) from K MC continuations of every cutpoint state, all states in one sampler call.
-        started = time.time()
         states = [
             (s["prompt_ids"], s["response_ids"][: cut + 1], answer)
             for s, cuts, answer in zip(samples, cutpoints, answers)
             for cut in cuts
         ]
-        flat_values, mc_stats = mc_values(
-            sampler,
-            tokenizer,
-            states,
-            mc_samples=args.mc_samples,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
-            context=args.context,
-            task=args.task,
-            stop=stop,
-        )
-        seconds["mc"] = time.time() - started
+        with book.timed("mc"):
+            flat_values, mc_stats = mc_values(
+                sampler, tokenizer, states, mc_samples=args.mc_samples, task=args.task, **sampling
+            )
 
         # 6. Chain advantages (prob-masked), whitened over the loss-masked tokens of the whole iteration batch.
-        values = iter(flat_values)
-        cutpoint_values = [[next(values) for _ in cuts] for cuts in cutpoints]
+        flat = iter(flat_values)
+        values = [[next(flat) for _ in cuts] for cuts in cutpoints]  # V(s_c) of each response's cutpoints
         advantages = [
             chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
-            for p, cuts, v, reward in zip(probs, cutpoints, cutpoint_values, rewards)
+            for p, cuts, v, reward in zip(probs, cutpoints, values, rewards)
         ]
         flat_mask = attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
 
-        # 7. Update: epochs x shuffled batches x micro-batches.
+        # 7. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
-        started = time.time()
-        model_stats = update_policy(model, optimizer, scheduler, samples, args, pad_id, iteration, streak, precision)
-        seconds["update"] = time.time() - started
+        with book.timed("update"):
+            update_stats = update_policy(
+                model, optimizer, scheduler, samples, args, pad_id, iteration, book.streak, run.precision
+            )
         sampler.wake_up()
         sampler.load_weights(model)
-        seconds["iteration"] = time.time() - iteration_started
-        seconds["train"] = log.train_seconds = log.train_seconds + seconds["iteration"]
-        last = distributed.broadcast(
-            iteration == args.iterations
-            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
-        )
+        seconds = book.iteration_seconds()  # rollout, mc, update, iteration (without evaluation, checkpoint), train
 
         # 8. Log (over all ranks' responses), save samples, evaluate, checkpoint.
+        lr = scheduler.get_last_lr()[0]
         metrics = iteration_metrics(
-            distributed.gather(rewards),
-            distributed.gather(completions),
-            distributed.gather(cutpoints),
-            distributed.gather(flat_mask),
-            distributed.gather(flat_values),
-            distributed.sum_over_ranks(mc_stats),
-            model_stats,
-            scheduler.get_last_lr()[0],
-            seconds,
+            rewards, completions, flat_mask, cutpoints, flat_values, mc_stats, update_stats, lr, seconds
         )
-        log.write(iteration, metrics)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        distributed.print0(progress_line(iteration, metrics), tqdm.tqdm.write)
-        if args.save_samples and iteration % args.save_samples == 0 and distributed.rank() == 0:  # rank 0's questions
-            runs.write_samples(
-                run_dir / "samples" / f"iter_{iteration}.jsonl",
-                sample_records(
-                    iteration,
-                    questions,
-                    answers,
-                    completions,
-                    rewards,
-                    probs,
-                    advantages,
-                    samples,
-                    cutpoints,
-                    cutpoint_values,
-                    tokenizer,
-                    args,
-                ),
+        book.log(iteration, metrics, progress_line(iteration, metrics))
+        if book.saves_samples(iteration):  # rank 0's questions
+            records = sample_records(
+                iteration, questions, completions, rewards, advantages, samples, cutpoints, values, tokenizer, args
             )
-        if iteration % args.eval_every == 0 or last:
-            log.write(
-                iteration, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
-            )
-            accuracy_after = eval_metrics["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
+            book.write_samples(iteration, records)
+        if book.due(iteration, args.eval_every):
+            book.evaluate(iteration)
+        if book.due(iteration, args.save_every):
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
-            checkpoints.save_checkpoint(run_dir, model, tokenizer, trainer_state)
-        distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        if last:  # the bar counts an iteration when the next one is asked for: show this one done, end the bar
-            progress.n = iteration
-            progress.close()
-            break
-
-    return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
+            checkpoints.save_checkpoint(run.dir, model, tokenizer, trainer_state)
+    return book.finish()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -662,15 +556,23 @@ def validate(args: Args) -> None:
 def iteration_metrics(
     rewards: list[float],
     completions: list,
-    cutpoints: list[list[int]],
     flat_mask: torch.Tensor,
+    cutpoints: list[list[int]],
     flat_values: list[float],
     mc_stats: dict,
-    model_stats: list[dict],
+    update_stats: list[dict],
     lr: float,
     seconds: dict[str, float],
 ) -> dict:
-    """One iteration's training metrics; `seconds` holds its rollout, mc, update, iteration and train timings."""
+    """One iteration's metrics.jsonl entry, over all ranks' responses (`update_stats`: the optimizer steps taken;
+    `seconds`: rollout, mc, update, iteration and train timings)."""
+    rewards, completions, flat_mask = (
+        distributed.gather(rewards),
+        distributed.gather(completions),
+        distributed.gather(flat_mask),
+    )
+    cutpoints, flat_values = distributed.gather(cutpoints), distributed.gather(flat_values)
+    mc_stats = distributed.sum_over_ranks(mc_stats)
     generated = sum(len(completion.ids) for completion in completions)
     # A response's segments: the runs of tokens between value positions (one segment if it has no cutpoint).
     segments = sum(len(cuts) + (not cuts or cuts[0] >= 0) for cuts in cutpoints)
@@ -699,8 +601,8 @@ def iteration_metrics(
         metrics["charts/mc_value_mean"] = torch.tensor(flat_values).mean().item()
         metrics["charts/mc_value_std"] = torch.tensor(flat_values).std(unbiased=False).item()
     for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-        if model_stats:
-            metrics[f"losses/{key}"] = sum(stats[key] for stats in model_stats) / len(model_stats)
+        if update_stats:
+            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
     return metrics
 
 
@@ -717,10 +619,8 @@ def progress_line(iteration: int, metrics: dict) -> str:
 def sample_records(
     iteration: int,
     questions: list,
-    answers: list[str],
     completions: list,
     rewards: list[float],
-    probs: list[list[float]],
     advantages: list[list[float]],
     samples: list[dict],
     cutpoints: list[list[int]],
@@ -735,13 +635,13 @@ def sample_records(
             "iteration": iteration,
             "question_index": i // args.group_size,
             "question": questions[i // args.group_size].question,
-            "reference": answers[i],
+            "reference": questions[i // args.group_size].answer,
             "prompt": questions[i // args.group_size].prompt,
             "reward": rewards[i],
             "finish_reason": completions[i].finish_reason,
             "token_ids": completions[i].ids,
             "tokens": engines.token_pieces(tokenizer, completions[i].ids),
-            "probs": probs[i],
+            "probs": samples[i]["old_logps"].exp().tolist(),
             "advantages": advantages[i],  # before whitening, prob mask applied
             "loss_mask": samples[i]["loss_mask"].tolist(),
             "prob_threshold": args.prob_threshold,

@@ -50,12 +50,19 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
-import tqdm
 
 import eval as ev
-from plumbing import UsageError, checkpoints, cli, distributed, engines, memory, models, paper, ranges, runs, settings
-from plumbing.precision import FP32, Precision, choose_precision
-from plumbing.training import collate, micro_batches, reseed, response_logprobs, sample_logprobs, skipped_non_finite
+from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing.precision import FP32, Precision
+from plumbing.training import (
+    collate,
+    make_optimizer,
+    micro_batches,
+    reseed,
+    response_logprobs,
+    sample_logprobs,
+    skipped_non_finite,
+)
 
 
 @dataclass
@@ -123,76 +130,26 @@ class Args(settings.TrainArgs, SpoTreeSettings):
     """evaluation nucleus threshold"""
 
 
-# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs).
-# Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's values,
-# and the README's settings table is generated from this dict (python benchmarks/paper_settings.py --write).
+# The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
+# setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
+# algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
+# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# fmt: off
+TREE_RUN = dict(tree="6,6,6", advantage="rloo", edge_weight="uniform", epochs=1, batch_size=128, prob_mask=True,
+                prob_threshold=0.9, buffer_max_age=8, edges_per_question=32)
 PAPER_SETTINGS = {
-    "math": dict(
-        model="deepseek-r1-distill-qwen-1.5b",
-        task="math",
-        eval_task="math500",
-        temperature=0.6,
-        top_p=1.0,
-        context=2048,
-        eval_samples=1,
-        eval_temperature=0.6,
-        eval_top_p=0.95,
-        questions=32,
-        samples_per_iteration=512,
-        edge_weight="uniform",
-        epochs=1,
-        batch_size=128,
-        lr=1e-6,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        clip_eps=0.2,
-        beta=1e-4,
-        tree="6,6,6",
-        segment_tokens=600,
-        advantage="rloo",
-        prob_mask=True,
-        prob_threshold=0.9,
-        buffer_max_age=8,
-        edges_per_question=32,
-    ),
-    "gsm8k": dict(
-        model="rho-1b-sft-gsm8k",
-        task="gsm8k",
-        eval_task="gsm8k",
-        temperature=0.6,
-        top_p=0.9,
-        max_new_tokens=1024,
-        context=2047,
-        eval_samples=16,
-        eval_temperature=0.35,
-        eval_top_p=0.9,
-        questions=16,
-        samples_per_iteration=1024,
-        edge_weight="uniform",
-        epochs=1,
-        batch_size=128,
-        lr=1e-6,
-        warmup_ratio=0.03,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        clip_eps=0.2,
-        beta=1e-4,
-        tree="6,6,6",
-        segment_tokens=30,
-        advantage="rloo",
-        prob_mask=True,
-        prob_threshold=0.9,
-        buffer_max_age=8,
-        edges_per_question=32,
-    ),
+    "math":  dict(paper.MATH_RUN,  **TREE_RUN, questions=32, samples_per_iteration=512,  segment_tokens=600),
+    "gsm8k": dict(paper.GSM8K_RUN, **TREE_RUN, questions=16, samples_per_iteration=1024, segment_tokens=30),
 }
+# fmt: on
 
 
 # ----------------------------------------------------------------------------------------------
 # Algorithm: the tree, values, segment advantages, loss (pure functions)
 
 ADVANTAGES = ("rloo", "grpo")
+WARN_LEAVES, MAX_LEAVES = 50_000, 1_000_000  # leaves per iteration (stated in --tree's help)
+MAX_DEPTH = 100  # levels of --tree (viewer.py reads saved trees up to about 495 levels deep)
 
 
 def parse_tree(spec: str) -> list[int]:
@@ -393,9 +350,8 @@ def fill_samples(taken: list[dict], remaining: list[dict], n: int, rng: random.R
         chosen = set(rng.sample(range(len(taken)), n))
         samples = [edge for i, edge in enumerate(taken) if i in chosen]
         returned = [edge for i, edge in enumerate(taken) if i not in chosen]
-        return samples, sorted(
-            remaining + returned, key=lambda edge: edge["born"]
-        )  # stable: both lists are oldest first
+        # sorted is stable: both lists are oldest first
+        return samples, sorted(remaining + returned, key=lambda edge: edge["born"])
     return taken + [rng.choice(taken) for _ in range(n - len(taken))], remaining
 
 
@@ -616,7 +572,6 @@ def grade_trees(trees: list[Node], answers: list[str], tokenizer, task: str) -> 
 def attach_targets(
     samples: list[dict],
     reference,
-    *,
     micro_batch_size: int,
     temperature: float,
     pad_id: int,
@@ -633,30 +588,20 @@ def attach_targets(
     for s in edges:
         s["ref_logps"] = s["old_logps"]
     if reference is not None:
-        with models.on_device(
-            reference
-        ):  # parked in pinned CPU memory (--reference-on-device False): copied in for this pass
-            for s, logps in zip(
-                edges, sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id, precision)
-            ):
+        # Parked in pinned CPU memory (--reference-on-device False): copied in for this pass
+        with models.on_device(reference):
+            ref_logps = sample_logprobs(reference, edges, micro_batch_size, temperature, pad_id, precision)
+            for s, logps in zip(edges, ref_logps):
                 s["ref_logps"] = logps
     lengths = [len(s["response_ids"]) for s in samples]
-    flat_probs = torch.cat(
-        [s["old_logps"] for s in samples] or [torch.zeros(0)]
-    ).exp()  # [tokens], p_t of every response token
-    flat_mask = loss_mask(
-        torch.ones_like(flat_probs, dtype=torch.bool),
-        flat_probs,
-        prob_threshold,
-        prob_mask,
-        all_sum=distributed.all_sum,
-    )
+    flat_probs = torch.cat([s["old_logps"] for s in samples] or [torch.zeros(0)]).exp()  # [tokens], p_t
+    every_token = torch.ones_like(flat_probs, dtype=torch.bool)
+    flat_mask = loss_mask(every_token, flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
     flat_advantages = torch.repeat_interleave(
         torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths, dtype=torch.long)
     )
-    flat_advantages = whiten(
-        flat_advantages, flat_mask, all_sum=distributed.all_sum
-    )  # over the whole iteration batch's masked tokens
+    # Whitened over the whole iteration batch's masked tokens
+    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum)
     # --edge-weight depth (edge_weights): each edge's weight scales its whitened advantage, which is the surrogate's
     # per-token weight (w > 0 factors out of PPO-clip's min); the KL term and the token count stay unweighted.
     flat_weights = torch.repeat_interleave(
@@ -725,9 +670,8 @@ def update_policy(
     each with --batch-size / world size of its own (the last ones possibly none), and the gradients are summed."""
     model.train()
     model_stats, batch_size = [], args.batch_size // distributed.world_size()  # this rank's share of each batch
-    steps = math.ceil(
-        int(distributed.all_sum(torch.tensor(len(samples)))) / args.batch_size
-    )  # per epoch, the same on every rank
+    # Optimizer steps per epoch, the same on every rank
+    steps = math.ceil(int(distributed.all_sum(torch.tensor(len(samples)))) / args.batch_size)
     for _ in range(args.epochs):
         order = torch.randperm(len(samples)).tolist()
         for start in range(0, steps * batch_size, batch_size):
@@ -763,88 +707,40 @@ def update_policy(
 
 
 def main(args: Args) -> dict:
-    device = distributed.init_distributed(
-        args
-    )  # torchrun: this rank's GPU (or CPU over gloo); plain python: one process
+    # torchrun: this rank's GPU (or the CPU over gloo); plain python: one process
+    device = distributed.init_distributed(args)
     branches = validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level without early leaves
-        return paper.dry_run(
-            args,
-            PAPER_SETTINGS,
-            resolved={
-                "eval_task": eval_task,
-                "model_id": models.ALIASES.get(args.model, args.model),
-                "branches": branches,
-                "nodes_per_full_tree": sum(full_tree),
-                "leaves_per_full_tree": full_tree[-1],
-            },
-        )
-    torch.manual_seed(args.seed)
-    precision = choose_precision(args.precision, device)
-    distributed.print0(precision.line)
-    run_dir, checkpoint, first_start = runs.locate_run(args)  # --resume: the run, its newest checkpoint, first start
-    if (finished := runs.finished_run(run_dir, checkpoint, args.iterations)) is not None:
-        return finished  # resumed after its last iteration: reported, left as it is
-    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)  # the `auto` knobs
-    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)  # args.json as given; starts.jsonl: plan
-    args = replace(args, **plan.settings())  # from here on the memory knobs hold this device's values
-
-    model, tokenizer, reference = models.load_policy(
-        args.model,
-        checkpoint,
-        device,
-        args.beta,
-        reference_on_device=args.reference_on_device,
-        gradient_checkpointing=args.gradient_checkpointing,
-        fsdp=args.fsdp,
-    )
+        return paper.dry_run(args, PAPER_SETTINGS, eval_task, **tree_shape(branches))
+    run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
+    if run.finished:
+        return run.finished  # resumed after its last iteration: reported, left as it is
+    args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
+    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device)
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
-    pad_id, stop = tokenizer.pad_token_id, ev.stop_strings(tokenizer)
-    sampler = engines.run_sampler(args, model, tokenizer, checkpoint, precision)
-    # The schedule steps once per iteration (see the docstring). On the CPU: the buffer's log-probs stay there with
-    # the new edges'; the optimizer moves its state to the parameters.
-    state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
-    optimizer, scheduler = checkpoints.make_optimizer(
-        model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, state
+    sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
+    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
+    # The schedule steps once per iteration (see update_policy).
+    optimizer, scheduler = make_optimizer(
+        model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, run.state
     )
-    start_iteration, buffer = (state["iteration"] + 1, state["buffer"]) if state else (1, [])  # buffer: oldest first
-    log = runs.RunLog(run_dir, start_iteration, args)
+    buffer = run.state["buffer"] if run.state else []  # the replay buffer, oldest edge first
+    evaluate = lambda: ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)  # noqa: E731
+    book = bookkeeping.Loop(run, args, eval_task, evaluate)
 
-    accuracy_before = accuracy_after = None
-    if start_iteration == 1 and args.eval_before:
-        log.write(0, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args))
-        accuracy_before = accuracy_after = eval_metrics["eval/accuracy"]
-    streak = [0]  # non-finite losses in a row
-    progress = tqdm.tqdm(
-        range(start_iteration, args.iterations + 1),
-        desc="iterations",
-        initial=start_iteration - 1,
-        total=args.iterations,
-        disable=distributed.rank() > 0,
-    )
-    for iteration in progress:
-        rng = reseed(args.seed, iteration, sampler)
+    for iteration in book.iterations():
+        rng = reseed(args.seed, iteration, sampler)  # a resumed run samples what the uninterrupted one would
 
         # 1. Rollout: one tree per question, grown level by level across all trees (this rank's share of them).
-        started = iteration_started = time.time()
         question_ids = distributed.shard([rng.randrange(len(train_examples)) for _ in range(args.questions)])
         questions = [train_examples[i] for i in question_ids]
-        trees, level_seconds = grow_trees(
-            sampler,
-            [q.prompt_ids for q in questions],
-            branches,
-            segment_tokens=args.segment_tokens,
-            max_new_tokens=args.max_new_tokens,
-            context=args.context,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            stop=stop,
-        )
-        rollout_seconds = time.time() - started
+        with book.timed("rollout"):
+            trees, level_seconds = grow_trees(
+                sampler, [q.prompt_ids for q in questions], branches, segment_tokens=args.segment_tokens, **sampling
+            )
 
         # 2. Rewards: every finished leaf graded on its full response; unfinished leaves score 0.
         grade_trees(trees, [q.answer for q in questions], tokenizer, args.task)
@@ -852,102 +748,61 @@ def main(args: Args) -> dict:
         # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
         #    Under torchrun every rank gets every rank's edges: the replay buffer is one, the same on all ranks.
         new_edges, nonzero_edges = tree_edges(trees, question_ids, iteration, args.advantage)
-        for edge, logps in zip(
-            new_edges, sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id, precision)
-        ):
+        old_logps = sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id, run.precision)
+        for edge, logps in zip(new_edges, old_logps):
             edge["old_logps"] = logps
         new_edges = distributed.gather(new_edges)
-        saving = args.save_samples and iteration % args.save_samples == 0
-        saved_probs = (
-            node_probs(model, trees[: args.save_questions], args.micro_batch_size, args.temperature, pad_id, precision)
-            if saving
-            else {}
-        )
+        saved_probs = {}
+        if book.saves_samples(iteration):  # p_t of the saved trees' nodes, before the update
+            saved = trees[: args.save_questions]
+            saved_probs = node_probs(model, saved, args.micro_batch_size, args.temperature, pad_id, run.precision)
 
         # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
         #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
         taken, buffer = sample_buffer(buffer + new_edges, iteration, args.buffer_max_age, args.edges_per_question, rng)
-        if (
-            args.edge_weight == "depth"
-        ):  # beyond the paper: the expected loss gradient is the policy gradient's direction
+        # Beyond the paper: --edge-weight depth makes the expected loss gradient the policy gradient's direction.
+        if args.edge_weight == "depth":
             for edge, weight in zip(taken, edge_weights(taken, buffer, depth_weights(branches))):
                 edge["weight"] = weight
-        samples, buffer = fill_samples(
-            taken, buffer, args.samples_per_iteration, rng
-        )  # the buffer the checkpoint keeps
+        # buffer: what stays for later iterations (the checkpoint keeps it)
+        samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)
         rank_samples = distributed.shard(samples)
         attach_targets(
             rank_samples,
             reference,
-            micro_batch_size=args.micro_batch_size,
-            temperature=args.temperature,
-            pad_id=pad_id,
-            prob_threshold=args.prob_threshold,
-            prob_mask=args.prob_mask,
-            precision=precision,
+            args.micro_batch_size,
+            args.temperature,
+            pad_id,
+            args.prob_threshold,
+            args.prob_mask,
+            run.precision,
         )
 
-        # 5. Update: epochs x shuffled batches x micro-batches; the sampler sleeps meanwhile, then takes the new
-        #    weights.
+        # 5. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
-        started, lr = time.time(), scheduler.get_last_lr()[0]
-        model_stats = update_policy(
-            model, optimizer, scheduler, rank_samples, args, pad_id, iteration, streak, precision
-        )
-        update_seconds = time.time() - started
+        lr = scheduler.get_last_lr()[0]  # this iteration's: the schedule steps once, at the end of the update
+        with book.timed("update"):
+            update_stats = update_policy(
+                model, optimizer, scheduler, rank_samples, args, pad_id, iteration, book.streak, run.precision
+            )
         sampler.wake_up()
         sampler.load_weights(model)
-        iteration_seconds = time.time() - iteration_started
-        log.train_seconds += iteration_seconds
-        last = distributed.broadcast(
-            iteration == args.iterations
-            or (args.max_minutes is not None and log.train_seconds >= 60 * args.max_minutes)
-        )
+        seconds = book.iteration_seconds()  # rollout, update, iteration (without evaluation and checkpoint), train
 
         # 6. Log (over all ranks' trees), save samples, evaluate, checkpoint.
+        loss_masks = [s["loss_mask"] for s in rank_samples]
         metrics = iteration_metrics(
-            iteration,
-            distributed.gather(trees),
-            samples,
-            buffer,
-            distributed.gather([s["loss_mask"] for s in rank_samples]),
-            nonzero_edges=int(distributed.all_sum(torch.tensor(nonzero_edges))),
-            model_stats=model_stats,
-            lr=lr,
-            level_seconds=level_seconds,
-            rollout_seconds=rollout_seconds,
-            update_seconds=update_seconds,
-            iteration_seconds=iteration_seconds,
-            train_seconds=log.train_seconds,
+            trees, samples, buffer, loss_masks, nonzero_edges, iteration, update_stats, lr, seconds, level_seconds
         )
-        log.write(iteration, metrics)
-        progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
-        distributed.print0(progress_line(iteration, metrics, level_seconds), tqdm.tqdm.write)
-        if saving and distributed.rank() == 0:  # rank 0's trees
-            runs.write_samples(
-                run_dir / "samples" / f"iter_{iteration}.jsonl",
-                sample_records(iteration, trees, questions, saved_probs, tokenizer, args),
-            )
-        if iteration % args.eval_every == 0 or last:
-            log.write(
-                iteration, eval_metrics := ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)
-            )
-            accuracy_after = eval_metrics["eval/accuracy"]
-        if iteration % args.save_every == 0 or last:
-            trainer_state = {
-                **checkpoints.optimizer_checkpoint(model, optimizer, scheduler),
-                "iteration": iteration,
-                "buffer": buffer,
-            }
-            checkpoints.save_checkpoint(
-                run_dir, model, tokenizer, trainer_state
-            )  # the buffer too: a resumed run trains on the same edges
-        distributed.barrier()  # under torchrun no rank runs ahead of the checkpoint
-        if last:  # the bar counts an iteration when the next one is asked for: show this one done, end the bar
-            progress.n = iteration
-            progress.close()
-            break
-    return runs.finish_run(run_dir, log, accuracy_before, accuracy_after, eval_task)
+        book.log(iteration, metrics, progress_line(iteration, metrics, level_seconds))
+        if book.saves_samples(iteration):
+            book.write_samples(iteration, sample_records(iteration, trees, questions, saved_probs, tokenizer, args))
+        if book.due(iteration, args.eval_every):
+            book.evaluate(iteration)
+        if book.due(iteration, args.save_every):  # the buffer too: a resumed run trains on the same edges
+            trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
+            checkpoints.save_checkpoint(run.dir, model, tokenizer, {**trainer_state, "buffer": buffer})
+    return book.finish()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -996,8 +851,10 @@ def validate(args: Args) -> list[int]:
     return branches
 
 
-WARN_LEAVES, MAX_LEAVES = 50_000, 1_000_000  # leaves per iteration (stated in --tree's help)
-MAX_DEPTH = 100  # levels of --tree (viewer.py reads saved trees up to about 495 levels deep)
+def tree_shape(branches: list[int]) -> dict:
+    """What --dry-run shows of --tree: the branch factors, and the nodes and leaves of a tree without early leaves."""
+    full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level
+    return {"branches": branches, "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1]}
 
 
 def tree_size_problem(branches: list[int], args: Args) -> str | None:
@@ -1025,35 +882,28 @@ def node_probs(
     """p_t of every token of every non-root node of `trees` (zero-advantage nodes too), keyed by id(node): what
     --save-samples shows, computed before the update."""
     nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
-    logps = sample_logprobs(
-        model,
-        [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes],
-        micro_batch_size,
-        temperature,
-        pad_id,
-        precision,
-    )
+    samples = [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes]
+    logps = sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
     return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
 
 
 def iteration_metrics(
-    iteration: int,
     trees: list[Node],
     samples: list[dict],
     buffer: list[dict],
     loss_masks: list[torch.Tensor],
-    *,
     nonzero_edges: int,
-    model_stats: list[dict],
+    iteration: int,
+    update_stats: list[dict],
     lr: float,
+    seconds: dict[str, float],
     level_seconds: list[float],
-    rollout_seconds: float,
-    update_seconds: float,
-    iteration_seconds: float,
-    train_seconds: float,
 ) -> dict:
-    """The iteration's metrics: the trees (rewards, shape), the samples trained on and their loss masks, the buffer,
-    the losses and times."""
+    """One iteration's metrics.jsonl entry, over all ranks' trees: the trees (rewards, shape), the samples trained on
+    and their loss masks, the buffer, the losses (averaged over `update_stats`, the optimizer steps taken) and times
+    (`seconds`: rollout, update, iteration and train; `level_seconds`: each level of the rollout)."""
+    trees, loss_masks = distributed.gather(trees), distributed.gather(loss_masks)
+    nonzero_edges = int(distributed.all_sum(torch.tensor(nonzero_edges)))
     nodes = [node for tree in trees for node, _ in walk(tree)]
     leaves = [node for node in nodes if not node.children]
     generated = sum(len(node.tokens) for node in nodes)
@@ -1068,17 +918,17 @@ def iteration_metrics(
         "charts/unique_samples": len({id(s) for s in samples}),
         "charts/zero_advantage_fraction": 1 - nonzero_edges / len(nodes),
         "charts/lr": lr,
-        "charts/tokens_per_second": generated / max(rollout_seconds, 1e-9),
+        "charts/tokens_per_second": generated / max(seconds["rollout"], 1e-9),
         "charts/loss_mask_fraction": torch.cat(loss_masks).float().mean().item() if loss_masks else 0.0,
         "tree/nodes": len(nodes) / len(trees),
         "tree/leaves": len(leaves) / len(trees),
         "buffer/size": len(buffer),
         "buffer/mean_age": sum(iteration - edge["born"] for edge in buffer) / max(1, len(buffer)),
         "buffer/taken_mean_age": sum(iteration - s["born"] for s in samples) / max(1, len(samples)),
-        "time/rollout_seconds": rollout_seconds,
-        "time/update_seconds": update_seconds,
-        "time/iteration_seconds": iteration_seconds,  # without evaluation and checkpoint
-        "time/train_seconds": train_seconds,
+        "time/rollout_seconds": seconds["rollout"],
+        "time/update_seconds": seconds["update"],
+        "time/iteration_seconds": seconds["iteration"],  # without evaluation and checkpoint
+        "time/train_seconds": seconds["train"],
     }
     for depth in range(1, len(level_seconds)):  # one entry per tree level
         metrics[f"tree/early_leaves_depth{depth}"] = sum(
@@ -1087,8 +937,8 @@ def iteration_metrics(
     for depth, seconds in enumerate(level_seconds, 1):
         metrics[f"time/level{depth}_seconds"] = seconds
     for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-        if model_stats:
-            metrics[f"losses/{key}"] = sum(step[key] for step in model_stats) / len(model_stats)
+        if update_stats:
+            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
     return metrics
 
 

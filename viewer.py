@@ -52,13 +52,8 @@ RESPONSE_KEYS = (
     "advantages",
     "loss_mask",
 )
-PER_TOKEN_KEYS = (
-    "tokens",
-    "probs",
-    "advantages",
-    "loss_mask",
-    "values",
-)  # lists as long as token_ids (values may be null)
+# lists as long as token_ids (values may be null)
+PER_TOKEN_KEYS = ("tokens", "probs", "advantages", "loss_mask", "values")
 NODE_KEYS = ("token_ids", "tokens", "value", "children")
 SETTINGS = (
     "model",

@@ -42,11 +42,12 @@ def main() -> None:
     if commands is None:
         sys.exit("gpu_resolve: RUNNING.md has no ```bash block after a <!-- gpu-install comment")
     wanted = {name: version for f in FILES for name, version in pins(ROOT / f).items()}
+    # each command starts with these words (flags may follow)
     expected = [
         ["pip", "install", f"torch=={wanted['torch']}"],
         ["pip", "install", "-r", FILES[0]],
         ["pip", "install", "-r", FILES[1]],
-    ]  # each command starts with these words (flags may follow)
+    ]
     if len(commands) != len(expected) or any(c[: len(e)] != e for c, e in zip(commands, expected)):
         sys.exit(f"gpu_resolve: RUNNING.md's GPU install should begin, in order: {expected}; it is {commands}")
     with tempfile.TemporaryDirectory() as scratch:

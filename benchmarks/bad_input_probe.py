@@ -324,8 +324,9 @@ def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeo
         text=True,
         cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **environment},
+        # its own process group: a hung case is stopped with its children
         start_new_session=True,
-    )  # its own process group: a hung case is stopped with its children
+    )
     try:
         _, stderr = process.communicate(timeout=timeout)
         result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)

@@ -341,9 +341,8 @@ def enumerate_exact(
             if k
             else np.zeros((1, 0), int)
         )
-        input_ids = torch.cat(
-            [torch.tensor(prompt).expand(len(index), -1), torch.from_numpy(digits + 1)], dim=1
-        )  # [4^k, P + k]
+        # [4^k, P + k]
+        input_ids = torch.cat([torch.tensor(prompt).expand(len(index), -1), torch.from_numpy(digits + 1)], dim=1)
         logits = torch.cat(
             [model(input_ids=chunk.to(model.device)).logits[:, -1] for chunk in input_ids.split(micro_batch_size * 16)]
         )
@@ -711,11 +710,12 @@ def run_tree(model, sampler, exacts, branch: int, args: Args, wide: bool = False
         for node, before in spo_tree.walk(root):
             if not node.children:
                 node.reward = reward(exact, before + node.tokens, node.finish_reason)
+    # tree_segments backs the values up
     samples = [
         {"prompt_ids": query, "response_ids": segment, "advantage": advantage, "depth": depth}
         for root in roots
         for query, segment, advantage, depth in spo_tree.tree_segments(root, "rloo")
-    ]  # backs the values up
+    ]
     # Every edge (zero ones too: the estimator gives them 0) beside its truth, per token and as a segment, in
     # tree_segments' order (depth-first pre-order), so the non-zero ones line up with the samples.
     edges = []  # (Exact, ids before the segment, segment ids, edge advantage)
@@ -745,9 +745,8 @@ def run_tree(model, sampler, exacts, branch: int, args: Args, wide: bool = False
         )
         estimates, trained = [], iter(samples)
         for *_, segment, advantage in edges:
-            kept = (
-                next(trained)["loss_mask"].tolist() if advantage != 0 else [False] * len(segment)
-            )  # a zero edge is not trained
+            # a zero edge is not trained
+            kept = next(trained)["loss_mask"].tolist() if advantage != 0 else [False] * len(segment)
             estimates += [advantage if keep else 0.0 for keep in kept]
         runs[name + ("" if prob_mask else "_nomask")] = Run(
             sampler.tokens,
@@ -870,9 +869,10 @@ def run_ppo(model, sampler, exacts, group_size: int, args: Args, lam: float) -> 
         pad_id=EOS,
         precision=FP32,
     )
+    # [N, T]
     gae = ppo_baseline.add_advantages_and_returns(
         samples, torch.tensor(rewards), gamma=1.0, lam=lam, prob_threshold=args.prob_threshold, prob_mask=False
-    )  # [N, T]
+    )
     advantages = [gae[i, : len(s["response_ids"])].tolist() for i, s in enumerate(samples)]
     estimates, truth = trained_estimates(samples, advantages), truth_of(samples, owners)
     values_error = float(
@@ -884,6 +884,7 @@ def run_ppo(model, sampler, exacts, group_size: int, args: Args, lam: float) -> 
             ]
         )
     )
+    # the critic's part is not read
     gradient = loss_gradient(
         model,
         lambda model, samples, **settings: ppo_baseline.accumulate_gradients(
@@ -891,7 +892,7 @@ def run_ppo(model, sampler, exacts, group_size: int, args: Args, lam: float) -> 
         ),
         samples,
         args,
-    )  # the critic's part is not read
+    )
     return {
         f"ppo_lam{lam:g}": Run(
             sampler.tokens,
@@ -1029,9 +1030,8 @@ def score(run: Run, exact_grad: torch.Tensor, sign_threshold: float) -> dict:
         out[f"{unit}_pearson"] = pearson(estimates, truth)
         out[f"{unit}_mse"] = float(np.mean((np.asarray(estimates) - np.asarray(truth)) ** 2)) if estimates else None
         out[f"{unit}_sign"] = sign_agreement(estimates, truth, sign_threshold)[0]
-    out["gradient_cosine"] = (
-        None if run.gradient is None else cosine(-run.gradient, exact_grad)
-    )  # the loss is minimised
+    # -run.gradient: the loss is minimised
+    out["gradient_cosine"] = None if run.gradient is None else cosine(-run.gradient, exact_grad)
     return out
 
 
@@ -1047,9 +1047,8 @@ def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int, seed: int) -> 
     if not both.any():
         return None
     difference = (a - b)[both]
-    draws = np.random.default_rng(seed).integers(
-        len(difference), size=(resamples, len(difference))
-    )  # [resamples, seeds]
+    # [resamples, seeds]
+    draws = np.random.default_rng(seed).integers(len(difference), size=(resamples, len(difference)))
     low, high = np.percentile(difference[draws].mean(1), [2.5, 97.5])
     return [float(difference.mean()), float(low), float(high)]
 

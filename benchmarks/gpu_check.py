@@ -57,7 +57,7 @@ import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
 from conftest import make_tokenizer  # noqa: E402
-from plumbing import cli, engines, files, gpu, memory, models, ranges, runs, training  # noqa: E402
+from plumbing import cli, engines, files, memory, models, ranges, runs, training, vllm_preflight  # noqa: E402
 from plumbing.memory import GiB, model_shape  # noqa: E402
 from plumbing.precision import choose_precision, gpu_has_bf16  # noqa: E402
 from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
@@ -232,8 +232,8 @@ def environment(args: Args) -> dict:
         "nvidia_smi": smi.stdout.strip() if smi else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "real_bf16": gpu_has_bf16() if cuda else None,
-        "vllm_preflight": gpu.describe(),
-        "vllm_problems": gpu.vllm_preflight(),
+        "vllm_preflight": vllm_preflight.describe(),
+        "vllm_problems": vllm_preflight.problems(),
         "transformers": transformers_api(),
     }
     # On the lent machine the lease puts the carried wheels first on PYTHONPATH (GPU_LEASE_SITE); the machine's own

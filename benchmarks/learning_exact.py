@@ -105,9 +105,9 @@ import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
-from plumbing import UsageError, checkpoints, cli, ranges  # noqa: E402
+from plumbing import UsageError, cli, ranges  # noqa: E402
 from plumbing.precision import FP32  # noqa: E402
-from plumbing.training import reseed, sample_logprobs  # noqa: E402
+from plumbing.training import make_optimizer, reseed, sample_logprobs  # noqa: E402
 
 PositiveFloats = ranges.bounded(float, 0, low_open=True, many=True)
 
@@ -311,9 +311,9 @@ class Learner:
 
 
 def constant_optimizer(model, lr: float):
-    """The scripts' AdamW (checkpoints.make_optimizer, weight decay 0) with a constant learning rate: the scripts'
+    """The scripts' AdamW (training.make_optimizer, weight decay 0) with a constant learning rate: the scripts'
     warmup and linear decay would make the end of every curve flat by construction."""
-    optimizer, _ = checkpoints.make_optimizer(model, lr, 0.0, 0.0, total_steps=1)
+    optimizer, _ = make_optimizer(model, lr, 0.0, 0.0, total_steps=1)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
 
@@ -499,6 +499,7 @@ def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dic
     ppo_baseline.add_advantages_and_returns(
         samples, torch.tensor(rewards), gamma=a.gamma, lam=a.lam, prob_threshold=a.prob_threshold, prob_mask=a.prob_mask
     )
+    # the critic against the exact V of the states it valued, before this update
     value_error = float(
         np.mean(
             [
@@ -507,7 +508,7 @@ def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dic
                 for t, value in enumerate(s["old_values"].tolist())
             ]
         )
-    )  # the critic against the exact V of the states it valued, before this update
+    )
     ppo_baseline.update_policy(
         learner.model,
         learner.critic,

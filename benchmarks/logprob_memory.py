@@ -57,6 +57,7 @@ def full_logits_logprobs(model, batch: dict, temperature: float) -> torch.Tensor
     """The reference: the model's full [rows, R, vocab] logits, then log-softmax at the sampled ids."""
     response_len = batch["response_mask"].shape[1]
     positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    # [rows, R, vocab]
     logits = (
         model(
             input_ids=batch["input_ids"],
@@ -68,7 +69,7 @@ def full_logits_logprobs(model, batch: dict, temperature: float) -> torch.Tensor
         .logits[:, :-1]
         .float()
         / temperature
-    )  # [rows, R, vocab]
+    )
     targets = batch["input_ids"][:, -response_len:]  # [rows, R]
     return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [rows, R]
 

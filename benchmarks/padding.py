@@ -154,9 +154,8 @@ def main(out: Path = Path(__file__).parent / "results" / "padding.json") -> None
         computed, tokens = sum(c for c, _ in counts), sum(t for _, t in counts)
         result["ways"][way] = {"positions": computed, "padding": 1 - tokens / computed, "seconds": []}
     model.train()
-    timed_update(
-        model, batches[0], "micro_batches", tokenizer.pad_token_id, precision
-    )  # warm-up: first-call allocations are not timed
+    # warm-up: first-call allocations are not timed
+    timed_update(model, batches[0], "micro_batches", tokenizer.pad_token_id, precision)
     names = list(WAYS)
     for index, batch in enumerate(batches):
         grads = {}

@@ -1,17 +1,23 @@
 """The machinery the four algorithm scripts share, written once. None of it is an algorithm.
 
-  models.py       aliases, the offline SmolLM2, loading the policy and the frozen reference model
-  engines.py      rollout engines: HFSampler (transformers decode loop) and VLLMSampler; token ids in and out
-  training.py     log-probs of responses under a model, micro-batching and collate, reseeding, the non-finite guard
-  runs.py         command line, one-line errors, resume, Ctrl-C, run directory, metrics log, sample files,
-                  the paper's settings and --dry-run
-  checkpoints.py  atomic checkpoints, finding the newest whole one, the optimizer and its schedule
-  files.py        reading files so that damage is one line; atomic writes; append-only logs with torn tails
-  ranges.py       each numeric setting's valid range, declared on its field, shown in --help, checked once
-  precision.py    the bf16 / fp32 choice, as a value passed to what computes
-  distributed.py  torchrun: collectives over ranks, FSDP2
-  gpu.py          pre-flight of the vLLM engine: torch's CUDA against vllm's, the toolchain, FlashInfer's sampler off
-  grading.py      the final-answer rule and math-verify in sandboxed worker processes (imports no torch)
+  bookkeeping.py     what every main() does around the algorithm: the run's start, the iterations' bar, clock and
+                     time budget, the metrics log, sample files, evaluation, the closing line
+  settings.py        TrainArgs (the settings every script shares), their checks, what a resume may change
+  ranges.py          each numeric setting's valid range, declared on its field, shown in --help, checked once
+  cli.py             the command line: tyro, one-line errors, Ctrl-C and SIGTERM
+  paper.py           the paper's two setups, --dry-run against PAPER_SETTINGS, the README's settings table
+  runs.py            the run directory: found or created, locked, args.json and starts.jsonl, metrics, samples
+  checkpoints.py     atomic checkpoints and finding the newest whole one
+  files.py           reading files so that damage is one line; atomic writes; append-only logs with torn tails
+  models.py          aliases, the offline SmolLM2, loading the policy and the frozen reference model
+  memory.py          the `auto` memory settings, from the device's free memory and the model's shape
+  precision.py       the bf16 / fp32 choice, as a value passed to what computes
+  training.py        log-probs of responses, micro-batching and collate, reseeding, the non-finite guard, the optimizer
+  engines.py         choosing the rollout engine; completions.py: what every engine returns
+  hf_engine.py       the HF rollout engine (transformers, any device)
+  vllm_engine.py     the vLLM rollout engine (GPU); vllm_preflight.py: what would stop it, checked before it starts
+  distributed.py     torchrun: collectives over ranks, FSDP2
+  grading.py         the final-answer rule and math-verify in sandboxed worker processes (imports no torch)
 
 This file imports nothing, so that grading.py's worker processes load only what grading needs.
 """

@@ -1,4 +1,4 @@
-"""Checkpoints: written atomically, the newest whole one found again, and the optimizer with its schedule.
+"""Checkpoints: written atomically, and the newest whole one found again.
 
 RUN/checkpoint/ is a plain save_pretrained directory (eval.py loads it) plus trainer_state.pt (optimizer,
 scheduler, iteration, world size and whatever the script adds, e.g. SPO-tree's replay buffer), written last.
@@ -14,7 +14,6 @@ import zipfile
 from pathlib import Path
 
 import torch
-from transformers import get_linear_schedule_with_warmup
 
 from plumbing import UsageError, distributed
 
@@ -145,23 +144,3 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if damaged:
         raise UsageError(f"--resume {run_dir}: {'; '.join(damaged)}, and no intact checkpoint is left; start a new run")
     return None
-
-
-def make_optimizer(
-    model,
-    lr: float,
-    weight_decay: float,
-    warmup_ratio: float,
-    total_steps: int,
-    state: dict | None = None,
-    prefix: str = "",
-):
-    """AdamW and its schedule: int(warmup_ratio * total_steps) steps of linear warmup, then linear decay to 0 at
-    total_steps; restored from a checkpoint's trainer_state (its {prefix}optimizer and {prefix}scheduler) when given."""
-    with distributed.on_shards(model):  # --fsdp: from the shards, even while the awake sampler holds the model gathered
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
-        if state is not None:
-            distributed.load_optimizer_state(model, optimizer, state[f"{prefix}optimizer"])
-            scheduler.load_state_dict(state[f"{prefix}scheduler"])
-    return optimizer, scheduler

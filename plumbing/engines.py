@@ -96,3 +96,15 @@ def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enforce_eager=args.vllm_enforce_eager,
     )
+
+
+def sampling_settings(args, stop: list[str]) -> dict:
+    """A training run's sampling keywords, as sampler.sample and the scripts' rollouts take them: --temperature,
+    --top-p, --max-new-tokens and --context of `args` (a script's Args) and the task's `stop` strings."""
+    return dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        context=args.context,
+        stop=stop,
+    )

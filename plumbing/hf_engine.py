@@ -79,9 +79,8 @@ class _GrowingKV(DynamicLayer):
         the same numbers, cast once per position instead of the whole cache at every step."""
         super().__init__()
         self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
-        self.key_buffer = self._with_room(
-            keys, room, repeats, dtype
-        )  # [rows x repeats, kv_heads, length + room, head_dim]
+        # [rows x repeats, kv_heads, length + room, head_dim]
+        self.key_buffer = self._with_room(keys, room, repeats, dtype)
         self.value_buffer = self._with_room(values, room, repeats, dtype)
         self._views()
 
@@ -278,18 +277,15 @@ class HFSampler:
             return self._prefill_each(prompts, width, pad)  # e.g. sliding-window layers keep only their window
         source = torch.tensor(root_of, device=device)  # [prompts]: the root each prompt is read from
         lengths = torch.tensor([len(p) for p in prompts], device=device)
-        shift = lengths - torch.tensor(
-            [len(roots[r]) for r in root_of], device=device
-        )  # <= 0: where the prompt ends in its root
+        # <= 0: where the prompt ends in its root
+        shift = lengths - torch.tensor([len(roots[r]) for r in root_of], device=device)
         last = width - 1 + shift  # [prompts]: the column of each prompt's last token in its root
         logits = model.get_output_embeddings()(out.last_hidden_state[source, last])  # [prompts, vocab]
-        columns = (torch.arange(width, device=device)[None] + shift[:, None]).clamp(
-            min=0
-        )  # [prompts, width]; pad columns: any
+        # [prompts, width]; pad columns: any
+        columns = (torch.arange(width, device=device)[None] + shift[:, None]).clamp(min=0)
         for layer in out.cache.layers:
-            index = columns[:, None, :, None].expand(
-                -1, layer.keys.shape[1], -1, layer.keys.shape[-1]
-            )  # [prompts, kv_heads, width, head_dim]
+            # [prompts, kv_heads, width, head_dim]
+            index = columns[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys[source].gather(2, index), layer.values[source].gather(2, index)
         return logits, out.cache
 
@@ -312,9 +308,8 @@ class HFSampler:
         steps = int(limits.max())
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
-        attention = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
-        )  # [prompts, width], left-padded
+        # [prompts, width], left-padded
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         logits, cache = self._prefill(prompts, width, pad)  # [prompts, vocab]; cache rows left-padded to width
         # Decode steps write into buffers with room instead of concatenating the whole cache each step.
         for layer in cache.layers:
@@ -328,18 +323,16 @@ class HFSampler:
             for layer in cache.layers
         ]
         logits = logits.repeat_interleave(n, dim=0)  # [batch, vocab]: one prefill, n continuations
-        attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(
-            n, dim=0
-        )  # [batch, width + steps]
+        # [batch, width + steps]
+        attention = torch.cat([attention, attention.new_ones(len(prompts), steps)], 1).repeat_interleave(n, dim=0)
         if model.config._attn_implementation == "sdpa" and all(type(layer) is _GrowingKV for layer in cache.layers):
             # Handed over as [batch, 1, 1, positions], the mask reaches SDPA as it is. Left 2D, transformers drops it
             # when no row is padded and asks SDPA for grouped-query attention (enable_gqa), which on CPU in bf16 took
             # 5x as long per layer as the packed query heads it uses when there is a mask (1.29 against 0.24 ms,
             # 24 rows).
             attention = attention.bool()[:, None, None]  # [batch, 1, 1, width + steps]
-        next_position = torch.tensor([[len(p)] for p in prompts], device=device).repeat_interleave(
-            n, dim=0
-        )  # [batch, 1]
+        # [batch, 1]
+        next_position = torch.tensor([[len(p)] for p in prompts], device=device).repeat_interleave(n, dim=0)
 
         rows = len(prompts) * n
         eos = torch.tensor(

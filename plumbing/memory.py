@@ -232,9 +232,8 @@ def plan(
         return free - margin - resident_rollout - no_grad_reserve
 
     def update_peak(micro: int, checkpointing: bool, reference_on_device: bool) -> float:
-        activations = copies * pass_bytes(
-            shape, micro * context, checkpointing
-        )  # + 10 %: the allocator's fragmentation
+        # + 10 %: the allocator's fragmentation
+        activations = copies * pass_bytes(shape, micro * context, checkpointing)
         return state + autocast_copies + (reference if reference_on_device else 0) + 1.1 * activations
 
     vllm_need = 2 * P + 2 * GiB + context * kv_bytes_per_position(shape)  # bf16 weights, warm-up, one full sequence

@@ -78,9 +78,8 @@ def smollm2_dir() -> Path:
     """
     cache = cache_dir()
     target = cache / "smollm2-135m-instruct"
-    remove_stale_staging(
-        cache
-    )  # also when the model is cached: a conversion may have been killed beside a finished one
+    # also when the model is cached: a conversion may have been killed beside a finished one
+    remove_stale_staging(cache)
     if (target / SMOLLM2_DONE).exists():
         return target
     if dist.is_initialized():  # under torchrun transformers' save_pretrained writes on rank 0 only: convert elsewhere
@@ -365,6 +364,21 @@ def load_policy(
 
         distributed.fully_shard_model(model)
     return model, tokenizer, reference
+
+
+def load_run_models(args, checkpoint: Path | None, device: str, wrap: bool = True):
+    """A training run's (policy, tokenizer, reference): load_policy with the run's --model, --beta,
+    --reference-on-device and, with `wrap`, --gradient-checkpointing and --fsdp (`args`, a script's Args). PPO passes
+    wrap=False and applies those two after copying its critic from the policy."""
+    return load_policy(
+        args.model,
+        checkpoint,
+        device,
+        args.beta,
+        reference_on_device=args.reference_on_device,
+        gradient_checkpointing=wrap and args.gradient_checkpointing,
+        fsdp=wrap and args.fsdp,
+    )
 
 
 def park(reference: torch.nn.Module, device) -> None:

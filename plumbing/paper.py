@@ -10,6 +10,18 @@ from pathlib import Path
 
 from plumbing import models
 
+# The paper's two setups as every script runs them (Guo et al. 2025, section 5 and appendix; the authors' released
+# configs): the model, task, sampling and evaluation of each, and the policy optimization all four scripts share.
+# Each script's PAPER_SETTINGS adds what its algorithm sets.
+# fmt: off
+OPTIMIZATION = dict(lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4)
+GSM8K_RUN = dict(model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9,
+                 max_new_tokens=1024, context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9,
+                 **OPTIMIZATION)
+MATH_RUN = dict(model="deepseek-r1-distill-qwen-1.5b", task="math", eval_task="math500", temperature=0.6, top_p=1.0,
+                context=2048, eval_samples=1, eval_temperature=0.6, eval_top_p=0.95, **OPTIMIZATION)
+# fmt: on
+
 
 def paper_run(args, paper_settings: dict[str, dict]) -> tuple[str, str]:
     """The paper's run (a key of the script's PAPER_SETTINGS) that `args` is compared with, and why that one:
@@ -36,11 +48,13 @@ def format_setting(value) -> str:
     return str(value)
 
 
-def dry_run(args, paper_settings: dict[str, dict], resolved: dict) -> dict:
+def dry_run(args, paper_settings: dict[str, dict], eval_task: str, **resolved) -> dict:
     """--dry-run: print every setting beside the paper's value for the matching run and mark each difference;
-    nothing is loaded. `resolved` holds what the script derives from the settings without loading anything
-    (its values replace same-named settings in the comparison, e.g. the eval task a missing --eval-task means).
-    Returns {"paper_run", "settings", "paper", "differences", "resolved"}."""
+    nothing is loaded. The eval task a missing --eval-task means, the model's hub id (aliases expanded by name) and
+    `resolved`, what else the script derives from the settings without loading anything, are shown too (a value
+    replaces a same-named setting in the comparison). Returns {"paper_run", "settings", "paper", "differences",
+    "resolved"}."""
+    resolved = {"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model), **resolved}
     run, why = paper_run(args, paper_settings)
     paper, settings = paper_settings[run], {**asdict(args), **{k: v for k, v in resolved.items() if k in asdict(args)}}
     same = lambda name: (  # noqa: E731  model aliases and hub ids name the same model

@@ -70,9 +70,8 @@ def record_start(run_dir: Path, resumed: bool, precision_line: str | None = None
         "precision": precision_line,
         **how,
     }
-    active_run.update(
-        run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed
-    )  # first: a Ctrl-C from here on names the run
+    # first: a Ctrl-C from here on names the run
+    active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=not resumed)
     files.append_line(run_dir / "starts.jsonl", entry, "the run's start log")
 
 

@@ -204,6 +204,8 @@ def directory_problems(directory: str, flag: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # The settings every training script shares. A script's Args extends TrainArgs, redeclaring the fields whose
 # paper default (or meaning) differs, and adding its algorithm's own; tyro documents every field in --help.
+# Each field's docstring is its help. tyro keeps a docstring's line breaks in --help, so a help that must reflow
+# as one paragraph is written as one string in parentheses (adjacent literals joined), not a tuple.
 
 
 @dataclasses.dataclass

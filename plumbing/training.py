@@ -1,6 +1,6 @@
 """Training mechanics the four scripts share: log-probs of responses under a model, micro-batching and collate (the
-update's micro-batches; the no-grad passes' batches, sized to free GPU memory), seeding an iteration, and the guard
-against non-finite losses.
+update's micro-batches; the no-grad passes' batches, sized to free GPU memory), seeding an iteration, the guard
+against non-finite losses, and the optimizer with its schedule.
 
 A sample is a dict: prompt_ids and response_ids (token ids, exactly as sampled), and what the loss needs per
 response token (old_logps, ref_logps, advantages, loss_mask; PPO adds old_values and returns) as 1-D tensors.
@@ -14,7 +14,7 @@ import warnings
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import Cache
+from transformers import Cache, get_linear_schedule_with_warmup
 
 from plumbing import UsageError, distributed
 from plumbing.memory import KEPT_LOGITS, LOGIT_CHUNK, model_shape, no_grad_pass_bytes
@@ -90,17 +90,14 @@ def collate(samples: list[dict], pad_id: int, device) -> dict:
         "input_ids": torch.tensor(input_ids, device=device),  # [rows, P + R]
         "attention_mask": torch.tensor(attention, device=device),  # [rows, P + R]
         "response_mask": torch.tensor(response_mask, device=device),  # [rows, R]; EOS included when sampled
-        "prompt_ids": torch.tensor(
-            [[pad_id] * (prompt_len - len(p)) + list(p) for p in prompts], device=device
-        ),  # [prompts, P]
-        "prompt_mask": torch.tensor(
-            [[0] * (prompt_len - len(p)) + [1] * len(p) for p in prompts], device=device
-        ),  # [prompts, P]
+        # [prompts, P]
+        "prompt_ids": torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in prompts], device=device),
+        # [prompts, P]
+        "prompt_mask": torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in prompts], device=device),
         "prompt_of_row": torch.tensor([prompt_index[tuple(s["prompt_ids"])] for s in samples], device=device),  # [rows]
     }
-    batch["positions"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(
-        min=0
-    )  # [rows, P + R]; position ids skip the padding
+    # [rows, P + R]; position ids skip the padding
+    batch["positions"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     batch["prompt_positions"] = (batch["prompt_mask"].cumsum(-1) - 1).clamp(min=0)  # [prompts, P]
     for key in ("old_logps", "ref_logps", "advantages", "loss_mask", "old_values", "returns"):  # those the samples hold
         if key in samples[0]:
@@ -168,16 +165,17 @@ def response_logprobs(
             )
             hidden = hidden[:, prompt_len - 1 : -1]  # [rows, R, hidden]; position t-1 predicts y_t
         else:
+            # [prompts, P, hidden]
             prompt_hidden, cache = last_hidden_state(
                 model,
                 input_ids=batch["prompt_ids"],
                 attention_mask=batch["prompt_mask"],
                 position_ids=batch["prompt_positions"],
                 use_cache=True,
-            )  # [prompts, P, hidden]
-            cache.batch_select_indices(
-                batch["prompt_of_row"]
-            )  # [prompts, ...] -> [rows, ...]: each row's prompt keys and values
+            )
+            # [prompts, ...] -> [rows, ...]: each row's prompt keys and values
+            cache.batch_select_indices(batch["prompt_of_row"])
+            # [rows, R, hidden]
             response_hidden, _ = last_hidden_state(
                 model,
                 input_ids=batch["input_ids"][:, prompt_len:],
@@ -185,11 +183,9 @@ def response_logprobs(
                 position_ids=batch["positions"][:, prompt_len:],
                 cache=cache,
                 use_cache=True,
-            )  # [rows, R, hidden]
-            # position t-1 predicts y_t: the prompt's last position predicts y_0
-            hidden = torch.cat(
-                [prompt_hidden[batch["prompt_of_row"], -1:], response_hidden[:, :-1]], dim=1
-            )  # [rows, R, hidden]
+            )
+            # [rows, R, hidden]; position t-1 predicts y_t: the prompt's last position predicts y_0
+            hidden = torch.cat([prompt_hidden[batch["prompt_of_row"], -1:], response_hidden[:, :-1]], dim=1)
         targets = batch["input_ids"][:, prompt_len:]  # [rows, R]
         rows, lm_head = hidden.shape[0], model.get_output_embeddings()
         recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
@@ -318,3 +314,23 @@ def skipped_non_finite(
             )
         raise UsageError(f"three non-finite losses in a row: {fix}, or check the model and data")
     return True
+
+
+def make_optimizer(
+    model,
+    lr: float,
+    weight_decay: float,
+    warmup_ratio: float,
+    total_steps: int,
+    state: dict | None = None,
+    prefix: str = "",
+):
+    """AdamW and its schedule: int(warmup_ratio * total_steps) steps of linear warmup, then linear decay to 0 at
+    total_steps; restored from a checkpoint's trainer_state (its {prefix}optimizer and {prefix}scheduler) when given."""
+    with distributed.on_shards(model):  # --fsdp: from the shards, even while the awake sampler holds the model gathered
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
+        if state is not None:
+            distributed.load_optimizer_state(model, optimizer, state[f"{prefix}optimizer"])
+            scheduler.load_state_dict(state[f"{prefix}scheduler"])
+    return optimizer, scheduler

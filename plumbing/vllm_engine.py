@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from plumbing import distributed, gpu
+from plumbing import distributed, vllm_preflight
 from plumbing.completions import Completion, cut_at_stop, stop_histories
 from plumbing.precision import engine_dtype
 
@@ -46,7 +46,7 @@ class VLLMSampler:
     ):
         """dtype: the engine's ("bfloat16", "float16", ...); None: bfloat16 where the GPU has bf16, else float16.
         enforce_eager: no CUDA graphs and no torch.compile (a faster start, slower decoding)."""
-        gpu.prepare_vllm(enforce_eager)  # a CUDA mismatch stops here, in a second, with its fix
+        vllm_preflight.prepare_vllm(enforce_eager)  # a CUDA mismatch stops here, in a second, with its fix
         dtype = dtype or engine_dtype()
         # load_weights hands live torch tensors to the worker. That only works
         # when the engine core runs in this process. With the default ("1"),

@@ -1,7 +1,7 @@
 """Pre-flight for the vLLM engine: what would stop a GPU run minutes into the engine's start-up, found before it
 is built, one line each with its fix.
 
-  vllm_preflight   the problems: torch's CUDA against the CUDA vLLM's compiled ops link (fatal: they do not load),
+  problems         the problems: torch's CUDA against the CUDA vLLM's compiled ops link (fatal: they do not load),
                    a missing C compiler or Python.h (Triton builds its kernel launchers with them)
   prepare_vllm     what VLLMSampler runs first: FlashInfer's sampler off unless set, the fatal problem raised, the
                    rest printed, and one line that says what was found
@@ -154,7 +154,7 @@ def toolchain_problems(enforce_eager: bool) -> list[str]:
     return problems
 
 
-def vllm_preflight(enforce_eager: bool = False) -> list[str]:
+def problems(enforce_eager: bool = False) -> list[str]:
     """Every problem that would stop the vLLM engine on this machine, one line each with its fix ([]: none)."""
     return cuda_problems() + toolchain_problems(enforce_eager)
 

@@ -255,9 +255,8 @@ def main() -> None:
     models, stats = {"grpo_baseline": grpo, "ppo_baseline": ppo, "spo_chain": spo_chain, "spo_tree": spo_tree}[script](
         model_dir
     )
-    parameters = [
-        {name: t.detach().clone() for name, t in distributed.full_state_dict(m).items()} for m in models
-    ]  # every rank
+    # every rank
+    parameters = [{name: t.detach().clone() for name, t in distributed.full_state_dict(m).items()} for m in models]
     if distributed.rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         name = f"world{distributed.world_size()}{'_fsdp' if FSDP else ''}.pt"

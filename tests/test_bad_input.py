@@ -38,10 +38,8 @@ COMMON = [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--iterations", "0"], "--iterations"),
     (["--batch-size", "6", "--micro-batch-size", "4"], "--batch-size (6) must be a positive multiple"),
-    (
-        ["--micro-batch-size", "0"],
-        "--micro-batch-size (0) must be at least 1",
-    ),  # was a ZeroDivisionError (bad_input_probe)
+    # was a ZeroDivisionError (bad_input_probe)
+    (["--micro-batch-size", "0"], "--micro-batch-size (0) must be at least 1"),
     # numbers that used to run and change the algorithm silently: each is outside the range its field declares
     (["--max-grad-norm", "-1"], "--max-grad-norm (-1.0) must be positive"),  # torch would scale by -1/|g|: ascent
     (["--warmup-ratio", "-0.5"], "--warmup-ratio (-0.5) must be in [0, 1)"),
@@ -300,10 +298,8 @@ def test_a_range_shows_in_help_and_rejects_non_finite_values():
         (["viewer.py", "html", "RUN", "--questions", "0"], "--questions (0) must be at least 1"),
         (["viewer.py", "html", "RUN", "--iterations"], "--iterations needs at least one value"),
         (["viewer.py", "curves", "RUN", "--smooth", "1"], "--smooth (1.0) must be in [0, 1)"),
-        (
-            ["benchmarks/learning.py", "--seeds"],
-            "--seeds needs at least one value",
-        ),  # exited 0 and wrote an empty table
+        # exited 0 and wrote an empty table
+        (["benchmarks/learning.py", "--seeds"], "--seeds needs at least one value"),
         (["benchmarks/learning.py", "--minutes", "nan"], "--minutes (nan) must be a finite number"),
         (["benchmarks/trl_side_by_side.py", "--group-size", "1"], "--group-size (1) must be at least 2"),
         (["benchmarks/credit_exact.py", "--intervals", "0", "5"], "--intervals (0): each value must be at least 1"),

@@ -97,12 +97,8 @@ def test_edge_states_and_estimates_on_a_hand_made_tree():
     ]
     a, a1, _, b, b1, _, c = edges
     assert a["parent"] == ((7, 8), (), "0", None) and a["child"] == ((7, 8), (5, 40), "0", None)  # inner: open
-    assert a1["parent"] == a["child"] and a1["child"] == (
-        (7, 8),
-        (5, 40, 41, 42),
-        "0",
-        1.0,
-    )  # leaf: closed at its reward
+    # leaf: closed at its reward
+    assert a1["parent"] == a["child"] and a1["child"] == ((7, 8), (5, 40, 41, 42), "0", 1.0)
     assert b1["child"][3] == 0.0 and c["child"] == ((7, 8), (5,), "0", 1.0)
     # SPO-tree: V(A) = V(C) = 1, V(B) = 0, V(root) = 2/3; siblings that agree give 0 (kept here, dropped in training).
     assert [e["estimates"]["spo_tree"] for e in edges] == pytest.approx([1 / 3, 0, 0, -2 / 3, 0, 0, 1 / 3])
@@ -131,9 +127,8 @@ def test_reference_on_edges_is_the_known_advantage_and_exactly_zero_where_the_re
     references = [ca.reference_advantage(state_rewards[2 * k], state_rewards[2 * k + 1]) for k in range(len(edges))]
     value_of_prompt = sum(state_rewards[0]) / 400
     assert abs(value_of_prompt - p_x) < 4 * math.sqrt(p_x * (1 - p_x) / 400)
-    assert (
-        0 < tokens <= 400 * (4 + 2 + 2)
-    )  # the prompt (budget 4), A and B (budget 2) sampled once each: C shares the prompt
+    # the prompt (budget 4), A and B (budget 2) sampled once each: C shares the prompt
+    assert 0 < tokens <= 400 * (4 + 2 + 2)
     a, a1, a2, b, b1, b2, c = references
     assert a["advantage"] == c["advantage"] == pytest.approx(1 - value_of_prompt, abs=1e-12)  # the same prompt samples
     assert b["advantage"] == pytest.approx(-value_of_prompt, abs=1e-12) and a["error"] > 0

@@ -68,9 +68,8 @@ def test_the_policy_is_neither_uniform_nor_deterministic(world):
         assert 0.1 < exact.values[0][0] < 0.9  # success neither ~0 nor ~1
         assert 0.1 < exact.low_probability_share(0.9) < 0.95  # cutpoints, and confident tokens
         total = sum((reach * probs[:, ce.EOS]).sum() for reach, probs in zip(exact.reach, exact.probs))
-        assert total + (exact.reach[-1][:, None] * exact.probs[-1][:, 1:]).sum() == pytest.approx(
-            1.0, abs=1e-9
-        )  # finished + unfinished
+        # finished + unfinished
+        assert total + (exact.reach[-1][:, None] * exact.probs[-1][:, 1:]).sum() == pytest.approx(1.0, abs=1e-9)
 
 
 def test_exact_values_agree_with_brute_force_sampling(world):

@@ -59,9 +59,8 @@ def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(
         torch.load(tmp_path / ("world2_fsdp.pt" if sharding == "fsdp" else "world2.pt"), weights_only=True),
     )
     initial = dict(models.load_model(str(tiny_model_dir), dtype=torch.float32)[0].named_parameters())
-    assert (
-        max((one["parameters"][0][name] - p).abs().max().item() for name, p in initial.items()) > 1e-3
-    )  # the step moved
+    # the step moved
+    assert max((one["parameters"][0][name] - p).abs().max().item() for name, p in initial.items()) > 1e-3
     if "mask_fraction" in one["stats"]:
         assert 0 < one["stats"]["mask_fraction"] < 1  # the probability mask is in play
     for key in one["stats"]:
@@ -119,9 +118,8 @@ def test_torchrun_trains_and_writes_one_checkpoint_that_reloads(script, tiny_mod
 def test_fsdp_trains_saves_one_whole_checkpoint_and_resumes_like_the_uninterrupted_run(
     script, tiny_model_dir, gsm8k_jsonl, tmp_path
 ):
-    sharded = dict(
-        fsdp=True, **({"samples_per_iteration": 8} if script == "spo_tree" else {})
-    )  # SPO-tree: equal shares
+    # SPO-tree: equal shares
+    sharded = dict(fsdp=True, **({"samples_per_iteration": 8} if script == "spo_tree" else {}))
     run(torchrun_script(script, tiny_model_dir, gsm8k_jsonl, tmp_path / "full", **sharded))
     full = only_run(tmp_path / "full")
     metrics = read_metrics(full)
@@ -216,9 +214,8 @@ def test_settings_that_do_not_split_over_the_ranks_fail_on_every_rank_with_one_l
     )
     assert result.returncode != 0
     assert "error: --questions (3) must be a multiple of the number of processes (2) under torchrun" in result.stderr
-    assert (
-        "UsageError" not in result.stderr and 'grpo_baseline.py", line' not in result.stderr
-    )  # one line, no traceback of ours
+    # one line, no traceback of ours
+    assert "UsageError" not in result.stderr and 'grpo_baseline.py", line' not in result.stderr
     assert "exitcode" in result.stderr  # torchrun's own summary of the failed ranks follows
 
 
@@ -269,9 +266,8 @@ def test_eval_under_torchrun_gives_one_process_records_in_order(tiny_model_dir, 
     run(TORCHRUN + command + ["--output", str(tmp_path / "two.json")])  # --backend auto: the HF sampler per rank
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert two["examples"] == one["examples"] == 8
-    assert [r["responses"] for r in two["records"]] == [
-        r["responses"] for r in one["records"]
-    ]  # greedy: the same, in order
+    # greedy: the same, in order
+    assert [r["responses"] for r in two["records"]] == [r["responses"] for r in one["records"]]
     for key in ("accuracy", "pass@2", "majority_accuracy", "truncation_rate", "response_tokens"):
         assert two[key] == one[key], key
 

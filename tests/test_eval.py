@@ -243,13 +243,8 @@ def test_bf16_decode_caches_keys_in_bf16_with_the_logits_of_an_fp32_key_cache(ti
 def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(tiny):
     model, tokenizer = tiny
     long = tokenizer("[MATH_TASK] Problem:\n12+7\n\nSolution: 1")["input_ids"]
-    prompts = [
-        long[:6],
-        long,
-        tokenizer("x y")["input_ids"],
-        long[:11],
-        long[:6],
-    ]  # three prefixes of `long`, one repeated
+    # three prefixes of `long`, one repeated
+    prompts = [long[:6], long, tokenizer("x y")["input_ids"], long[:11], long[:6]]
     prefill_rows = []
     hook = model.base_model.register_forward_pre_hook(
         lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape), with_kwargs=True
@@ -258,9 +253,8 @@ def test_prompts_that_begin_other_prompts_share_one_prefill_and_sample_as_alone(
         groups = engines.HFSampler(model, tokenizer).sample(prompts, 2, temperature=0, top_p=1.0, max_new_tokens=6)
     finally:
         hook.remove()
-    assert [tuple(shape) for shape in prefill_rows if shape[1] == len(long)] == [
-        (2, len(long))
-    ]  # only `long` and "x y"
+    # only `long` and "x y"
+    assert [tuple(shape) for shape in prefill_rows if shape[1] == len(long)] == [(2, len(long))]
     for prompt, group in zip(prompts, groups):
         assert group[0].ids == group[1].ids == greedy_by_full_forwards(model, prompt, 6, tokenizer.eos_token_id)
 
@@ -534,9 +528,8 @@ def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny
     model, tokenizer = tiny
     eos = tokenizer.eos_token_id
     prompts = [tokenizer(text)["input_ids"] for text in ["a", "bb b", "12+3=", "xyz?", "Q: 7", "hello there"]]
-    hook = model.lm_head.register_forward_hook(
-        lambda module, inputs, logits: boost_by(logits, eos, 0.5)
-    )  # some rows end early
+    # some rows end early
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, logits: boost_by(logits, eos, 0.5))
     try:
         sampler = engines.HFSampler(model, tokenizer)
         batched = sampler.sample(prompts, 1, temperature=0, top_p=1.0, max_new_tokens=12)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,15 @@ def test_the_watch_catches_a_mutation(tiny_model_dir, gsm8k_jsonl, tmp_path, mon
     watch_args(monkeypatch, touched)
     with pytest.raises(AssertionError, match="memory.size_run changed args"):
         grpo_baseline.main(smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1))
+
+
+def test_the_package_docstring_maps_every_module():
+    """plumbing/__init__.py's docstring is the floor plan: it names each module there is, and none that is gone."""
+    docstring = ast.get_docstring(ast.parse((PLUMBING / "__init__.py").read_text()))
+    named = set(module_names(docstring))
+    present = {path.name for path in PLUMBING.glob("*.py") if path.name != "__init__.py"}
+    assert named == present, f"missing from the map: {sorted(present - named)}; gone: {sorted(named - present)}"
+
+
+def module_names(text: str) -> list[str]:
+    return re.findall(r"\b(\w+\.py)\b", text)

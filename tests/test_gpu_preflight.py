@@ -1,4 +1,5 @@
-"""plumbing/gpu.py: the checks that run before the vLLM engine is built, on CPU with faked torch, vllm and tools.
+"""plumbing/vllm_preflight.py: the checks that run before the vLLM engine is built, on CPU with faked torch, vllm
+and tools.
 
 A CUDA mismatch between torch and vllm's compiled ops is one line with the pip command that fixes it, raised before
 the engine exists; a missing C compiler or Python.h is named; FlashInfer's JIT sampler is off unless the user set it.
@@ -14,7 +15,7 @@ import pytest
 import torch
 from test_vllm_glue import FakeEngine, calls, make_fake_vllm
 
-from plumbing import UsageError, gpu
+from plumbing import UsageError, vllm_preflight
 from plumbing.engines import VLLMSampler
 
 FIX = "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
@@ -75,10 +76,10 @@ def test_elf_needed_reads_the_dynamic_section(tmp_path):
     path = tmp_path / "ops.so"
     path.write_bytes(tiny_elf(["libtorch.so", "libcudart.so.13", "libc.so.6"]))
     with open(path, "rb") as file:
-        assert gpu.elf_needed(file) == ["libtorch.so", "libcudart.so.13", "libc.so.6"]
+        assert vllm_preflight.elf_needed(file) == ["libtorch.so", "libcudart.so.13", "libc.so.6"]
     path.write_bytes(b"#!/bin/sh\n")
     with open(path, "rb") as file:
-        assert gpu.elf_needed(file) == []
+        assert vllm_preflight.elf_needed(file) == []
 
 
 def test_elf_needed_on_a_real_library():
@@ -86,13 +87,19 @@ def test_elf_needed_on_a_real_library():
     if not library.is_file():
         pytest.skip("torch ships no lib/libc10.so here")
     with open(library, "rb") as file:
-        assert "libc.so.6" in gpu.elf_needed(file)
+        assert "libc.so.6" in vllm_preflight.elf_needed(file)
 
 
 def test_cuda_major_versions():
-    assert [gpu.cuda_major(tag) for tag in ("cu13", "cu130", "cu128", "cu118", "cu12")] == [13, 13, 12, 11, 12]
-    assert gpu.linked_cuda_majors(["libtorch.so", "libcudart.so.13", "libnvrtc.so.12"]) == {13}
-    assert gpu.extra_cuda_majors(
+    assert [vllm_preflight.cuda_major(tag) for tag in ("cu13", "cu130", "cu128", "cu118", "cu12")] == [
+        13,
+        13,
+        12,
+        11,
+        12,
+    ]
+    assert vllm_preflight.linked_cuda_majors(["libtorch.so", "libcudart.so.13", "libnvrtc.so.12"]) == {13}
+    assert vllm_preflight.extra_cuda_majors(
         [
             "nvidia-cutlass-dsl[cu13]==4.7.1",
             "humming-kernels[cu13]==0.1.12",
@@ -106,59 +113,60 @@ def test_cuda_major_versions():
 def test_cuda_mismatch_is_one_line_with_the_fix(monkeypatch, installed, torch_cuda, built):
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     installed(CU13_OPS)
-    assert gpu.vllm_build() == ("0.30.0", {13})
-    [line] = gpu.vllm_preflight()[:1]
+    assert vllm_preflight.vllm_build() == ("0.30.0", {13})
+    [line] = vllm_preflight.problems()[:1]
     assert built in line and "vllm 0.30.0 is built for CUDA 13" in line and line.endswith(FIX) and "\n" not in line
     with pytest.raises(UsageError, match="built for CUDA 13: " + FIX.replace(".", r"\.")):
-        gpu.prepare_vllm()
+        vllm_preflight.prepare_vllm()
 
 
 def test_metadata_extras_stand_in_for_unreadable_ops(monkeypatch, installed):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     installed({}, ["torch==2.13.0", "nvidia-cutlass-dsl[cu13]==4.7.1", 'zentorch==2.13.0.0; extra == "zen"'])
-    assert gpu.vllm_build() == ("0.30.0", {13})
-    assert gpu.cuda_problems()[0].endswith(FIX)
+    assert vllm_preflight.vllm_build() == ("0.30.0", {13})
+    assert vllm_preflight.cuda_problems()[0].endswith(FIX)
 
 
 def test_matching_cuda_or_no_vllm_is_no_problem(monkeypatch, installed):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     installed(CU13_OPS)
-    assert gpu.cuda_problems() == []
+    assert vllm_preflight.cuda_problems() == []
 
     def not_installed(name):
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "distribution", not_installed)
-    assert gpu.vllm_build() is None and gpu.cuda_problems() == []  # importing vllm says it is missing
+    # importing vllm says it is missing
+    assert vllm_preflight.vllm_build() is None and vllm_preflight.cuda_problems() == []
 
 
 def test_missing_compiler_and_headers_are_named(monkeypatch, tmp_path):
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
-    monkeypatch.setattr(gpu.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
-    compiler, headers = gpu.toolchain_problems(enforce_eager=False)
+    monkeypatch.setattr(vllm_preflight.shutil, "which", lambda name: None)
+    monkeypatch.setattr(vllm_preflight.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    compiler, headers = vllm_preflight.toolchain_problems(enforce_eager=False)
     assert "no C compiler" in compiler and "apt-get install gcc" in compiler and "--vllm-enforce-eager" in compiler
     dev = f"python{sys.version_info.major}.{sys.version_info.minor}-dev"
     assert str(tmp_path / "Python.h") in headers and dev in headers and "--vllm-enforce-eager" in headers
-    assert all("enforce-eager" not in line for line in gpu.toolchain_problems(enforce_eager=True))
+    assert all("enforce-eager" not in line for line in vllm_preflight.toolchain_problems(enforce_eager=True))
 
-    monkeypatch.setattr(gpu, "cuda_problems", lambda: [])
+    monkeypatch.setattr(vllm_preflight, "cuda_problems", lambda: [])
     with pytest.raises(UsageError, match=r"apt-get install gcc.*; or run with --backend hf, which compiles nothing"):
-        gpu.prepare_vllm()  # refused before the engine is built: it would die in its warm-up
+        vllm_preflight.prepare_vllm()  # refused before the engine is built: it would die in its warm-up
 
     (tmp_path / "Python.h").write_text("")
     monkeypatch.setenv("CC", "/opt/cc")
-    assert gpu.toolchain_problems(enforce_eager=False) == []
+    assert vllm_preflight.toolchain_problems(enforce_eager=False) == []
 
 
 def test_flashinfer_sampler_off_only_when_unset(monkeypatch):
-    monkeypatch.setattr(gpu, "cuda_problems", lambda: [])
-    monkeypatch.setattr(gpu, "toolchain_problems", lambda enforce_eager: [])
+    monkeypatch.setattr(vllm_preflight, "cuda_problems", lambda: [])
+    monkeypatch.setattr(vllm_preflight, "toolchain_problems", lambda enforce_eager: [])
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    gpu.prepare_vllm()
+    vllm_preflight.prepare_vllm()
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
-    gpu.prepare_vllm()
+    vllm_preflight.prepare_vllm()
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
 
 

@@ -120,8 +120,5 @@ def test_ctrl_c_keeps_a_resumable_run(when, tiny_model_dir, gsm8k_jsonl, tmp_pat
     starts = [json.loads(x) for x in (run_dir / "starts.jsonl").read_text().splitlines()]
     assert [s["resumed"] for s in starts] == [False, True]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(m["iteration"] for m in metrics if "charts/reward" in m) == [
-        1,
-        2,
-        3,
-    ]  # each trained once, logged once
+    # each trained once, logged once
+    assert sorted(m["iteration"] for m in metrics if "charts/reward" in m) == [1, 2, 3]

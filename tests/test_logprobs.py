@@ -242,7 +242,8 @@ def test_every_rank_draws_its_own_random_stream(monkeypatch):
     monkeypatch.setattr(distributed, "rank", lambda: 0)
     assert distributed.rank_seed(12345) == 12345
     assert len({tuple(d) for d in draws}) == 4
+    # the trap itself
     assert torch.equal(
         torch.rand(4, generator=torch.Generator().manual_seed(7)),
         torch.rand(4, generator=torch.Generator().manual_seed(7 + (1 << 32))),
-    )  # the trap itself
+    )

@@ -160,9 +160,8 @@ def test_critic_starts_from_the_policy_weights_with_a_zero_head(tiny_model_dir):
     assert critic_backbone.keys() == policy_backbone.keys()
     for name, param in critic_backbone.items():
         assert torch.equal(param, policy_backbone[name])
-        assert (
-            param.data_ptr() != policy_backbone[name].data_ptr()
-        )  # a copy: training the critic leaves the policy alone
+        # a copy: training the critic leaves the policy alone
+        assert param.data_ptr() != policy_backbone[name].data_ptr()
     assert critic.value_head.weight.abs().sum() == 0 and critic.value_head.bias.abs().sum() == 0
     values = ppo.sample_values(critic, _samples(tokenizer, 3), 2, tokenizer.pad_token_id)
     assert all((v == 0).all() for v in values)
@@ -201,9 +200,8 @@ def test_critic_runs_a_shared_prompt_once_with_the_values_and_gradient_of_separa
     weights = [torch.randn(len(s["response_ids"])) for s in samples]
     expected = []
     for s in samples:
-        hidden = critic.backbone(torch.tensor([s["prompt_ids"] + s["response_ids"]])).last_hidden_state[
-            0
-        ]  # [P + R, hidden]
+        # [P + R, hidden]
+        hidden = critic.backbone(torch.tensor([s["prompt_ids"] + s["response_ids"]])).last_hidden_state[0]
         expected.append(critic.value_head(hidden[len(s["prompt_ids"]) - 1 : -1]).squeeze(-1))  # V before each y_t
     sum((w * v).sum() for w, v in zip(weights, expected)).backward()
     expected_grad = torch.cat([p.grad.flatten() for p in critic.parameters()])
@@ -216,9 +214,8 @@ def test_critic_runs_a_shared_prompt_once_with_the_values_and_gradient_of_separa
         lambda module, args, out: shapes.append(tuple(args[0].shape))
     )
     values = ppo.response_values(critic, ppo.collate(samples, 0, "cpu"))  # [rows, R]
-    assert shapes == (
-        [(5, 6)] if checkpointed else [(3, 3), (5, 3)]
-    )  # each prompt once, then the responses on its cache
+    # each prompt once, then the responses on its cache
+    assert shapes == ([(5, 6)] if checkpointed else [(3, 3), (5, 3)])
     for row, v in enumerate(expected):
         assert torch.allclose(values[row, : len(v)], v, atol=1e-5)
     sum((w * values[row, : len(w)]).sum() for row, w in enumerate(weights)).backward()
@@ -314,9 +311,8 @@ def test_three_non_finite_losses_in_a_row_are_one_clear_error():
 
 def test_dry_run_compares_with_the_paper_and_creates_nothing(tmp_path, capsys):
     runs_dir = tmp_path / "runs"
-    assert (
-        ppo.main(ppo.Args(dry_run=True, output_dir=str(runs_dir)))["differences"] == []
-    )  # the defaults are the paper's run
+    # the defaults are the paper's run
+    assert ppo.main(ppo.Args(dry_run=True, output_dir=str(runs_dir)))["differences"] == []
     result = ppo.main(cli.parse(ppo.Args, ["--dry-run", "--lam", "0.96", "--output-dir", str(runs_dir)]))
     assert result["differences"] == ["lam"]
     assert result["resolved"] == {"eval_task": "gsm8k", "model_id": "realtreetune/rho-1b-sft-GSM8K"}
@@ -372,9 +368,8 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_with_the_critic(sevens
     ):
         assert key in train[0]
     assert train[0]["charts/reward"] > 0  # the critic has something to learn
-    assert (
-        train[0]["charts/mean_value"] == 0.0 and train[1]["charts/mean_value"] != 0.0
-    )  # zero head at first, then trained
+    # zero head at first, then trained
+    assert train[0]["charts/mean_value"] == 0.0 and train[1]["charts/mean_value"] != 0.0
     assert -10 < train[0]["losses/explained_variance"] <= 1
     # The policy is a plain save_pretrained directory that eval.py loads.
     model, tokenizer = models.load_model(summary["checkpoint"])

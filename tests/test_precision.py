@@ -40,9 +40,8 @@ def test_bf16_run_computes_in_bf16_keeps_fp32_weights_and_records_the_choice(
 ):
     summary = script.main(smoke_args(script, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1, precision="bf16"))
     run_dir = Path(summary["run_dir"])
-    assert lm_head_dtypes and set(lm_head_dtypes) == {
-        torch.bfloat16
-    }  # sampler, log-prob passes, update and evaluation alike
+    # sampler, log-prob passes, update and evaluation alike
+    assert lm_head_dtypes and set(lm_head_dtypes) == {torch.bfloat16}
     start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[-1])
     assert "cpu bf16 autocast (--precision bf16)" in start["precision"]
     weights, _ = models.load_model(str(run_dir / "checkpoint"))

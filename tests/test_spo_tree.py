@@ -248,15 +248,11 @@ EOS = 1
 def test_scripted_rollout_early_leaves_context_limits_and_unfinished_last_level():
     script = {
         (50, 51): [([10, 11, EOS], "stop"), ([12, 13, 14], "length")],  # an early leaf, an open node
-        (50, 51, 12, 13, 14): [
-            ([15, EOS], "stop"),
-            ([16, 17, 18, 19, 20, 21, 22], "length"),
-        ],  # last level: one unfinished
+        # last level: one unfinished
+        (50, 51, 12, 13, 14): [([15, EOS], "stop"), ([16, 17, 18, 19, 20, 21, 22], "length")],
         (60,) * 8: [([30, 31], "length"), ([32, EOS], "stop")],  # context 10: cut after 2 tokens, cannot be expanded
-        (70,) * 7: [
-            ([40, 41, 42], "length"),
-            ([43, 44, 45], "length"),
-        ],  # full M tokens, but no room left in the context
+        # full M tokens, but no room left in the context
+        (70,) * 7: [([40, 41, 42], "length"), ([43, 44, 45], "length")],
     }
     sampler = ScriptedSampler(lambda prefix, budget: script[tuple(prefix)])
     prompts = [[50, 51], [60] * 8, [70] * 7]
@@ -415,9 +411,8 @@ def test_fill_samples_repeats_edges_when_the_buffer_offers_fewer():
     samples, buffer = spo.fill_samples(taken, remaining, 7, random.Random(5))
     reference_rng = random.Random(5)
     assert ids(samples) == [1, 2] + [reference_rng.choice([1, 2]) for _ in range(5)]  # every edge once, then draws
-    assert samples[0] is taken[0] and all(
-        s is taken[0] or s is taken[1] for s in samples
-    )  # repeats are the edges themselves
+    # repeats are the edges themselves
+    assert samples[0] is taken[0] and all(s is taken[0] or s is taken[1] for s in samples)
     assert buffer is remaining  # nothing goes back: all taken edges are trained
 
 
@@ -536,9 +531,8 @@ def sevens(tmp_path_factory):
 
 def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(sevens, tmp_path):
     model_dir, data = sevens
-    summary = spo.main(
-        smoke_args(spo, model_dir, data, tmp_path, samples_per_iteration=0)
-    )  # 0: every edge offered, once
+    # 0: every edge offered, once
+    summary = spo.main(smoke_args(spo, model_dir, data, tmp_path, samples_per_iteration=0))
     metrics = read_metrics(summary["run_dir"])
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
@@ -603,9 +597,8 @@ def test_samples_per_iteration_trains_exactly_that_many_samples(sevens, tmp_path
     assert [len(batch) for batch in trained] == [5, 5]  # batch 8: one optimizer step of 5 samples per iteration
     assert len({id(s) for s in trained[0]}) == 4  # the repeats are trained as copies
     state = torch.load(Path(summary["checkpoint"]) / "trainer_state.pt", weights_only=True)
-    assert (
-        len(state["buffer"]) == train[-1]["buffer/size"] >= 1
-    )  # the edge that went back is kept for the next iteration
+    # the edge that went back is kept for the next iteration
+    assert len(state["buffer"]) == train[-1]["buffer/size"] >= 1
     assert not any("loss_mask" in edge for edge in state["buffer"])  # and was not trained on
 
 
@@ -639,9 +632,8 @@ def test_resume_after_a_kill_continues_exactly_where_it_stopped(sevens, tmp_path
     assert read_metrics(run_dir) == expected  # same seed: same numbers with or without the kill
     train = [m for m in expected if "charts/samples" in m]
     assert [m["charts/samples"] for m in train] == [5, 5, 5]
-    assert (
-        train[1]["buffer/size"] > 0 and train[2]["buffer/taken_mean_age"] > 0
-    )  # iteration 3 trained on edges the checkpoint kept
+    # iteration 3 trained on edges the checkpoint kept
+    assert train[1]["buffer/size"] > 0 and train[2]["buffer/taken_mean_age"] > 0
 
 
 @pytest.mark.slow

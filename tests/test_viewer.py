@@ -463,9 +463,8 @@ def test_run_without_samples_says_how_to_get_them(tmp_path):
 
 
 def test_curves_of_two_runs_write_a_png(tmp_path):
-    runs = [
-        make_run(tmp_path / name, "grpo", iterations=(1,)) for name in ("a", "_b")
-    ]  # "_": a label matplotlib would hide
+    # "_b": a label matplotlib would hide
+    runs = [make_run(tmp_path / name, "grpo", iterations=(1,)) for name in ("a", "_b")]
     for x in ("iteration", "seconds", "tokens"):
         output = tmp_path / f"curves_{x}.png"
         plotted = viewer.plot_curves(runs, output, x=x, smooth=0.5 if x == "tokens" else 0.0)
@@ -510,10 +509,8 @@ def test_curve_labels_come_from_the_runs_args(tmp_path):
     "command,text",
     [
         (["html", "RUN", "-o", "page.txt"], "-o page.txt: give a file name ending in .html, .htm"),
-        (
-            ["curves", "RUN", "-o", "out"],
-            "-o out: give a file name ending in .png, .pdf, .svg",
-        ),  # wrote out.png, said "wrote out"
+        # wrote out.png, said "wrote out"
+        (["curves", "RUN", "-o", "out"], "-o out: give a file name ending in .png, .pdf, .svg"),
         (
             ["html", "RUN", "-o", "AFILE/page.html"],
             "cannot write the page AFILE/page.html: AFILE is a file, not a folder",

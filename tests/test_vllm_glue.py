@@ -47,7 +47,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from plumbing import distributed, engines, gpu, precision
+from plumbing import distributed, engines, precision, vllm_preflight
 from plumbing.engines import Completion, VLLMSampler, cut_at_stop
 from plumbing.training import reseed
 
@@ -382,9 +382,8 @@ def engine(monkeypatch):
     # the glue sets these; monkeypatch restores the original environment afterwards
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    monkeypatch.setattr(
-        gpu, "vllm_build", lambda: None
-    )  # the fake is no installed distribution (test_gpu_preflight.py)
+    # the fake is no installed distribution (test_gpu_preflight.py)
+    monkeypatch.setattr(vllm_preflight, "vllm_build", lambda: None)
     return eng
 
 
@@ -413,8 +412,9 @@ def test_constructor(engine, monkeypatch):
         enable_sleep_mode=True,
         enforce_eager=False,
         tensor_parallel_size=1,
+        # one process: vLLM's own executor
         distributed_executor_backend=None,
-    )  # one process: vLLM's own executor
+    )
     assert calls(engine, "world") == [("world", {"world_size": 1})]
     assert s.tokenizer is engine.llm.get_tokenizer()
 

@@ -21,8 +21,8 @@ the version pinned in requirements-vllm.txt from its wheel with `ast` (vllm is n
   - every parameter or field of the fake exists in the real counterpart, at the same position when
     positional, and with the same default where both defaults are literals; the fake's __version__ is the pin;
   - the CUDA of RUNNING.md's torch index (cuXYZ) is the CUDA the wheel's compiled ops link (libcudart.so.N, read
-    from their ELF headers) and its metadata's extras name (e.g. nvidia-cutlass-dsl[cu13]), and plumbing/gpu.py's
-    pre-flight suggests that index: a bump of torch's index or of vllm that breaks the pair fails here.
+    from their ELF headers) and its metadata's extras name (e.g. nvidia-cutlass-dsl[cu13]), and
+    plumbing/vllm_preflight.py suggests that index: a bump of torch's index or of vllm that breaks the pair fails here.
 
 The wheel is ~315 MB, so this runs only with SPO_VLLM_SOURCE_CHECK=1 (CI sets it). With
 SPO_VLLM_WHEEL=/path/to/vllm-<pin>-*.whl a local wheel is read instead of downloading one.
@@ -50,7 +50,7 @@ from test_vllm_glue import (
     make_fake_vllm,
 )
 
-from plumbing import gpu
+from plumbing import vllm_preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
@@ -455,9 +455,8 @@ def test_torchrun_engines_use_the_external_launcher(src):
     for needed in ("'env://'", "os.environ['RANK']", "os.environ['LOCAL_RANK']"):
         assert needed in args, f"{launcher[0]}: ExecutorWithExternalLauncher._distributed_args no longer uses {needed}"
     assert "not envs.VLLM_ENABLE_V1_MULTIPROCESSING" in ast.unparse(method(launcher, "_init_executor"))
-    assert "ReduceOp.MIN" in ast.unparse(
-        method(launcher, "determine_available_memory")
-    )  # collective: the fake joins one too
+    # collective: the fake joins one too
+    assert "ReduceOp.MIN" in ast.unparse(method(launcher, "determine_available_memory"))
     # The engine's GPU is the rank's own: no data-parallel offset to LOCAL_RANK for this backend.
     assert "not in ('ray', 'external_launcher')" in body(src, "vllm.v1.worker.gpu_worker", "Worker", "init_device")
 
@@ -516,11 +515,11 @@ def test_readme_torch_index_is_the_cuda_of_the_wheel(src):
     index = readme_torch_index()
     tag = re.search(r"/(cu\d+)/?$", index)
     assert tag, f"RUNNING.md's torch index {index} names no CUDA build (cuXYZ)"
-    readme_major = gpu.cuda_major(tag.group(1))
+    readme_major = vllm_preflight.cuda_major(tag.group(1))
     linked = {}
     for name in (n for n in src.names() if re.fullmatch(r"vllm/[^/]+\.so", n)):  # the compiled ops vllm loads
         with src.zip.open(name) as so:
-            linked[name] = gpu.linked_cuda_majors(gpu.elf_needed(so))
+            linked[name] = vllm_preflight.linked_cuda_majors(vllm_preflight.elf_needed(so))
     assert any(linked.values()), f"no top-level .so of the vllm {PIN} wheel links libcudart"
     wrong = {name: sorted(majors) for name, majors in linked.items() if majors and majors != {readme_major}}
     assert not wrong, (
@@ -528,12 +527,12 @@ def test_readme_torch_index_is_the_cuda_of_the_wheel(src):
     )
     metadata = src.zip.read(next(n for n in src.names() if n.endswith(".dist-info/METADATA"))).decode()
     requires = [line.split(":", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
-    extras = gpu.extra_cuda_majors([r for r in requires if "extra ==" not in r])
+    extras = vllm_preflight.extra_cuda_majors([r for r in requires if "extra ==" not in r])
     assert extras == {readme_major}, (
         f"vllm {PIN}'s requirements name CUDA {sorted(extras)} extras; RUNNING.md's torch is CUDA {readme_major}"
     )
-    assert gpu.TORCH_INDEX.get(readme_major) == index, (
-        f"plumbing/gpu.py's pre-flight suggests {gpu.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; "
+    assert vllm_preflight.TORCH_INDEX.get(readme_major) == index, (
+        f"plumbing/vllm_preflight.py suggests {vllm_preflight.TORCH_INDEX.get(readme_major)} for CUDA {readme_major}; "
         f"RUNNING.md uses {index}"
     )
 

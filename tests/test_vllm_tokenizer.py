@@ -542,7 +542,7 @@ def check_llm_generate_through_the_glue(ctx: Ctx) -> None:
     }
     core = ScriptedCore(scripts, max_model_len=256)
     llm_engine.EngineCoreClient.make_client = staticmethod(lambda **kwargs: core)
-    vllm_engine.gpu.prepare_vllm = lambda enforce_eager=False: None  # the CUDA pre-flight; no GPU here
+    vllm_engine.vllm_preflight.prepare_vllm = lambda enforce_eager=False: None  # the CUDA pre-flight; no GPU here
 
     # enable_sleep_mode=False and float32: vLLM's CpuPlatform refuses sleep mode (module docstring).
     sampler = vllm_engine.VLLMSampler(

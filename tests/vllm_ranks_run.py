@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from test_vllm_glue import FakeEngine, calls, make_fake_vllm  # noqa: E402
 
-from plumbing import distributed, engines, gpu, models, vllm_engine  # noqa: E402
+from plumbing import distributed, engines, models, vllm_engine, vllm_preflight  # noqa: E402
 
 
 def digests(weights) -> dict[str, str]:
@@ -57,7 +57,7 @@ def install_fake(tokenizer, script=None) -> FakeEngine:
     engines.resolve_backend = seeing_a_gpu(engines.resolve_backend)  # --backend auto, and the log line
     engines.backend_problems = seeing_a_gpu(engines.backend_problems)  # --backend vllm needs a GPU
     vllm_engine.engine_dtype = lambda: "bfloat16"  # as on a GPU with bf16
-    gpu.vllm_build = lambda: None  # the fake is no installed distribution (no CUDA build to compare)
+    vllm_preflight.vllm_build = lambda: None  # the fake is no installed distribution (no CUDA build to compare)
     return engine
 
 

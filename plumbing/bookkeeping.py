@@ -1,0 +1,153 @@
+"""What every main() does around the algorithm, written once: the run's start (seed, precision, run directory,
+newest checkpoint, finished-run check, memory plan) and, per iteration, the bar, the clock, the time budget, the
+metrics log and progress line, sample files, evaluation and the closing line.
+
+    run = bookkeeping.start_run(args, device)
+    args = replace(args, **run.plan.settings())
+    book = bookkeeping.Loop(run, args, eval_task, evaluate)
+    for iteration in book.iterations():
+        with book.timed("rollout"):
+            ...
+        seconds = book.iteration_seconds()
+        book.log(iteration, metrics, line)
+        if book.due(iteration, args.eval_every):
+            book.evaluate(iteration)
+    return book.finish()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tqdm
+
+from plumbing import checkpoints, distributed, memory, runs
+from plumbing.precision import Precision, choose_precision
+
+
+@dataclass
+class Run:
+    """What a training run starts from (start_run)."""
+
+    dir: Path
+    """the run directory (new, or the --resume run's)"""
+    checkpoint: Path | None
+    """its newest intact checkpoint (None: a new run, or one that stopped before its first)"""
+    state: dict | None
+    """that checkpoint's trainer_state.pt: optimizer, scheduler, iteration and what the script adds"""
+    precision: Precision
+    """bf16 autocast or fp32, as chosen for this device"""
+    plan: memory.Plan | None
+    """the `auto` memory settings resolved for this device (memory.size_run)"""
+    finished: dict | None = None
+    """a resumed run already at --iterations: its summary, and nothing else is set or written"""
+
+
+def start_run(args, device) -> Run:
+    """Seed torch, choose and print the precision, find the run (--resume: its settings checked, its newest
+    checkpoint), stop at a run that already finished, size the `auto` memory settings for this device and open the
+    run directory (lock, args.json as given, this start in starts.jsonl). main() then applies the plan to its args."""
+    torch.manual_seed(args.seed)
+    precision = choose_precision(args.precision, device)
+    distributed.print0(precision.line)
+    run_dir, checkpoint, first_start = runs.locate_run(args)
+    if (finished := runs.finished_run(run_dir, checkpoint, args.iterations)) is not None:
+        return Run(run_dir, checkpoint, None, precision, None, finished)
+    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)
+    run_dir = runs.open_run(run_dir, args, precision.line, device, plan)
+    state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
+    return Run(run_dir, checkpoint, state, precision, plan)
+
+
+class Loop:
+    """The iterations of a run and their bookkeeping. `evaluate()` returns the policy's eval/... metrics (the
+    script's call of eval.evaluate_policy); it runs before the first iteration (--eval-before, new runs only), every
+    --eval-every iterations and at the last one."""
+
+    def __init__(self, run: Run, args, eval_task: str, evaluate: Callable[[], dict]):
+        self.run, self.args, self.eval_task, self.evaluate_policy = run, args, eval_task, evaluate
+        self.first = run.state["iteration"] + 1 if run.state else 1
+        self.log_file = runs.RunLog(run.dir, self.first, args)
+        self.accuracy_before = self.accuracy_after = None
+        self.streak = [0]  # non-finite losses in a row (training.skipped_non_finite)
+        self.seconds: dict[str, float] = {}
+        self.started = time.time()
+        self.iteration, self.last, self.progress = 0, False, None
+
+    def iterations(self) -> Iterator[int]:
+        """The iterations still to train, under a progress bar. Each ends with a barrier (under torchrun no rank
+        runs ahead of the checkpoint); the last (--iterations, or --max-minutes spent) ends the loop."""
+        if self.first == 1 and self.args.eval_before:
+            self.evaluate(0)
+            self.accuracy_before = self.accuracy_after
+        self.progress = tqdm.tqdm(
+            range(self.first, self.args.iterations + 1),
+            desc="iterations",
+            initial=self.first - 1,
+            total=self.args.iterations,
+            disable=distributed.rank() > 0,
+        )
+        for iteration in self.progress:
+            self.iteration, self.seconds, self.started = iteration, {}, time.time()
+            yield iteration
+            distributed.barrier()
+            if self.last:  # the bar counts an iteration when the next one is asked for: show this one done, end it
+                self.progress.n = iteration
+                self.progress.close()
+                return
+
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        """Time the block as this iteration's `name` seconds (time/<name>_seconds)."""
+        started = time.time()
+        yield
+        self.seconds[name] = time.time() - started
+
+    def iteration_seconds(self) -> dict[str, float]:
+        """Stop the iteration's clock (evaluation and checkpoint are not counted) and decide whether this iteration
+        is the last, the same on every rank. Returns the timed blocks, "iteration" and the run's "train" total."""
+        self.seconds["iteration"] = time.time() - self.started
+        self.log_file.train_seconds += self.seconds["iteration"]
+        self.seconds["train"] = self.log_file.train_seconds
+        budget = self.args.max_minutes
+        self.last = distributed.broadcast(
+            self.iteration == self.args.iterations
+            or (budget is not None and self.log_file.train_seconds >= 60 * budget)
+        )
+        return dict(self.seconds)
+
+    def due(self, iteration: int, every: int) -> bool:
+        """Every `every` iterations, and at the last one."""
+        return iteration % every == 0 or self.last
+
+    def log(self, iteration: int, metrics: dict, line: str) -> None:
+        """Write the iteration's metrics (metrics.jsonl, TensorBoard, W&B), show its reward on the bar and print its
+        one-line summary (rank 0)."""
+        self.log_file.write(iteration, metrics)
+        self.progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
+        distributed.print0(line, tqdm.tqdm.write)
+
+    def saves_samples(self, iteration: int) -> bool:
+        """--save-samples is due (on every rank: with --fsdp what the records need takes every rank's pass)."""
+        every = self.args.save_samples
+        return bool(every) and iteration % every == 0
+
+    def write_samples(self, iteration: int, records: list[dict]) -> None:
+        """RUN/samples/iter_<iteration>.jsonl: rank 0 writes its own questions' records."""
+        if distributed.rank() == 0:
+            runs.write_samples(self.run.dir / "samples" / f"iter_{iteration}.jsonl", records)
+
+    def evaluate(self, iteration: int) -> None:
+        """Evaluate the policy on the held-out questions and log it at `iteration` (0: before training)."""
+        evaluation = self.evaluate_policy()
+        self.log_file.write(iteration, evaluation)
+        self.accuracy_after = evaluation["eval/accuracy"]
+
+    def finish(self) -> dict:
+        """Close the log, write summary.json, print the closing line; returns the summary."""
+        return runs.finish_run(self.run.dir, self.log_file, self.accuracy_before, self.accuracy_after, self.eval_task)
