@@ -18,15 +18,19 @@
 # one}, which keeps each side's outputs (checkpoints deleted: they are not compared), logs, --help and --dry-run text.
 # With IDENTICAL_WORK, a script's BASE run is reused when the work dir already holds a complete one for the same
 # BASE commit, settings and environment (the marker file base/<script>.complete), so only OTHER runs again.
-# The runs: smollm2-135m (converted into $SPO_CACHE on first use), rg:chain_sum, seed 3, 2 iterations of 2 questions,
-# groups of 4 (spo_tree.py: a 3,3 tree of 16-token segments), 32 new tokens, 8 held-out questions, on the CPU
+# The runs, two per script: smollm2-135m (converted into $SPO_CACHE on first use) on rg:chain_sum, seed 3, 2
+# iterations of 2 questions, groups of 4 (spo_tree.py: a 3,3 tree of 16-token segments), 32 new tokens, 8 held-out
+# questions; and <script>-digits, a small random digits-only Llama on a task whose every answer is 7 (both built by
+# benchmarks/gpu_check.py --step models into the work dir), 3 new tokens, where rewards vary within some groups, so
+# every script takes a real update step (at 32 tokens smollm2 earns no reward: GRPO's and PPO's updates are zero)
+# and the next iteration samples from the updated weights. On the CPU
 # (CUDA_VISIBLE_DEVICES empty) on one thread (OMP_NUM_THREADS=1: with two, the same commit's update losses already
 # differ in their last digits from run to run), PYTHONHASHSEED=0 and HF_HUB_OFFLINE=1. About 6 minutes a side.
 # $PYTHON: the interpreter (default python). Exit 0: ALL EQUAL; 1: DIFFERENCES FOUND; 2: a usage error.
 set -uo pipefail  # no -e: a failing run is reported, and the other scripts still run
 
 if [ $# -lt 1 ] || [ $# -gt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,25p' "$0"
+  sed -n '2,28p' "$0"
   exit 2
 fi
 repo=$(cd "$(dirname "$0")/.." && git rev-parse --show-toplevel) || exit 2
@@ -42,14 +46,23 @@ work=${IDENTICAL_WORK:-$(mktemp -d)}
 mkdir -p "$work" && work=$(cd "$work" && pwd) || exit 2
 
 scripts=(grpo_baseline.py ppo_baseline.py spo_chain.py spo_tree.py)
+runs=()  # <script> and <script>-digits for each script
+for script in "${scripts[@]}"; do runs+=("${script%.py}" "${script%.py}-digits"); done
 common=(
-  --model smollm2-135m --task rg:chain_sum --backend hf --precision fp32 --seed 3 --iterations 2 --questions 2
-  --batch-size 8 --micro-batch-size 4 --max-new-tokens 32 --save-samples 1 --eval-limit 8 --eval-samples 2
-  --exp-name identical
+  --backend hf --precision fp32 --seed 3 --iterations 2 --save-samples 1 --eval-samples 2 --exp-name identical
 )
-script_args() {  # what each script adds to the common settings
+run_args() {  # what each run adds to the common settings
   case "$1" in
-    spo_tree.py) echo "--tree 3,3 --segment-tokens 16 --samples-per-iteration 16" ;;
+    *-digits)
+      echo "--model $work/models/digits --task $work/models/sevens.jsonl --questions 4 --batch-size 16"
+      echo "--micro-batch-size 8 --max-new-tokens 3 --eval-limit 16"
+      ;;
+    *) echo "--model smollm2-135m --task rg:chain_sum --questions 2 --batch-size 8 --micro-batch-size 4"
+      echo "--max-new-tokens 32 --eval-limit 8" ;;
+  esac
+  case "$1" in
+    spo_tree-digits) echo "--tree 4,4 --segment-tokens 1 --samples-per-iteration 16" ;;
+    spo_tree) echo "--tree 3,3 --segment-tokens 16 --samples-per-iteration 16" ;;
     *) echo "--group-size 4" ;;
   esac
 }
@@ -90,18 +103,18 @@ make_tree() {
   fi
 }
 
-# run_side SIDE SHA: each script's run, --help and --dry-run on one side; BASE reuses complete runs it finds.
+# run_side SIDE SHA: each run, and each script's --help and --dry-run, on one side; BASE reuses complete runs it finds.
 run_side() {
   local side=$1 sha=$2 dir=$work/$1 script name args marker expected seconds rc tree_made=0
   mkdir -p "$dir"
-  for script in "${scripts[@]}"; do
-    name=${script%.py}
-    read -ra args <<<"$(script_args "$script")"
+  for name in "${runs[@]}"; do
+    script=${name%-digits}.py
+    read -ra args <<<"$(run_args "$name" | tr '\n' ' ')"
     args=("${common[@]}" "${args[@]}")
     expected=$(printf 'commit %s\nargs %s\nenvironment %s\n' "${sha:-working tree}" "${args[*]}" "$environment")
     marker=$dir/$name.complete
     if [ "$side" = base ] && [ -f "$marker" ] && [ "$(head -n 3 "$marker")" = "$expected" ]; then
-      echo "$side $script: reusing the run in $dir/out/$name ($(sed -n 's/^seconds //p' "$marker") s when it ran)"
+      echo "$side $name: reusing the run in $dir/out/$name ($(sed -n 's/^seconds //p' "$marker") s when it ran)"
       reused[$name]=1
       continue
     fi
@@ -112,24 +125,26 @@ run_side() {
     fi
     rm -rf "${dir:?}/out/$name"
     mkdir -p "$dir/out/$name" "$dir/logs" "$dir/help" "$dir/dry-run"
-    echo "$side $script: running (log $dir/logs/$name.log)"
+    echo "$side $name: running (log $dir/logs/$name.log)"
     local t0
     t0=$(date +%s)
     (cd "$dir/tree" && "$PYTHON" "$script" "${args[@]}" --output-dir "$dir/out/$name") >"$dir/logs/$name.log" 2>&1
     rc=$?
     seconds=$(($(date +%s) - t0))
     rm -rf "$dir/out/$name"/*/checkpoint
-    (cd "$dir/tree" && "$PYTHON" "$script" --help) >"$dir/help/$name.txt" 2>&1
-    (cd "$dir/tree" && "$PYTHON" "$script" --dry-run) >"$dir/dry-run/$name.txt" 2>&1
+    if [ "$name.py" = "$script" ]; then
+      (cd "$dir/tree" && "$PYTHON" "$script" --help) >"$dir/help/$name.txt" 2>&1
+      (cd "$dir/tree" && "$PYTHON" "$script" --dry-run) >"$dir/dry-run/$name.txt" 2>&1
+    fi
     echo "$seconds" >"$dir/$name.seconds"
     if [ $rc -ne 0 ]; then
       echo "$rc" >"$dir/$name.failed"
-      echo "$side $script: FAILED (exit $rc) after $seconds s; the end of its log:"
+      echo "$side $name: FAILED (exit $rc) after $seconds s; the end of its log:"
       tail -n 15 "$dir/logs/$name.log" | tr '\r' '\n' | tail -n 15 | sed 's/^/    /'
       continue
     fi
     rm -f "$dir/$name.failed"
-    echo "$side $script: $seconds s"
+    echo "$side $name: $seconds s"
     if [ "$side" = base ]; then
       printf '%s\nseconds %s\n' "$expected" "$seconds" >"$marker"
     fi
@@ -257,7 +272,13 @@ else
     "$(git -C "$repo" status --porcelain | wc -l) changed or untracked paths)"
 fi
 echo "work dir: $work; environment: $environment"
-echo "settings: ${common[*]} (+ grpo/ppo/spo_chain: $(script_args grpo_baseline.py); spo_tree: $(script_args spo_tree.py))"
+echo "settings: ${common[*]}, and per run:"
+for name in "${runs[@]}"; do printf '  %-22s %s\n' "$name" "$(run_args "$name" | tr '\n' ' ')"; done
+# the digits model and its task, built once by this checkout's code (data both sides read)
+if [ ! -f "$work/models/sevens.jsonl" ]; then
+  (cd "$repo" && "$PYTHON" benchmarks/gpu_check.py --step models --device cpu --work "$work/models" \
+    --out "$work/models/built.json") >"$work/models.log" 2>&1 || { echo "could not build the digits model: $work/models.log"; exit 2; }
+fi
 
 if [ -f "$work/base/commit" ] && [ "$(cat "$work/base/commit")" != "$base_sha" ]; then
   echo "the work dir's BASE runs are of commit $(cat "$work/base/commit"): running BASE again"
@@ -270,11 +291,12 @@ cleanup
 trees=()
 
 verdicts=() found=0
-for script in "${scripts[@]}"; do
-  name=${script%.py}
+for name in "${runs[@]}"; do
+  script=${name%-digits}.py
   echo
-  echo "=== $script"
+  echo "=== $name"
   for kind in help dry-run; do
+    [ "$name.py" = "$script" ] || continue
     if diff -q "$work/base/$kind/$name.txt" "$work/other/$kind/$name.txt" >/dev/null 2>&1; then
       echo "--$kind: the same"
     else
@@ -295,14 +317,13 @@ for script in "${scripts[@]}"; do
     sed '$d' <<<"$report"  # the detail lines
   fi
   [ "$verdict" = EQUAL ] || found=1
-  verdicts+=("$script: $verdict")
+  verdicts+=("$name: $verdict")
 done
 
 echo
 echo "runtimes (s):"
-for script in "${scripts[@]}"; do
-  name=${script%.py}
-  printf '  %-17s BASE %5s%-9s   OTHER %5s\n' "$script" "$(cat "$work/base/$name.seconds" 2>/dev/null || echo -)" \
+for name in "${runs[@]}"; do
+  printf '  %-22s BASE %5s%-9s   OTHER %5s\n' "$name" "$(cat "$work/base/$name.seconds" 2>/dev/null || echo -)" \
     "${reused[$name]:+ (reused)}" "$(cat "$work/other/$name.seconds" 2>/dev/null || echo -)"
 done
 echo "whole check: $(($(date +%s) - started)) s; outputs in $work"
