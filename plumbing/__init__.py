@@ -10,6 +10,8 @@
   checkpoints.py     atomic checkpoints and finding the newest whole one
   files.py           reading files so that damage is one line; atomic writes; append-only logs with torn tails
   models.py          aliases, the offline SmolLM2, loading the policy and the frozen reference model
+  model_dirs.py      what a model directory may ask: no custom code, weights for all its config declares
+  templates.py       chat templates rendered in a bounded worker process (time, memory, size)
   memory.py          the `auto` memory settings, from the device's free memory and the model's shape
   precision.py       the bf16 / fp32 choice, as a value passed to what computes
   training.py        log-probs of responses, micro-batching and collate, reseeding, the non-finite guard, the optimizer
@@ -25,3 +27,20 @@ This file imports nothing, so that grading.py's worker processes load only what 
 
 class UsageError(Exception):
     """Bad input from the user (model, task, data, configuration); scripts print it as one line."""
+
+
+# Characters that change what a terminal shows rather than print: C0 and C1 controls (escape sequences, carriage
+# return, newline, backspace, bell), the line and paragraph separators, and the bidirectional overrides.
+_UNPRINTABLE = {*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, 0x200E, 0x200F, *range(0x202A, 0x202F)}
+_UNPRINTABLE |= set(range(0x2066, 0x206A))
+
+
+def shown(text: object) -> str:
+    """`text` as it may reach a terminal: each character in _UNPRINTABLE written as its Python escape (\\x1b, \\n,
+    \\u202e), so that a string from a run directory, a task file or a model (a run name, a path, a question) cannot
+    recolour the screen, set the window title, move the cursor or forge a line. Every message that quotes such a
+    string passes it through here."""
+    return "".join(
+        (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") if ord(c) in _UNPRINTABLE else c
+        for c in str(text)
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from plumbing import UsageError, distributed
+from plumbing import UsageError, distributed, shown
 
 
 def load_data(path: Path, mmap: bool = False):
@@ -42,6 +42,14 @@ def load_trainer_state(checkpoint: Path, mmap: bool = False) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int):
         raise UsageError(
             f"{checkpoint / 'trainer_state.pt'} is not a trainer state (no iteration): restore it or start a new run"
+        )
+    # a received run's numbers are checked as args.json's are (locate_run bounds the iteration by the run's)
+    world = state.get("world_size", 1)
+    if state["iteration"] < 0 or isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise UsageError(
+            f"{checkpoint / 'trainer_state.pt'} holds an iteration of {state['iteration']} and a world size of "
+            f"{shown(repr(world))} (an iteration of 0 or more and a world size of 1 or more expected): it was edited "
+            "or damaged; restore it or start a new run"
         )
     return state
 
@@ -96,9 +104,7 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, module
     module_weights = {name: distributed.full_state_dict(module) for name, module in (modules or {}).items()}
     if distributed.rank() > 0:
         return final
-    if staging.is_symlink():  # never write through a link (refused on resume; a link is removed, not followed)
-        staging.unlink()
-    shutil.rmtree(staging, ignore_errors=True)  # left by a kill mid-save
+    settle(run_dir)
     try:
         model.save_pretrained(staging, state_dict=weights)
         tokenizer.save_pretrained(staging)
@@ -117,8 +123,45 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, module
     if final.exists():
         final.rename(previous)
     staging.rename(final)
-    shutil.rmtree(previous, ignore_errors=True)
+    _remove(previous)
     return final
+
+
+def settle(run_dir: Path) -> None:
+    """Before a save, leave RUN/checkpoint as the newest whole checkpoint and nothing beside it, whatever step of an
+    earlier save a kill or signal stopped: (1) writing checkpoint.new, (2) renaming checkpoint to checkpoint.old,
+    (3) renaming checkpoint.new to checkpoint, (4) removing checkpoint.old. checkpoint/ whole (after 3, or mid-4):
+    the others go. checkpoint/ missing or damaged and checkpoint.old/ whole (after 2: the run resumed from .old, as
+    latest_checkpoint() chooses): .old becomes checkpoint/ again. checkpoint.new/ is always stale here: this save
+    rewrites it. A link in place of any of them is removed, never followed."""
+    final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
+    _remove(staging)
+    if not _whole(final) and _whole(previous):
+        _remove(final)
+        previous.rename(final)
+    _remove(previous)
+
+
+def _whole(directory: Path) -> bool:
+    return (
+        not directory.is_symlink()
+        and (directory / "trainer_state.pt").is_file()
+        and checkpoint_problem(directory) is None
+    )
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link (not what it points to) or a folder tree; one line if it cannot be removed."""
+    try:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+    except OSError as error:
+        raise UsageError(
+            f"cannot remove {path} before writing a checkpoint ({error.strerror or error}): fix its permissions (or "
+            "remove it by hand) and --resume"
+        ) from None
 
 
 def optimizer_checkpoint(model, optimizer, scheduler, prefix: str = "") -> dict:

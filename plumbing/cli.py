@@ -4,6 +4,8 @@ errors instead of tracebacks; Ctrl-C and SIGTERM as one line that says what was 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import sys
@@ -11,40 +13,82 @@ from collections.abc import Sequence
 
 import tyro
 
-from plumbing import UsageError, checkpoints, files, runs
+from plumbing import UsageError, checkpoints, distributed, files, runs, shown
 from plumbing.settings import saved_settings
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (Slurm, docker stop, timeout): handled as Ctrl-C is."""
+    """SIGTERM (Slurm, docker stop, timeout) or SIGHUP (the terminal closed): handled as Ctrl-C is."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__()
+        self.signum = signum
 
 
-def _terminate(signum, frame):
-    raise Terminated()
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop(signum, frame):
+    """The first stopping signal raises; any that follows while the run winds down (a second Ctrl-C during a save,
+    SIGTERM after Ctrl-C) is ignored, so the one line stays the only line (SIGKILL or SIGQUIT still end it at once)."""
+    for other in STOPPING_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
 def run_cli(main, args) -> None:
     """Run a script's main(args): a UsageError becomes one clear error line instead of a traceback, and Ctrl-C or
     SIGTERM one line that says what was kept and how to resume (no extra checkpoint is written). A new run that
     failed before it trained leaves nothing behind; the run directory's lock is released however main ends."""
-    signal.signal(signal.SIGTERM, _terminate)
+    for signum in STOPPING_SIGNALS:
+        # a shell starts background jobs with SIGINT ignored: that stays so
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _stop)
     try:
         main(args)
     except UsageError as error:
         _discard_untrained_run()
-        sys.exit(f"error: {error}")
+        sys.exit(f"error: {shown(error)}")
+    except Exception as error:
+        if (failure := distributed.peer_failure(error)) is None:
+            raise
+        # another rank died or hung: this one ends with the line, before torch's own teardown can abort
+        _end(
+            f"rank {distributed.rank()}: another process of this run died or stopped answering ({failure}); "
+            + _interrupted_message().removeprefix("interrupted: ").removeprefix("interrupted "),
+            1,
+        )
     except KeyboardInterrupt as interrupt:
-        print(f"\n{_interrupted_message()}", file=sys.stderr)
-        sys.exit(143 if isinstance(interrupt, Terminated) else 130)  # the shell's codes for SIGTERM and SIGINT
+        for signum in STOPPING_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        # the shell's codes: 128 + the signal's number (SIGINT 130, SIGTERM 143, SIGHUP 129)
+        code = 128 + (interrupt.signum if isinstance(interrupt, Terminated) else signal.SIGINT)
+        if distributed.world_size() > 1:
+            _end(_interrupted_message(), code)
+        runs.release_run()
+        with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
+            print(f"\n{shown(_interrupted_message())}", file=sys.stderr)
+        sys.exit(code)
     finally:
         runs.release_run()
+
+
+def _end(line: str, code: int) -> None:
+    """Print `line` and end this process now (os._exit: gloo and NCCL can abort in their destructors once a peer is
+    gone), its run's lock released."""
+    runs.release_run()
+    with contextlib.suppress(OSError):
+        print(f"\n{shown(line)}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+    os._exit(code)
 
 
 def _interrupted_message() -> str:
     if not runs.active_run:
         return "interrupted before a run directory was made: nothing was kept"
     run_dir, script = runs.active_run["run_dir"], runs.active_run["script"]
-    resume = f"python {script} --resume {run_dir}"
+    resume = distributed.resume_command(script, run_dir, runs.active_run.get("world_size", 1))
     iteration = checkpoints.trained_iterations(run_dir)
     if iteration:
         return f"interrupted: {run_dir} keeps its checkpoint of iteration {iteration}; continue with: {resume}"
@@ -88,5 +132,5 @@ def parse(args_class, argv: Sequence[str] | None = None):
     try:
         default = saved_settings(args_class, run)
     except UsageError as error:
-        sys.exit(f"error: {error}")
+        sys.exit(f"error: {shown(error)}")
     return tyro.cli(args_class, args=argv, default=default)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from plumbing import UsageError
+from plumbing import UsageError, shown
 
 
 def init_distributed(args=None) -> str:
@@ -91,6 +91,38 @@ def settings_difference(per_rank: list[dict]) -> str | None:
     return f"the processes were given different settings: {named}; every rank must run the same command line"
 
 
+# What gloo and NCCL say when a peer process died (its sockets closed) or stopped answering (a collective timed out).
+PEER_FAILURE_TEXT = ("connection reset by peer", "connection closed by peer", "timed out", "broken pipe", "watchdog")
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """The first line of what a collective raised because another rank died or hung (torch's DistError, or gloo's
+    RuntimeError that names a closed connection or a timeout), without gloo's source location; None for any other
+    error, or in a single-process run."""
+    if world_size() == 1 and not dist.is_initialized():
+        return None
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if not isinstance(error, getattr(dist, "DistError", ())) and not (
+        isinstance(error, RuntimeError) and any(phrase in text.lower() for phrase in PEER_FAILURE_TEXT)
+    ):
+        return None
+    # "[/path/gloo/transport/tcp/pair.cc:537] Read error ...": the location says nothing to a user
+    # "[/path/gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by peer. This is typically ...": the
+    # location and the advice after the first sentence say nothing to a user of this script
+    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+    return text.split(". ", 1)[0]
+
+
+def resume_command(script: str, run_dir: Path, world: int, env=os.environ) -> str:
+    """The command that continues `run_dir` with the world size it was started with: python for one process,
+    torchrun with the same processes per node (and node count) for more."""
+    if world == 1:
+        return f"python {script} --resume {run_dir}"
+    per_node = int(env.get("LOCAL_WORLD_SIZE", world)) if str(env.get("LOCAL_WORLD_SIZE", "")).isdigit() else world
+    nodes = f"--nnodes {world // per_node} (and this launch's rendezvous flags) " if per_node < world else ""
+    return f"torchrun {nodes}--nproc-per-node {per_node} {script} --resume {run_dir}"
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -157,9 +189,10 @@ def broadcast(value):
 
 
 def print0(line: str, write=print) -> None:
-    """Print on rank 0 only (under torchrun every rank runs the same lines)."""
+    """Print one line on rank 0 only (under torchrun every rank runs the same lines), its control characters escaped
+    (plumbing.shown: a path or name it quotes may come from a received run directory)."""
     if rank() == 0:
-        write(line)
+        write(shown(line))
 
 
 def barrier() -> None:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from plumbing import models
+from plumbing import models, shown
 
 # The paper's two setups as every script runs them (Guo et al. 2025, section 5 and appendix; the authors' released
 # configs): the model, task, sampling and evaluation of each, and the policy optimization all four scripts share.
@@ -70,9 +70,10 @@ def dry_run(args, paper_settings: dict[str, dict], eval_task: str, **resolved) -
     for name, value in settings.items():
         mark = "*" if name in differences else " "
         paper_value = format_setting(paper[name]) if name in paper else "-"
-        print(f"{mark} --{name.replace('_', '-'):<{width}} {format_setting(value):<32} paper: {paper_value}")
+        # a received run's args.json: its strings reach the terminal escaped
+        print(shown(f"{mark} --{name.replace('_', '-'):<{width}} {format_setting(value):<32} paper: {paper_value}"))
     extra = {k: v for k, v in resolved.items() if k not in settings}
     if extra:
-        print("resolved: " + ", ".join(f"{k} {format_setting(v)}" for k, v in extra.items()))
+        print(shown("resolved: " + ", ".join(f"{k} {format_setting(v)}" for k, v in extra.items())))
     print(f"{len(differences)} difference(s) from the paper; nothing was loaded (--dry-run)")
     return {"paper_run": run, "settings": settings, "paper": paper, "differences": differences, "resolved": resolved}

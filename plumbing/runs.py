@@ -19,7 +19,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from plumbing import UsageError, checkpoints, distributed, engines, files, memory, models
+from plumbing import UsageError, checkpoints, distributed, engines, files, memory, models, shown
 from plumbing.settings import check_resume_settings
 
 active_run: dict = {}  # the run directory main() is working in (record_start) and its lock, for cli.run_cli's messages
@@ -122,9 +122,15 @@ def locate_run(args) -> tuple[Path, Path | None, dict | None]:
             f"--resume {run_dir}: no checkpoint: it starts over from --model (its metrics log starts anew)"
         )
     else:  # each rank's questions and seeds depend on the world size (checkpoints from before torchrun: 1)
-        distributed.check_world_size(
-            checkpoint, checkpoints.load_trainer_state(checkpoint, mmap=True).get("world_size", 1)
-        )
+        state = checkpoints.load_trainer_state(checkpoint, mmap=True)
+        planned = files.read_json(run_dir / "args.json", "the run's settings").get("iterations")
+        if isinstance(planned, int) and state["iteration"] > planned:
+            raise UsageError(
+                f"--resume {run_dir}: {checkpoint}/trainer_state.pt says iteration {state['iteration']}, past the "
+                f"{planned} its args.json planned: one of the two was edited or comes from another run; restore them "
+                "or start a new run"
+            )
+        distributed.check_world_size(checkpoint, state.get("world_size", 1))
     # A resumed run keeps the sampler batch of its first start (memory.size_run): every rank reads rank 0's record.
     return run_dir, checkpoint, distributed.broadcast(first_record(run_dir) if distributed.rank() == 0 else None)
 
@@ -159,6 +165,10 @@ def open_run(run_dir: Path, args, precision_line: str, device, plan: memory.Plan
     run_dir, problem = distributed.broadcast((run_dir, problem))  # a suffixed name, or rank 0's error, on every rank
     if problem:
         raise UsageError(problem)
+    if distributed.rank() > 0:
+        # every rank can name the run when a signal or a dead peer ends it (rank 0 never discards it)
+        active_run.update(run_dir=run_dir, script=Path(sys.argv[0]).name, new=False)
+    active_run["world_size"] = distributed.world_size()
     return run_dir
 
 
@@ -337,5 +347,7 @@ def finish_run(
     files.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1), "the run's summary")
     before = f"{accuracy_before:.3f}" if accuracy_before is not None else "n/a (resumed, or --no-eval-before)"
     after = f"{accuracy_after:.3f}" if accuracy_after is not None else "n/a (no iteration ran)"
-    print(f"accuracy {before} -> {after} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    print(
+        shown(f"accuracy {before} -> {after} on {eval_task}; metrics {log.path}; checkpoint {run_dir / 'checkpoint'}")
+    )
     return summary

@@ -8,6 +8,7 @@ RESUMABLE_SETTINGS may be given again with other values.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import types
@@ -91,6 +92,9 @@ def saved_settings(args_class, run_dir: str | Path):
             f"--resume {run_dir}: {path} holds values of the wrong type ({'; '.join(wrong[:4])}); "
             "it was edited or damaged: restore it or start a new run"
         )
+    # --track is never taken from a received args.json (it would upload the run's settings and metrics by itself):
+    # a resume that should log to W&B says --track again
+    saved["track"] = False
     return args_class(**saved)  # every setting is a JSON scalar or a list of them
 
 
@@ -180,6 +184,10 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
                 f"--batch-size ({args.batch_size}) must be a positive multiple of "
                 f"--micro-batch-size ({args.micro_batch_size})"
             )
+    if get("track") and importlib.util.find_spec("wandb") is None:
+        problems.append(
+            "--track logs to Weights & Biases, whose package is not installed: pip install wandb, or leave out --track"
+        )
     if get("output_dir") is not None and not get("resume"):
         problems += directory_problems(args.output_dir, "--output-dir")
     for flag, name in (("--task", get("task")), ("--eval-task", get("eval_task"))):

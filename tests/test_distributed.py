@@ -230,14 +230,37 @@ def rank_pids(agent: int) -> dict[int, int]:
     return pids
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux's /proc")
-def test_a_killed_rank_ends_the_whole_job_with_an_error(tiny_model_dir, gsm8k_jsonl, tmp_path):
-    command = torchrun_script("grpo_baseline", tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1000, eval_every=1000)
+def rank_logs(logs: Path) -> dict[int, str]:
+    """Each rank's stderr, as torchrun --log-dir ... --redirects 3 keeps it."""
+    return {int(path.parent.name): path.read_text() for path in logs.glob("*/attempt_*/*/stderr.log")}
+
+
+def start_job(tmp_path: Path, **overrides) -> tuple[subprocess.Popen, Path]:
+    """grpo_baseline.py under torchrun on 2 ranks, each rank's output kept in its own file, once training has saved
+    its first checkpoint."""
+    logs = tmp_path / "logs"
+    command = torchrun_script("grpo_baseline", *overrides.pop("inputs"), tmp_path / "runs", **overrides)
+    command[command.index("--nproc_per_node") : command.index("--nproc_per_node")] = ["--log-dir", str(logs)]
+    command[command.index("--nproc_per_node") : command.index("--nproc_per_node")] = ["--redirects", "3"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not list((tmp_path / "runs").glob("*/checkpoint/trainer_state.pt")):
+        assert job.poll() is None, job.communicate()[0][-3000:]
+        time.sleep(0.5)
+    return job, logs
+
+
+def last_line(log: str) -> str:
+    return log.strip().splitlines()[-1]
+
+
+RESUME = "continue with: torchrun --nproc-per-node 2 grpo_baseline.py --resume "
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux's /proc")
+def test_a_killed_rank_ends_the_other_with_one_line_and_the_torchrun_resume(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    job, logs = start_job(tmp_path, inputs=(tiny_model_dir, gsm8k_jsonl), iterations=1000, eval_every=1000)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not list(Path(tmp_path).glob("*/metrics.jsonl")):
-            time.sleep(0.5)  # training has started
         pids = rank_pids(job.pid)
         assert set(pids) == {0, 1}
         os.kill(pids[1], signal.SIGKILL)
@@ -246,6 +269,51 @@ def test_a_killed_rank_ends_the_whole_job_with_an_error(tiny_model_dir, gsm8k_js
         job.kill()
     assert job.returncode != 0
     assert "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output[-2000:]
+    survivor = rank_logs(logs)[0]
+    assert "Traceback" not in survivor, survivor[-3000:]
+    line = last_line(survivor)
+    assert line.startswith("rank 0: another process of this run died or stopped answering ("), line
+    assert RESUME in line and "keeps its checkpoint of iteration" in line, line
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux's /proc")
+def test_a_hung_rank_ends_the_other_at_the_timeout_and_both_name_the_checkpoint(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    job, logs = start_job(
+        tmp_path, inputs=(tiny_model_dir, gsm8k_jsonl), iterations=1000, eval_every=1000, collective_timeout_minutes=0.1
+    )
+    try:
+        pids = rank_pids(job.pid)
+        os.kill(pids[1], signal.SIGSTOP)  # hung: alive, answering nothing
+        deadline = time.time() + 120
+        while time.time() < deadline and "died or stopped answering" not in rank_logs(logs).get(0, ""):
+            time.sleep(0.5)
+        os.kill(pids[1], signal.SIGCONT)  # torchrun's SIGTERM, sent as rank 0 ended, is then delivered
+        job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    ranks = rank_logs(logs)
+    assert "Traceback" not in ranks[0], ranks[0][-3000:]
+    assert last_line(ranks[0]).startswith("rank 0: another process of this run died or stopped answering (")
+    for rank in (0, 1):
+        assert "keeps its checkpoint of iteration" in last_line(ranks[rank]), (rank, ranks[rank][-2000:])
+        assert RESUME in last_line(ranks[rank]) and "nothing was kept" not in ranks[rank]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux's /proc")
+def test_sigterm_to_torchrun_ends_every_rank_with_the_torchrun_resume(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    job, logs = start_job(tmp_path, inputs=(tiny_model_dir, gsm8k_jsonl), iterations=1000, eval_every=1000)
+    try:
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=120)
+    finally:
+        job.kill()
+    [run_dir] = (tmp_path / "runs").iterdir()
+    for rank, log in rank_logs(logs).items():
+        assert "Traceback" not in log, log[-3000:]
+        assert last_line(log).startswith(f"interrupted: {run_dir} keeps its checkpoint of iteration"), last_line(log)
+        assert last_line(log).endswith(RESUME + str(run_dir))
+    assert not (run_dir / "lock").exists()
 
 
 def test_eval_under_torchrun_gives_one_process_records_in_order(tiny_model_dir, gsm8k_jsonl, tmp_path):

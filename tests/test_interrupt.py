@@ -122,3 +122,32 @@ def test_ctrl_c_keeps_a_resumable_run(when, tiny_model_dir, gsm8k_jsonl, tmp_pat
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # each trained once, logged once
     assert sorted(m["iteration"] for m in metrics if "charts/reward" in m) == [1, 2, 3]
+
+
+def test_sighup_ends_a_run_like_sigterm(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    """A closed terminal: the one line (where a terminal is left to show it), the lock released, exit 128 + 1."""
+    out = tmp_path / "runs"
+    process = _start(tiny_model_dir, gsm8k_jsonl, out, tmp_path)
+    _wait_for(lambda: any(out.glob("*/checkpoint/trainer_state.pt")), process)
+    process.send_signal(signal.SIGHUP)
+    _, err = process.communicate(timeout=120)
+    [run_dir] = out.iterdir()
+    assert process.returncode == 129 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"interrupted: {run_dir} keeps its checkpoint of iteration")
+    assert not (run_dir / "lock").exists()
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_while_the_first_is_handled_adds_nothing(second, tiny_model_dir, gsm8k_jsonl, tmp_path):
+    out = tmp_path / "runs"
+    process = _start(tiny_model_dir, gsm8k_jsonl, out, tmp_path)
+    _wait_for(lambda: any(out.glob("*/checkpoint/trainer_state.pt")), process)
+    process.send_signal(signal.SIGINT)
+    for _ in range(20):  # whatever the first's handling is doing (a save, the lock, the line), until it exits
+        time.sleep(0.01)
+        if process.poll() is None:
+            process.send_signal(second)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert sum(line.startswith("interrupted") for line in err.splitlines()) == 1, err[-3000:]
