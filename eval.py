@@ -30,7 +30,7 @@ from typing import Literal
 import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, distributed, files, ranges
+from plumbing import UsageError, distributed, files, ranges, templates
 from plumbing.cli import run_cli
 from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
@@ -68,10 +68,23 @@ def uses_chat_template(tokenizer: PreTrainedTokenizerBase | None) -> bool:
 
 def format_prompt(question: str, tokenizer: PreTrainedTokenizerBase | None) -> str:
     """Chat models get the chat template with a boxed-answer instruction; others the Rho SFT format."""
+    return format_prompts([question], tokenizer)[0]
+
+
+def format_prompts(questions: list[str], tokenizer: PreTrainedTokenizerBase | None) -> list[str]:
+    """format_prompt of each question. A chat template is the model directory's code: all the questions go to one
+    bounded worker process (plumbing/templates.py), so that a template that loops, balloons or raises is one error
+    line naming the model, not a hung or crashed run."""
     if not uses_chat_template(tokenizer):
-        return RHO_PROMPT.format(question=question)
-    message = {"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}
-    return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+        return [RHO_PROMPT.format(question=question) for question in questions]
+    return templates.render_user_prompts(tokenizer, [f"{question}\n{BOXED_INSTRUCTION}" for question in questions])
+
+
+def add_prompts(examples: list[Example], tokenizer: PreTrainedTokenizerBase) -> list[Example]:
+    """Fill in each example's prompt and prompt_ids (the chat template, if any, rendered once for them all)."""
+    for example, prompt in zip(examples, format_prompts([e.question for e in examples], tokenizer)):
+        example.prompt, example.prompt_ids = prompt, encode_prompt(prompt, tokenizer)
+    return examples
 
 
 def stop_strings(tokenizer: PreTrainedTokenizerBase | None) -> list[str]:
@@ -359,11 +372,7 @@ def load_task(
     examples = _checked_examples(rows, name, split, limit)
     if not examples:
         raise UsageError(f"task {name!r} split {split!r} has no examples")
-    if tokenizer is not None:
-        for example in examples:
-            example.prompt = format_prompt(example.question, tokenizer)
-            example.prompt_ids = encode_prompt(example.prompt, tokenizer)
-    return examples
+    return add_prompts(examples, tokenizer) if tokenizer is not None else examples
 
 
 def default_eval_task(task: str) -> str:
@@ -377,8 +386,10 @@ def load_examples(
 ) -> tuple[list[Example], list[Example]]:
     """A training run's questions: the training split of `task` (prompts without room for a response within
     `context` dropped) and the held-out questions of `eval_task` (kept, scoring 0 as unfinished)."""
-    train_examples = load_task(task, "train", seed=seed, tokenizer=tokenizer)
-    held_out = load_task(eval_task, "test", limit=eval_limit, seed=seed, tokenizer=tokenizer)
+    train_examples = load_task(task, "train", seed=seed)
+    held_out = load_task(eval_task, "test", limit=eval_limit, seed=seed)
+    if tokenizer is not None:  # one rendering of the chat template for both
+        add_prompts(train_examples + held_out, tokenizer)
     if eval_task == task and task.endswith(".jsonl"):  # a file has no test split: say that "held-out" is not
         warnings.warn(
             f"--eval-task is the training file {task} itself: the accuracy reported is on training questions, "

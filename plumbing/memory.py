@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from plumbing import UsageError, distributed, engines, models
+from plumbing import UsageError, distributed, engines, models, shown
 from plumbing.precision import Precision
 
 GiB = 2**30
@@ -310,6 +310,10 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
     config gives the shape). first_start: the run's first starts.jsonl entry when resuming: its sampler batch is kept,
     so that a resumed run samples what the uninterrupted one would. Under torchrun every rank takes the same values,
     from the least free memory of any rank."""
+    # Before the run directory is made and before AutoConfig reads the model: a local model directory that is not a
+    # model, or that asks for custom code, is refused here on any device (models.model_directory_problem).
+    if models.is_local_path(model_path) and (problem := models.model_directory_problem(model_path)):
+        raise UsageError(f"cannot load model {model_path!r}: {problem}")
     requested = {name: getattr(args, name) for name in KNOBS}
     earlier = (first_start or {}).get("memory") or {}
     if requested["sampler_batch_tokens"] == "auto" and isinstance(earlier.get("sampler_batch_tokens"), int):
@@ -321,7 +325,12 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
     else:
         free, total = torch.cuda.mem_get_info(device)
         free = min(distributed.gather([free]))  # every rank must take the same micro-batches (collectives match)
-        shape = model_shape(AutoConfig.from_pretrained(models.resolve_model(model_path)))
+        try:
+            config = AutoConfig.from_pretrained(models.resolve_model(model_path), trust_remote_code=False)
+        except (OSError, ValueError) as error:  # a Hub model that is unreachable offline, or needs its own code
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise UsageError(f"cannot read the config of model {model_path!r} ({shown(reason)})") from None
+        shape = model_shape(config)
         result = plan(
             shape,
             total=total,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError
+from plumbing import UsageError, model_dirs
 
 ALIASES = {
     "rho-1b-sft-gsm8k": "realtreetune/rho-1b-sft-GSM8K",
@@ -95,11 +95,13 @@ def smollm2_dir() -> Path:
             f"cannot write the model cache {cache} ({error}); set SPO_CACHE to a writable directory"
         ) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+        )
         config = quantized.config
         del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config
         model.save_pretrained(staging)
@@ -265,8 +267,10 @@ def load_model(
     if problem := model_directory_problem(path):
         raise UsageError(f"cannot load model {name_or_path!r}: {problem}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = model_dirs.load_causal_lm(path, dtype).to(device)
+    except UsageError as error:  # weights that do not cover the config
+        raise UsageError(f"cannot load model {name_or_path!r}: {error}") from None
     except Exception as error:  # OSError, ValueError, safetensors' SafetensorError for a damaged file, ...
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if Path(path).is_dir():
@@ -284,9 +288,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of 
 
 
 def model_directory_problem(path: str | Path) -> str | None:
-    """What a local path given as a model lacks, in words (None: it looks like a save_pretrained directory, or it
-    is not a local path but a hub id: is_local_path's rule). Checked before transformers, whose messages name none
-    of this (a typo of a local directory would be a failed connection to the Hub)."""
+    """What a local path given as a model lacks or asks for, in words (None: it looks like a save_pretrained
+    directory that needs no code of its own, or it is not a local path but a hub id: is_local_path's rule). Checked
+    before transformers, whose messages name none of this (a typo of a local directory would be a failed connection to
+    the Hub) and which would ask on stdin whether to run a directory's custom code."""
     name, path = str(path), Path(path).expanduser()
     if not path.exists():
         return missing_directory_problem(name) if is_local_path(name) else None
@@ -307,7 +312,7 @@ def model_directory_problem(path: str | Path) -> str | None:
             f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): "
             "copy them from the model it was trained from"
         )
-    return None
+    return model_dirs.custom_code_problem(path)
 
 
 def check_logits_from_hidden(model: PreTrainedModel) -> None:

@@ -60,6 +60,8 @@ class VLLMSampler:
         started = time.perf_counter()
         self.llm = LLM(
             model_path,
+            # a model directory is data: its own code is never run (model_dirs.py refuses one that asks first)
+            trust_remote_code=False,
             # The engine seeds the process's global RNGs with it (Worker.init_device), the same on every rank, as
             # torch.manual_seed(args.seed) left them; the samples differ per rank through the requests' seeds.
             seed=seed,

@@ -228,6 +228,7 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
             enable_prefix_caching: bool | None = None,
             enable_sleep_mode: bool = False,
             distributed_executor_backend: str | None = None,
+            trust_remote_code: bool = False,
         ):
             # In-process engine core is required for passing tensors through collective_rpc.
             assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -245,6 +246,7 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
                         enforce_eager=enforce_eager,
                         tensor_parallel_size=tensor_parallel_size,
                         distributed_executor_backend=distributed_executor_backend,
+                        trust_remote_code=trust_remote_code,
                     ),
                 )
             )
@@ -414,6 +416,7 @@ def test_constructor(engine, monkeypatch):
         tensor_parallel_size=1,
         # one process: vLLM's own executor
         distributed_executor_backend=None,
+        trust_remote_code=False,
     )
     assert calls(engine, "world") == [("world", {"world_size": 1})]
     assert s.tokenizer is engine.llm.get_tokenizer()
