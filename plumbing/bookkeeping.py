@@ -64,6 +64,44 @@ def start_run(args, device) -> Run:
     return Run(run_dir, checkpoint, state, precision, plan)
 
 
+# Iterations a second no run reaches (a rollout and an update: a random 2-layer test model with 4-token responses
+# runs 16 a second on a CPU): what a budget holds at most.
+FASTEST_ITERATIONS_PER_SECOND = 100
+
+
+def schedule_line(args, first: int, train_seconds: float = 0.0) -> str | None:
+    """With --max-minutes: one line when the learning-rate schedule, planned for --iterations (make_optimizer), cannot
+    finish its warmup within what is left of the budget even at 100 iterations a second, so the rate stays a sliver of
+    --lr all run; None otherwise, and always without --max-minutes. `first`: the iteration this start trains first;
+    `train_seconds`: the budget a resumed run spent already.
+
+    The schedule is stated, not planned for the budget: how many iterations a budget holds is known only once they
+    run, and a schedule planned from timings would train the same command otherwise on another machine, under another
+    load or after a resume.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(max_minutes=30, iterations=10**9, warmup_ratio=0.03, lr=1e-6)
+    >>> schedule_line(args, 1).split(", so ")[1]  # 30 minutes: at most 180,000 of the warmup's 30,000,000 iterations
+    'the rate stays below 6e-09; give --iterations about as many as fit in the budget, or --warmup-ratio 0'
+    >>> schedule_line(SimpleNamespace(max_minutes=30, iterations=1000, warmup_ratio=0.03, lr=1e-6), 1) is None
+    True
+    """
+    if args.max_minutes is None:
+        return None
+    # Iterations of warmup: at least this many, whatever the optimizer steps per iteration (int(ratio x steps)).
+    warmup = int(args.warmup_ratio * args.iterations)
+    plausible = int(max(0.0, 60 * args.max_minutes - train_seconds) * FASTEST_ITERATIONS_PER_SECOND)
+    if first - 1 + plausible >= warmup:
+        return None
+    return (
+        f"--max-minutes {args.max_minutes:g} ends the run inside the learning-rate warmup: the schedule is planned for "
+        f"--iterations {args.iterations:,}, whose first {warmup:,} warm up to --lr {args.lr:g} (--warmup-ratio "
+        f"{args.warmup_ratio:g}), and the budget holds at most {plausible:,} more even at 100 iterations a second, so "
+        f"the rate stays below {args.lr * (first - 1 + plausible) / warmup:.2g}; give --iterations about as many as "
+        "fit in the budget, or --warmup-ratio 0"
+    )
+
+
 class Loop:
     """The iterations of a run and their bookkeeping. `evaluate()` returns the policy's eval/... metrics (the
     script's call of eval.evaluate_policy); it runs before the first iteration (--eval-before, new runs only), every
@@ -73,6 +111,8 @@ class Loop:
         self.run, self.args, self.eval_task, self.evaluate_policy = run, args, eval_task, evaluate
         self.first = run.state["iteration"] + 1 if run.state else 1
         self.log_file = runs.RunLog(run.dir, self.first, args)
+        if (line := schedule_line(args, self.first, self.log_file.train_seconds)) is not None:
+            distributed.print0(line)
         self.accuracy_before = self.accuracy_after = None
         self.streak = [0]  # non-finite losses in a row (training.skipped_non_finite)
         self.seconds: dict[str, float] = {}

@@ -1,7 +1,8 @@
 """Reading and writing the project's files so that damage is one line and a failed write loses nothing.
 
 Reads: a file that is missing, unreadable, not UTF-8 or not the JSON it should be raises UsageError naming the
-file and what is wrong. Writes: `write_atomic` writes beside the target and renames, so a full disk, a read-only
+file and what is wrong; `read_lines` reads JSON Lines as JSON Lines readers do (a line ends at "\\n" alone) and refuses
+an object with a repeated key. Writes: `write_atomic` writes beside the target and renames, so a full disk, a read-only
 folder or a kill mid-write leaves the previous file whole and no partial one. Append-only logs (metrics.jsonl):
 `read_log` drops a torn or blank last line, which is what a kill or a full disk during an append leaves.
 """
@@ -16,7 +17,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from plumbing import UsageError
+from plumbing import UsageError, shown
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
@@ -54,11 +55,33 @@ def read_json(path: str | Path, what: str = "file", shape: type = dict):
     return value
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that names `key` twice."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook: the object json.loads would build, unless a key repeats (json.loads would keep
+    its last value without a word)."""
+    record = {}
+    for key, value in pairs:
+        if key in record:
+            raise _RepeatedKey(key)
+        record[key] = value
+    return record
+
+
 def read_lines(path: str | Path, what: str = "file") -> Iterator[tuple[int, str]]:
-    """(line number, line) of a UTF-8 text file, read one line at a time: a reader that needs the first rows of a
-    million-row file stops after them, and only one line is held in memory. The lines and their numbers are those of
-    read_text(path).splitlines(). A file that cannot be opened raises read_text's UsageError; a line that is not
-    UTF-8 raises one naming its byte offset in the file, when the reader gets to it."""
+    """(line number, line) of a JSON Lines file, read one line at a time: a reader that needs the first rows of a
+    million-row file stops after them, and only one line is held in memory. A line ends at "\\n" alone, as JSON Lines
+    says (a "\\r" before it is cut too): not at the other breaks of str.splitlines (\\r, \\x0b, \\x1c, \\x85, \\u2028,
+    ...), which a JSON string may hold raw. A file that cannot be opened raises read_text's UsageError; a line that is
+    not UTF-8 raises one naming its byte offset in the file, and a line holding a JSON object with a repeated key
+    one naming the line and the key, when the reader gets to it. Whether a line is JSON at all is the caller's to
+    say."""
     path = Path(path)
     try:
         handle = path.open("rb")
@@ -75,15 +98,24 @@ def read_lines(path: str | Path, what: str = "file") -> Iterator[tuple[int, str]
             if not raw:
                 return
             try:
-                text = raw.decode("utf-8")
+                line = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
             except UnicodeDecodeError as error:
                 raise UsageError(
                     f"{what} {path} is not UTF-8 text (byte {offset + error.start}): give a text file"
                 ) from None
-            offset += len(raw)
-            for line in text.splitlines():  # also breaks at \r, \x0b, \u2028, ..., as read_text's lines do
-                number += 1
-                yield number, line
+            offset, number = offset + len(raw), number + 1
+            try:
+                json.loads(line, object_pairs_hook=_refuse_repeated_keys)
+            except _RepeatedKey as repeated:
+                read_text(path, what)  # a file that is not UTF-8 text says that first, as when it is read whole
+                key = shown(repeated.key[:80]) + "..." * (len(repeated.key) > 80)
+                raise UsageError(
+                    f'{what} {path} line {number} repeats the key "{key}" (JSON readers keep one of the values): '
+                    "give each key once"
+                ) from None
+            except (ValueError, RecursionError):  # not JSON: the caller says so, in its words
+                pass
+            yield number, line
 
 
 def read_log(path: Path, what: str = "log") -> list[dict]:

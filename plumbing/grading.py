@@ -15,6 +15,7 @@ eval.py re-exports grade, check_references, check_reference, grade_failures.
 from __future__ import annotations
 
 import collections
+import decimal
 import functools
 import logging
 import math
@@ -54,9 +55,14 @@ _GRADE_VALUE_RE = re.compile(r"[\d\x01$]|\\[a-zA-Z(\[]")  # where a stated value
 _GRADE_ALTERNATIVE_RE = re.compile(r"\d|\x01|\\(?:d?frac|sqrt|pi|infty)\b")  # what a hedge is between
 _GRADE_OR_RE = re.compile(r"\bor\b", re.IGNORECASE)
 _GRADE_NEGATED_RE = re.compile(  # "72, not 73": the rejected value is dropped
-    r"\b(?:not|rather than|instead of)\s[\s*(]*+(?:\x01\d+\x02|\$[^$\n]{0,200}\$|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)",
+    r"\b(?:not|rather than|instead of)\s[\s*(]*+"
+    r"(?:\x01\d+\x02|\$[^$\n]{0,200}\$|-?\d[\d,]*(?:\.\d+)?(?:[eE][+-]?\d+|/\d+)?)",
     re.IGNORECASE,
 )
+# A number in scientific notation (numeric tasks): a decimal mantissa, e or E, a signed integer exponent; neither
+# inside a word or a longer number ("0x1e5", "v1.2e3", "1,2e3", "1e5.3") nor without exponent digits ("1.2e").
+_GRADE_SCIENTIFIC_RE = re.compile(r"(?<![\w.])(?<!\d,)(\d+(?:\.\d+)?|\.\d+)[eE]([+-]?\d+)(?!\w|[.,]\d)")
+_GRADE_MAX_EXPONENT = 1000  # "1e1000" is written out to 1,001 digits; a larger exponent is no task's answer
 
 _grade_workers = []  # the persistent pool, see _grade_pool()
 _grade_server = None  # forks the workers, see _GradeServer
@@ -141,8 +147,33 @@ def _grade_alarm(signum, frame):
     raise _GradeTimeout
 
 
+def _plain_numbers(text: str) -> tuple[str, bool]:
+    """`text` with each number in scientific notation written out as its decimal value, and whether every exponent was
+    within _GRADE_MAX_EXPONENT (a larger one is left as written). math-verify reads a reference "2.5e3" as 2.5 * e * 3
+    (Euler's e) and an answer "1e6" as 1; written out, 2.5e3 equals 2500 and 2,500.
+
+    >>> _plain_numbers("The answer is 2.5e3, or 1.2E-3, not 1e6x or 1.2e.")
+    ('The answer is 2500, or 0.0012, not 1e6x or 1.2e.', True)
+    """
+    within = True
+
+    def written_out(number: re.Match) -> str:
+        nonlocal within
+        digits = number[2].lstrip("+-").lstrip("0")  # int() refuses over 4,300 digits: the length is checked first
+        if len(digits) > 4 or int(digits or "0") > _GRADE_MAX_EXPONENT:
+            within = False
+            return number[0]
+        return format(decimal.Decimal(f"{number[1]}e{number[2]}"), "f")
+
+    return _GRADE_SCIENTIFIC_RE.sub(written_out, text), within
+
+
 @functools.lru_cache(maxsize=4096)  # RL grades several samples against each reference
 def _parse_reference(reference: str, numeric: bool) -> list:
+    if numeric:
+        reference, within = _plain_numbers(reference)
+        if not within:  # refused rather than read as a product with Euler's e
+            return []
     # parsing_timeout=None switches off math-verify's own alarm: the worker's alarm covers the item.
     gold = parse(f"${reference}$", [LatexExtractionConfig()], fallback_mode="no_fallback", parsing_timeout=None)
     if numeric and not (gold and getattr(gold[0], "is_number", False)):
@@ -155,6 +186,10 @@ def _grade_item(text: str | None, reference: str, numeric: bool) -> float:
     gold = _parse_reference(reference, numeric)
     if text is None or not gold:
         return float(text is None and bool(gold))
+    if numeric:
+        text, within = _plain_numbers(text)
+        if not within:  # math-verify would read "1e1001" as its mantissa, 1
+            return 0.0
     pred = parse(
         text, [LatexExtractionConfig(), ExprExtractionConfig()], fallback_mode="no_fallback", parsing_timeout=None
     )
@@ -376,6 +411,9 @@ def grade(
        "or". "3/4" is a fraction, never a hedge.
     4. A rejected value is dropped: "The answer is 72, not 73" answers 72 (also "rather than 73",
        "instead of 73").
+    5. Numeric tasks (gsm8k, rg:*, .jsonl) read a number in scientific notation as its value, in the answer and in
+       the reference: 2.5e3 = 2500 = 2,500, 1E-3 = 0.001 ("2e-1" in a math task's LaTeX may be 2e - 1: left to
+       math-verify there). An exponent beyond +-1000 scores 0; a reference with one does not parse.
 
     timeout: seconds per item. workers: pool size (default: CPUs available, at most 8).
     grace: seconds past timeout before the parent kills a worker that has not answered (one stuck in C

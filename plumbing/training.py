@@ -287,6 +287,57 @@ def reseed(seed: int, iteration: int, sampler) -> random.Random:
 
 
 TINY_TEMPERATURE = 0.01  # below it, logits / temperature overflow where a logit is large (named as the likely cause)
+FP32_HINT = "compute in fp32 (--precision fp32) if it ran in bf16"
+
+
+def non_finite_cause(stats: dict, fix: str = "lower --lr", temperature: float | None = None) -> str:
+    """What a non-finite optimizer step points to, from which of its stats are inf or nan, and the setting to change.
+    The scripts' losses are pg_loss + beta * kl (PPO adds the critic's value_loss), with both log-ratios clamped to
+    [-10, 10], so a step size cannot overflow the ratio: a term that is not finite names the input that is not.
+    `fix`: the caller's answer when the stats name nothing; a `temperature` below TINY_TEMPERATURE comes first, since
+    every log-prob divides the logits by it.
+
+    >>> nan = float("nan")
+    >>> cause = non_finite_cause({"loss": nan, "pg_loss": nan, "kl": nan})
+    >>> cause.split(": ")[0], "lower --lr" in cause, "--precision fp32" in cause
+    ('pg_loss = nan and kl = nan', True, True)
+    >>> non_finite_cause({"loss": float("inf"), "pg_loss": 0.5, "kl": 3.0})
+    'loss = pg_loss + beta * kl = inf while pg_loss and kl are finite: lower --beta'
+    >>> non_finite_cause({"loss": 0.5, "pg_loss": 0.5, "kl": 0.1, "value_loss": nan}, "lower --lr / --critic-lr")
+    "value_loss = nan: the critic's values diverged: lower --critic-lr"
+    >>> non_finite_cause({"loss": nan}, "lower --lr")
+    'lower --lr'
+    """
+    if temperature is not None and temperature < TINY_TEMPERATURE:
+        return (
+            f"--temperature {temperature:g} divides the logits by so little that the log-probs overflow: "
+            f"sample at {TINY_TEMPERATURE:g} or above"
+        )
+    bad = {key: value for key, value in stats.items() if isinstance(value, float) and not math.isfinite(value)}
+    if "pg_loss" in bad and "kl" in bad:
+        return (
+            f"pg_loss = {bad['pg_loss']:g} and kl = {bad['kl']:g}: the policy's log-probs are not finite, its weights "
+            f"diverged or its logits overflow: lower --lr, or {FP32_HINT}"
+        )
+    if "kl" in bad:
+        return (
+            f"kl = {bad['kl']:g} while pg_loss is finite: the reference model's log-probs are not finite: "
+            f"{FP32_HINT}, or check the reference model"
+        )
+    if "value_loss" in bad:
+        also = ", and pg_loss with it (the advantages are the critic's)" if "pg_loss" in bad else ""
+        return f"value_loss = {bad['value_loss']:g}{also}: the critic's values diverged: lower --critic-lr"
+    if "pg_loss" in bad:
+        return (
+            f"pg_loss = {bad['pg_loss']:g} while kl is finite: the rollout's log-probs (old_logps) or the advantages "
+            f"are not finite: {FP32_HINT}"
+        )
+    if "loss" in bad and "pg_loss" in stats and "kl" in stats:
+        return f"loss = pg_loss + beta * kl = {bad['loss']:g} while pg_loss and kl are finite: lower --beta"
+    if "grad_norm" in bad or "critic_grad_norm" in bad:
+        which = "the policy's" if "grad_norm" in bad else "the critic's"
+        return f"the losses are finite but {which} gradient norm is not: the backward pass overflowed: {FP32_HINT}"
+    return fix
 
 
 def skipped_non_finite(
@@ -297,22 +348,18 @@ def skipped_non_finite(
     fix: str = "lower --lr",
     temperature: float | None = None,
 ) -> bool:
-    """True when one of this optimizer step's losses (`keys` of stats) is inf or nan, so the step is skipped; three
-    in a row end the run with one line (`fix` says what to change; a `temperature` below TINY_TEMPERATURE is named
-    first, since every log-prob divides the logits by it). `streak` ([count]) carries the number of non-finite steps
-    in a row across steps and iterations."""
+    """True when one of this optimizer step's `keys` of stats (its losses; a gradient norm, where the caller computed
+    it first) is inf or nan, so the step is skipped; three in a row end the run with one line naming what the stats
+    point to and the setting to change (non_finite_cause; `fix` where they name nothing). `streak` ([count]) carries
+    the number of non-finite steps in a row across steps and iterations."""
     if all(math.isfinite(stats[key]) for key in keys):
         streak[0] = 0
         return False
     streak[0] += 1
     warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
     if streak[0] >= 3:
-        if temperature is not None and temperature < TINY_TEMPERATURE:
-            fix = (
-                f"--temperature {temperature:g} divides the logits by so little that the log-probs overflow: "
-                f"sample at {TINY_TEMPERATURE:g} or above"
-            )
-        raise UsageError(f"three non-finite losses in a row: {fix}, or check the model and data")
+        cause = non_finite_cause(stats, fix, temperature)
+        raise UsageError(f"three non-finite losses in a row: {cause}, or check the model and data")
     return True
 
 
@@ -326,7 +373,9 @@ def make_optimizer(
     prefix: str = "",
 ):
     """AdamW and its schedule: int(warmup_ratio * total_steps) steps of linear warmup, then linear decay to 0 at
-    total_steps; restored from a checkpoint's trainer_state (its {prefix}optimizer and {prefix}scheduler) when given."""
+    total_steps; restored from a checkpoint's trainer_state (its {prefix}optimizer and {prefix}scheduler) when given.
+    A --max-minutes budget does not shorten it (a schedule planned from timings would differ by machine and load):
+    bookkeeping.schedule_line says so at the start when the budget cannot outlast the warmup."""
     with distributed.on_shards(model):  # --fsdp: from the shards, even while the awake sampler holds the model gathered
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
