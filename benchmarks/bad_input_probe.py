@@ -94,6 +94,7 @@ def make_fixtures(folder: Path) -> dict[str, str]:
     (paths["TREERUN"] / "args.json").write_text(json.dumps(vars(spo_tree.Args())))
     make_untrusted_inputs(folder, paths)
     make_untrusted_runs(folder, paths, tiny)
+    make_untrusted_models(folder, paths, tiny)
     paths["SHORTPOS"] = folder / "short_positions"  # the tiny model with 64 positions
     shutil.copytree(tiny, paths["SHORTPOS"])
     config = json.loads((tiny / "config.json").read_text())
@@ -158,6 +159,39 @@ class _Payload:
         return (Path.write_text, (Path(self.marker), "the payload ran"))
 
 
+def make_untrusted_models(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
+    """Model directories from someone else: copies of the tiny model that ask to run their own code, declare more
+    layers than their weights hold, or carry a chat template that loops, raises or tries to leave Jinja's sandbox."""
+    marker = folder / "custom-code-ran"
+
+    def model(name: str, config: dict | None = None, tokenizer: dict | None = None, template: str | None = None):
+        directory = paths[name] = folder / name.lower()
+        shutil.copytree(tiny, directory)
+        for file, changes in (("config.json", config), ("tokenizer_config.json", tokenizer)):
+            if changes:
+                path = directory / file
+                path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+        if template is not None:
+            (directory / "chat_template.jinja").write_text(template)
+        (directory / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+
+    model(
+        "CUSTOMCODE",
+        config={
+            "model_type": "custom",
+            "auto_map": {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomForCausalLM"},
+        },
+    )
+    model("TOKCODE", tokenizer={"auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}})
+    model(
+        "DEEPER", config={"num_hidden_layers": json.loads((tiny / "config.json").read_text())["num_hidden_layers"] + 2}
+    )
+    model("LOOPTEMPLATE", template="{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    model("RAISETEMPLATE", template="{{ raise_exception('This model only supports system-first conversations') }}")
+    model("ESCAPETEMPLATE", template="{{ cycler.__init__.__globals__.os.system('touch ESCAPED') }}")
+    model("HUGETEMPLATE", template="{{ 'x' * 10**8 }}")
+
+
 def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
     """Run directories from someone else: .pt files holding pickled objects, symbolic links to outside targets.
     Each is a run of the script it is resumed with (its args.json), with a whole checkpoint of the tiny model."""
@@ -191,6 +225,15 @@ def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> Non
     os.symlink(outside / "samples", run("LINKSAMPLES", spo_tree) / "samples")
     os.symlink(outside, run("LINKSTAGING", grpo_baseline) / "checkpoint.new")
     os.symlink(outside / "metrics.jsonl", run("LINKDEEP", ppo_baseline) / "checkpoint" / "tokenizer.json.bak")
+    # numbers in a received trainer_state.pt outside their ranges (args.json plans 1000 iterations)
+    run("NEGITER", grpo_baseline, {"iteration": -1, "world_size": 1})
+    run("PASTITER", spo_chain, {"iteration": 10**9, "world_size": 1})
+    run("ZEROWORLD", ppo_baseline, {"iteration": 1, "world_size": 0})
+    # task rows JSON readers take differently: a repeated key (json.loads keeps the last value), also nested
+    paths["REPEATKEY"] = folder / "repeat_key.jsonl"
+    paths["REPEATKEY"].write_text('{"question": "What is 2 + 3?", "answer": "#### 5", "answer": "#### 6"}\n')
+    paths["NESTEDKEY"] = folder / "nested_key.jsonl"
+    paths["NESTEDKEY"].write_text('{"question": "q", "answer": "#### 5", "meta": {"k": 1, "k": 2}}\n')
 
 
 DEEP_TREE = ",".join(["2"] * 101)  # 101 levels
@@ -298,6 +341,19 @@ CASES = [
     ("spo_tree.py --resume LINKSAMPLES", "samples is a symbolic link"),
     ("grpo_baseline.py --resume LINKSTAGING", "checkpoint.new is a symbolic link"),
     ("ppo_baseline.py --resume LINKDEEP", "tokenizer.json.bak is a symbolic link"),
+    ("grpo_baseline.py --resume NEGITER", "holds an iteration of -1"),
+    ("spo_chain.py --resume PASTITER", "says iteration 1000000000, past the 1000 its args.json planned"),
+    ("ppo_baseline.py --resume ZEROWORLD", "a world size of 0"),
+    ("eval.py --model TINY --task REPEATKEY", 'line 1 repeats the key "answer"'),
+    ("grpo_baseline.py --model TINY --task NESTEDKEY --output-dir RUNS", 'line 1 repeats the key "k"'),
+    # model directories from someone else: custom code, missing weights, chat templates (tests/test_model_dirs.py)
+    ("grpo_baseline.py --model CUSTOMCODE --task GOODTASK --output-dir RUNS", "asks to run the model's own code"),
+    ("eval.py --model TOKCODE --task GOODTASK", "asks to run the tokenizer's own code"),
+    ("spo_chain.py --model DEEPER --task GOODTASK --output-dir RUNS", "holds no weights for"),
+    ("eval.py --model LOOPTEMPLATE --task GOODTASK", "of CPU time"),
+    ("grpo_baseline.py --model RAISETEMPLATE --task GOODTASK --output-dir RUNS", "This model only supports"),
+    ("eval.py --model ESCAPETEMPLATE --task GOODTASK", "tried to leave Jinja's sandbox"),
+    ("ppo_baseline.py --model HUGETEMPLATE --task GOODTASK --output-dir RUNS", "100,000,000 characters"),
     ("benchmarks/learning.py --algorithms foo", "unknown algorithm"),
     ("benchmarks/learning.py --results EMPTY", "is a directory"),
     ("benchmarks/learning.py --lr 0", "--lr (0.0) must be positive"),
