@@ -118,9 +118,8 @@ def main(out: Path = Path(__file__).parent / "results" / "padding.json") -> None
         max_new_tokens=NEW_TOKENS,
         progress="rollouts",
     )
-    rewards = torch.rand(
-        len(examples) * GROUP, generator=torch.Generator().manual_seed(0)
-    ).round()  # any advantages will do
+    # any advantages will do
+    rewards = torch.rand(len(examples) * GROUP, generator=torch.Generator().manual_seed(0)).round()
     advantages = grpo.group_advantages(rewards, GROUP)
     samples = [
         {

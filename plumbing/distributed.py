@@ -99,7 +99,7 @@ def peer_failure(error: BaseException) -> str | None:
     """The first line of what a collective raised because another rank died or hung (torch's DistError, or gloo's
     RuntimeError that names a closed connection or a timeout), without gloo's source location; None for any other
     error, or in a single-process run."""
-    if world_size() == 1 and not dist.is_initialized():
+    if not dist.is_initialized():
         return None
     text = (str(error).strip().splitlines() or [type(error).__name__])[0]
     if not isinstance(error, getattr(dist, "DistError", ())) and not (
@@ -118,7 +118,8 @@ def resume_command(script: str, run_dir: Path, world: int, env=os.environ) -> st
     torchrun with the same processes per node (and node count) for more."""
     if world == 1:
         return f"python {script} --resume {run_dir}"
-    per_node = int(env.get("LOCAL_WORLD_SIZE", world)) if str(env.get("LOCAL_WORLD_SIZE", "")).isdigit() else world
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(local) if local.isdigit() and 0 < int(local) < world else world
     nodes = f"--nnodes {world // per_node} (and this launch's rendezvous flags) " if per_node < world else ""
     return f"torchrun {nodes}--nproc-per-node {per_node} {script} --resume {run_dir}"
 

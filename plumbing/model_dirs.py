@@ -90,23 +90,20 @@ def load_causal_lm(path: str, dtype) -> PreTrainedModel:
     others (lm_head to embed_tokens with tie_word_embeddings) are not missing: transformers leaves them out of
     missing_keys."""
     logger = logging.getLogger("transformers.modeling_utils")
-    held = _HeldReport()
+    held, problem = _HeldReport(), None
     logger.addFilter(held)
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=False, output_loading_info=True
         )
-    except Exception:
-        logger.removeFilter(held)
-        for record in held.records:  # a size mismatch's error points at the report above it
-            logger.handle(record)
-        raise
+        problem = missing_weights_problem(path, sorted(loading["missing_keys"]), len(model.state_dict()))
     finally:
         logger.removeFilter(held)
-    if problem := missing_weights_problem(path, sorted(loading["missing_keys"]), len(model.state_dict())):
+        if problem is None:  # any other model's report (a size mismatch's error points at it) is shown as it was
+            for record in held.records:
+                logger.handle(record)
+    if problem:
         raise UsageError(problem)
-    for record in held.records:
-        logger.handle(record)
     return model
 
 

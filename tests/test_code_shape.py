@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# `)  # ...`, `):  # ...`, `],  # ...`: only the brackets that close a statement or an element, then the comment
-CLOSED_FOR_A_COMMENT = re.compile(r"^\s*[)\]}]+[)\]}:,]*\s*#")
+# `)  # ...`, `):  # ...`, `],  # ...`, `).round()  # ...`: the brackets that close a statement or an element (and calls
+# chained onto it), then the comment
+CLOSED_FOR_A_COMMENT = re.compile(r"^\s*[)\]}]+(\.\w+\([^()]*\))*[)\]}:,]*\s*#")
 # directives that must stay where they are: they apply to the statement they end
 DIRECTIVE = re.compile(r"#\s*(fmt:|noqa|type:)")
 
