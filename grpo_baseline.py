@@ -27,10 +27,13 @@ import torch
 import eval as ev
 from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
 from plumbing.precision import FP32, Precision
+from plumbing.sampler_check import correct_rollouts, rollout_metrics
 from plumbing.training import (
+    attach_old_logprobs,
     collate,
     make_optimizer,
     micro_batches,
+    new_sample,
     reseed,
     response_logprobs,
     sample_logprobs,
@@ -159,14 +162,15 @@ def policy_loss(
     would otherwise make exp() overflow to inf and the whole update non-finite.
 
     Token 0 doubled its probability (ratio 2, clipped to 1.2 for a positive advantage); token 1 did not move:
-    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0).
+    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0),
+    0.0966 per masked token (kl_per_token: logged beside the loss's kl, not in the loss).
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
     ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
     ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
-    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
+    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'kl_per_token': 0.0966, 'clip_count': 1.0})
     """
     mask = mask.float()
     ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
@@ -176,7 +180,8 @@ def policy_loss(
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
     kl_loss = (kl * mask).sum() / batch_sequences
     clipped = ((ratio - 1).abs() > clip_eps).float()
-    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "clip_count": (clipped * mask).sum().item()}
+    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "kl_per_token": (kl * mask).sum().item() / batch_tokens}
+    stats["clip_count"] = (clipped * mask).sum().item()
     return pg_loss + beta * kl_loss, stats
 
 
@@ -203,15 +208,20 @@ def accumulate_gradients(
 
     Each sample holds prompt_ids, response_ids, advantages, loss_mask, and old_logps and ref_logps (both
     optional: without ref_logps the KL term is 0; with on_policy=True pi_old is this forward pass's own
-    log-probs, detached, which is exact when the policy has not moved since the rollout). Returns the summed
-    stats and, when on_policy, every sample's pi_old log-probs (1-D, CPU; an empty list otherwise).
+    log-probs, detached, which is exact when the policy has not moved since the rollout, and each sample's "entropy"
+    is set from the same pass). Returns the summed stats and, when on_policy, every sample's pi_old log-probs (1-D,
+    CPU; an empty list otherwise).
     """
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
     batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
-    stats, sample_logps = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}, [None] * len(batch_samples)
+    stats, sample_logps = (
+        {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "kl_per_token": 0.0, "clip_count": 0.0},
+        [None] * len(batch_samples),
+    )
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
-        logps = response_logprobs(model, batch, temperature, precision=precision)  # [rows, R]
+        logps = response_logprobs(model, batch, temperature, precision=precision, entropy=on_policy)  # [rows, R]
+        logps, entropy = logps if on_policy else (logps, None)  # entropy [rows, R]: on-policy, of pi_old
         old_logps = logps.detach() if on_policy else batch["old_logps"]  # [rows, R]
         ref_logps = batch.get("ref_logps", old_logps)  # without a reference model (beta 0) the KL term is 0
         loss, micro = policy_loss(
@@ -229,8 +239,9 @@ def accumulate_gradients(
         stats["loss"] += loss.item()
         for key in micro:
             stats[key] += micro[key]
-        for i, row in zip(indices, logps if on_policy else []):
+        for i, row, row_entropy in zip(indices, logps, entropy) if on_policy else ():
             sample_logps[i] = row[: len(batch_samples[i]["response_ids"])].detach().cpu()
+            batch_samples[i]["entropy"] = row_entropy[: len(sample_logps[i])].cpu()
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
     return stats, sample_logps if on_policy else []
 
@@ -245,17 +256,14 @@ def attach_targets(
     on_policy: bool,
     precision: Precision = FP32,
 ) -> torch.Tensor:
-    """Set what the loss needs on every sample: "old_logps" (one no-grad pass; skipped on-policy, where the update's
-    own forward pass provides them), "ref_logps" (the frozen reference model's, when beta > 0), "loss_mask" and
-    "advantages" (the response's group advantage on each token, whitened over the masked tokens of the whole
-    iteration batch, all ranks included). Returns the flat loss mask over all response tokens."""
+    """Set what the loss needs on every sample: "old_logps" (one no-grad pass, which sets "entropy" too; skipped
+    on-policy, where the update's own forward pass provides both), "ref_logps" (the frozen reference model's, when
+    beta > 0), "loss_mask" and "advantages" (the response's group advantage on each token, whitened over the masked
+    tokens of the whole iteration batch, all ranks included). Returns the flat loss mask over all response tokens."""
     lengths = [len(s["response_ids"]) for s in samples]
     flat_mask = torch.ones(sum(lengths), dtype=torch.bool)  # on-policy: every response token
-    if not on_policy:
-        for s, logps in zip(
-            samples, sample_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)
-        ):
-            s["old_logps"] = logps
+    if not on_policy:  # each sample's old_logps and entropy
+        attach_old_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)
         flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
         flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask, all_sum=distributed.all_sum)
     if reference is not None:
@@ -312,11 +320,11 @@ def update_policy(
             for i, sample_logps in zip(batch, logps):
                 forward_logps[i] = sample_logps
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
-            if skipped_non_finite(stats, iteration, streak, temperature=args.temperature):
-                scheduler.step()  # the schedule counts optimizer steps planned, taken or skipped
-                continue
             distributed.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            if skipped_non_finite(stats, iteration, streak, keys=("loss", "grad_norm"), temperature=args.temperature):
+                scheduler.step()  # the schedule counts optimizer steps planned, taken or skipped
+                continue
             optimizer.step()
             scheduler.step()
             steps.append(stats)
@@ -348,7 +356,7 @@ def main(args: Args) -> dict:
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
     # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).
-    on_policy = steps_per_iteration == 1 and not args.prob_mask
+    on_policy = steps_per_iteration == 1 and not args.prob_mask and args.rollout_correction == "none"
     optimizer, scheduler = make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations * steps_per_iteration, run.state
     )
@@ -375,11 +383,9 @@ def main(args: Args) -> dict:
         #    pi_old and the reference model's log-probs come from one no-grad pass each; on-policy, pi_old comes
         #    from the update's own forward pass instead (step 4), and every token is in the loss mask.
         advantages = group_advantages(rewards, args.group_size)
-        samples = [
-            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids}
-            for i, c in enumerate(completions)
-        ]
+        samples = [new_sample(questions[i // args.group_size].prompt_ids, c) for i, c in enumerate(completions)]
         flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, on_policy, run.precision)
+        correct_rollouts(samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
         # 4. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
@@ -396,7 +402,9 @@ def main(args: Args) -> dict:
 
         # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
         lr = scheduler.get_last_lr()[0]
-        metrics = iteration_metrics(rewards, completions, flat_mask, args.group_size, update_stats, lr, seconds)
+        metrics = iteration_metrics(
+            rewards, completions, samples, flat_mask, args.group_size, update_stats, lr, seconds
+        )
         book.log(iteration, metrics, progress_line(iteration, metrics))
         if book.saves_samples(iteration):  # rank 0's questions
             records = sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args)
@@ -425,14 +433,16 @@ def validate(args: Args) -> None:
 def iteration_metrics(
     rewards: torch.Tensor,
     completions: list[engines.Completion],
+    samples: list[dict],
     flat_mask: torch.Tensor,
     group_size: int,
     update_stats: list[dict],
     lr: float,
     seconds: dict[str, float],
 ) -> dict:
-    """One iteration's metrics.jsonl entry, over all ranks' responses (`update_stats`: the optimizer steps taken;
-    `seconds`: rollout, update, iteration and train timings)."""
+    """One iteration's metrics.jsonl entry, over all ranks' responses (`samples`: what the update trained on, for the
+    entropy and sampler metrics; `update_stats`: the optimizer steps taken; `seconds`: rollout, update, iteration and
+    train timings)."""
     rewards, completions, flat_mask = (
         distributed.gather(rewards),
         distributed.gather(completions),
@@ -452,17 +462,15 @@ def iteration_metrics(
         # iteration: without evaluation and checkpoint
         **{f"time/{name}_seconds": value for name, value in seconds.items()},
     }
-    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-        if update_stats:
-            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
-    return metrics
+    metrics |= rollout_metrics(samples)  # entropy; the sampler against the trainer
+    return metrics | bookkeeping.loss_metrics(update_stats)
 
 
 def progress_line(iteration: int, metrics: dict) -> str:
     """The one line printed per iteration."""
     return (
         f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-        f"kl {metrics.get('losses/kl', 0):.2e}  rollout {metrics['time/rollout_seconds']:.1f}s  "
+        f"kl/token {metrics.get('losses/kl_per_token', 0):.2e}  rollout {metrics['time/rollout_seconds']:.1f}s  "
         f"update {metrics['time/update_seconds']:.1f}s"
     )
 

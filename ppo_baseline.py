@@ -36,10 +36,13 @@ from transformers import Cache
 import eval as ev
 from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
 from plumbing.precision import FP32, Precision
+from plumbing.sampler_check import correct_rollouts, rollout_metrics
 from plumbing.training import (
+    attach_old_logprobs,
     collate,
     make_optimizer,
     micro_batches,
+    new_sample,
     no_grad_batches,
     reseed,
     response_logprobs,
@@ -200,14 +203,15 @@ def policy_loss(
     would otherwise make exp() overflow to inf and the whole update non-finite.
 
     Token 0 doubled its probability (ratio 2, clipped to 1.2 for a positive advantage); token 1 did not move:
-    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0).
+    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0),
+    0.0966 per masked token (kl_per_token: logged beside the loss's kl, not in the loss).
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
     ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
     ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
-    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
+    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'kl_per_token': 0.0966, 'clip_count': 1.0})
     """
     mask = mask.float()
     ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
@@ -217,7 +221,8 @@ def policy_loss(
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
     kl_loss = (kl * mask).sum() / batch_sequences
     clipped = ((ratio - 1).abs() > clip_eps).float()
-    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "clip_count": (clipped * mask).sum().item()}
+    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "kl_per_token": (kl * mask).sum().item() / batch_tokens}
+    stats["clip_count"] = (clipped * mask).sum().item()
     return pg_loss + beta * kl_loss, stats
 
 
@@ -374,12 +379,12 @@ def add_old_logprobs_and_values(
     precision: Precision = FP32,
 ) -> None:
     """Store in each sample, once per iteration and without gradients: old_logps (the policy before this iteration's
-    update), ref_logps (the reference model's; the old ones when there is none, beta 0) and old_values (the
-    critic's)."""
+    update, with the entropy of each token's sampling distribution), ref_logps (the reference model's; the old ones
+    when there is none, beta 0) and old_values (the critic's)."""
     for sample, logps in zip(
-        samples, sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
+        samples, attach_old_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
     ):
-        sample["old_logps"] = sample["ref_logps"] = logps
+        sample["ref_logps"] = logps
     if reference is not None:
         # Parked in pinned CPU memory (--reference-on-device False): copied in for this pass
         with models.on_device(reference):
@@ -446,7 +451,9 @@ def accumulate_gradients(
     response_tokens = sum(len(s["response_ids"]) for s in batch_samples)
     counts = all_sum(torch.tensor([masked_tokens, response_tokens, len(batch_samples)]))
     batch_tokens, value_tokens, batch_sequences = max(1, int(counts[0])), max(1, int(counts[1])), int(counts[2])
-    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0, "value_loss": 0.0, "value_clip_count": 0.0}
+    stats = dict.fromkeys(
+        ("loss", "pg_loss", "kl", "kl_per_token", "clip_count", "value_loss", "value_clip_count"), 0.0
+    )
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature, precision=precision)
@@ -515,19 +522,17 @@ def update_policy(
                 precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
+            distributed.all_reduce_gradients(model, critic)
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
             if not skipped_non_finite(
                 stats,
                 iteration,
                 streak,
-                keys=("loss", "value_loss"),
+                keys=("loss", "value_loss", "grad_norm", "critic_grad_norm"),
                 fix="lower --lr / --critic-lr",
                 temperature=args.temperature,
             ):
-                distributed.all_reduce_gradients(model, critic)
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                    critic.parameters(), args.max_grad_norm
-                ).item()
                 optimizer.step()
                 critic_optimizer.step()
                 step_stats.append(stats)
@@ -587,10 +592,7 @@ def main(args: Args) -> dict:
 
         # 3. Old log-probs, reference log-probs and values once; then GAE over the whole iteration batch (the
         #    loss mask's fallback and the whitening over all ranks' tokens: distributed.all_sum).
-        samples = [
-            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids}
-            for i, c in enumerate(completions)
-        ]
+        samples = [new_sample(questions[i // args.group_size].prompt_ids, c) for i, c in enumerate(completions)]
         add_old_logprobs_and_values(
             samples, model, reference, critic, args.micro_batch_size, args.temperature, pad_id, run.precision
         )
@@ -598,6 +600,7 @@ def main(args: Args) -> dict:
         advantages = add_advantages_and_returns(
             samples, rewards, args.gamma, args.lam, args.prob_threshold, args.prob_mask
         )
+        correct_rollouts(samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
         # 4. Update: epochs x shuffled batches x micro-batches, policy and critic on the same batches (the rollout
         #    engine sleeps meanwhile).
@@ -664,7 +667,7 @@ def iteration_metrics(
 ) -> dict:
     """One iteration's metrics.jsonl entry, over all ranks' responses (losses/ averaged over `update_stats`, the
     optimizer steps taken; `seconds`: rollout, update, iteration and train timings)."""
-    rewards, completions = distributed.gather(rewards), distributed.gather(completions)
+    rewards, completions, rank_samples = distributed.gather(rewards), distributed.gather(completions), samples
     # What the metrics read of each sample, from every rank
     samples = distributed.gather([{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples])
     generated = sum(len(c.ids) for c in completions)
@@ -692,17 +695,15 @@ def iteration_metrics(
     # than a constant, undefined (not logged) when every return is the same.
     if len(flat_returns) > 1 and flat_returns.var() > 0:
         metrics["losses/explained_variance"] = (1 - (flat_returns - flat_values).var() / flat_returns.var()).item()
-    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm", "value_loss", "value_clip_frac", "critic_grad_norm"):
-        if update_stats:
-            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
-    return metrics
+    metrics |= rollout_metrics(rank_samples)  # entropy; the sampler against the trainer
+    return metrics | bookkeeping.loss_metrics(update_stats, ("value_loss", "value_clip_frac", "critic_grad_norm"))
 
 
 def progress_line(iteration: int, metrics: dict) -> str:
     """The one line printed per iteration."""
     return (
         f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-        f"kl {metrics.get('losses/kl', 0):.2e}  value loss {metrics.get('losses/value_loss', 0):.3f}  "
+        f"kl/token {metrics.get('losses/kl_per_token', 0):.2e}  value loss {metrics.get('losses/value_loss', 0):.3f}  "
         f"rollout {metrics['time/rollout_seconds']:.1f}s  update {metrics['time/update_seconds']:.1f}s"
     )
 

@@ -32,10 +32,13 @@ import torch
 import eval as ev
 from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
 from plumbing.precision import FP32, Precision
+from plumbing.sampler_check import correct_rollouts, rollout_metrics
 from plumbing.training import (
+    attach_old_logprobs,
     collate,
     make_optimizer,
     micro_batches,
+    new_sample,
     reseed,
     response_logprobs,
     sample_logprobs,
@@ -224,14 +227,15 @@ def policy_loss(
     would otherwise make exp() overflow to inf and the whole update non-finite.
 
     Token 0 doubled its probability (ratio 2, clipped to 1.2 for a positive advantage); token 1 did not move:
-    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0).
+    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0),
+    0.0966 per masked token (kl_per_token: logged beside the loss's kl, not in the loss).
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
     ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
     ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
-    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
+    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'kl_per_token': 0.0966, 'clip_count': 1.0})
     """
     mask = mask.float()
     ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
@@ -241,7 +245,8 @@ def policy_loss(
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
     kl_loss = (kl * mask).sum() / batch_sequences
     clipped = ((ratio - 1).abs() > clip_eps).float()
-    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "clip_count": (clipped * mask).sum().item()}
+    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "kl_per_token": (kl * mask).sum().item() / batch_tokens}
+    stats["clip_count"] = (clipped * mask).sum().item()
     return pg_loss + beta * kl_loss, stats
 
 
@@ -317,12 +322,13 @@ def old_and_reference_logprobs(
     pad_id: int,
     precision: Precision = FP32,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-sample response log-probs of the policy before its update and of the frozen reference model.
+    """Per-sample response log-probs of the policy before its update (set as each sample's old_logps, with its
+    entropy) and of the frozen reference model.
 
     Without a reference model (beta = 0) the policy's own log-probs stand in (the KL term is then 0).
     A reference model parked in pinned CPU memory (--reference-on-device False) visits the device only here.
     """
-    old_logps = sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
+    old_logps = attach_old_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
     if reference is None:
         return old_logps, old_logps
     with models.on_device(reference):
@@ -348,7 +354,7 @@ def accumulate_gradients(
     the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
     batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
-    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
+    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "kl_per_token": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature, precision=precision)
@@ -424,9 +430,11 @@ def update_policy(
                 precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
-            if not skipped_non_finite(stats, iteration, streak, temperature=args.temperature):
-                distributed.all_reduce_gradients(model)
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            distributed.all_reduce_gradients(model)
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            if not skipped_non_finite(
+                stats, iteration, streak, keys=("loss", "grad_norm"), temperature=args.temperature
+            ):
                 optimizer.step()
                 steps.append(stats)
             scheduler.step()
@@ -476,10 +484,7 @@ def main(args: Args) -> dict:
         rewards = [s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)]
 
         # 3. Old and reference log-probs, once; p_t = exp(old log-prob) comes from the same forward pass.
-        samples = [
-            {"prompt_ids": questions[i // args.group_size].prompt_ids, "response_ids": c.ids}
-            for i, c in enumerate(completions)
-        ]
+        samples = [new_sample(questions[i // args.group_size].prompt_ids, c) for i, c in enumerate(completions)]
         old_logps, ref_logps = old_and_reference_logprobs(
             model, reference, samples, args.micro_batch_size, args.temperature, pad_id, run.precision
         )
@@ -510,6 +515,7 @@ def main(args: Args) -> dict:
             for p, cuts, v, reward in zip(probs, cutpoints, values, rewards)
         ]
         flat_mask = attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
+        correct_rollouts(samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
         # 7. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
@@ -524,7 +530,7 @@ def main(args: Args) -> dict:
         # 8. Log (over all ranks' responses), save samples, evaluate, checkpoint.
         lr = scheduler.get_last_lr()[0]
         metrics = iteration_metrics(
-            rewards, completions, flat_mask, cutpoints, flat_values, mc_stats, update_stats, lr, seconds
+            rewards, completions, samples, flat_mask, cutpoints, flat_values, mc_stats, update_stats, lr, seconds
         )
         book.log(iteration, metrics, progress_line(iteration, metrics))
         if book.saves_samples(iteration):  # rank 0's questions
@@ -556,6 +562,7 @@ def validate(args: Args) -> None:
 def iteration_metrics(
     rewards: list[float],
     completions: list,
+    samples: list[dict],
     flat_mask: torch.Tensor,
     cutpoints: list[list[int]],
     flat_values: list[float],
@@ -564,8 +571,9 @@ def iteration_metrics(
     lr: float,
     seconds: dict[str, float],
 ) -> dict:
-    """One iteration's metrics.jsonl entry, over all ranks' responses (`update_stats`: the optimizer steps taken;
-    `seconds`: rollout, mc, update, iteration and train timings)."""
+    """One iteration's metrics.jsonl entry, over all ranks' responses (`samples`: what the update trained on, for the
+    entropy and sampler metrics; `update_stats`: the optimizer steps taken; `seconds`: rollout, mc, update,
+    iteration and train timings)."""
     rewards, completions, flat_mask = (
         distributed.gather(rewards),
         distributed.gather(completions),
@@ -600,17 +608,16 @@ def iteration_metrics(
     if flat_values:
         metrics["charts/mc_value_mean"] = torch.tensor(flat_values).mean().item()
         metrics["charts/mc_value_std"] = torch.tensor(flat_values).std(unbiased=False).item()
-    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-        if update_stats:
-            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
-    return metrics
+    metrics |= rollout_metrics(samples)  # entropy; the sampler against the trainer
+    return metrics | bookkeeping.loss_metrics(update_stats)
 
 
 def progress_line(iteration: int, metrics: dict) -> str:
     """The iteration's one-line summary on the console."""
     return (
         f"iter {iteration}: reward {metrics['charts/reward']:.3f}  len {metrics['charts/response_tokens']:.0f}  "
-        f"cutpoints {metrics['charts/cutpoints_per_response']:.1f}  kl {metrics.get('losses/kl', 0):.2e}  "
+        f"cutpoints {metrics['charts/cutpoints_per_response']:.1f}  "
+        f"kl/token {metrics.get('losses/kl_per_token', 0):.2e}  "
         f"rollout {metrics['time/rollout_seconds']:.1f}s  mc {metrics['time/mc_seconds']:.1f}s "
         f"({metrics['charts/mc_rollouts']} rollouts)  update {metrics['time/update_seconds']:.1f}s"
     )

@@ -54,10 +54,13 @@ import torch
 import eval as ev
 from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
 from plumbing.precision import FP32, Precision
+from plumbing.sampler_check import correct_rollouts, rollout_metrics
 from plumbing.training import (
+    attach_old_logprobs,
     collate,
     make_optimizer,
     micro_batches,
+    new_sample,
     reseed,
     response_logprobs,
     sample_logprobs,
@@ -182,6 +185,7 @@ class Node:
     value: float | None = None  # filled by backup_values
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"; None for the root
     depth: int = 0  # 0 for the root, d for a segment sampled at level d-1
+    logprobs: list[float] | None = None  # the log-probs the sampler drew the segment's tokens with (Completion)
 
 
 def backup_values(root: Node) -> float:
@@ -226,9 +230,10 @@ def edge_advantages(parent: Node, advantage: str = "rloo") -> list[float]:
     return [(child.value - parent.value) / scale for child in parent.children]
 
 
-def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], list[int], float, int]]:
+def tree_segments(root: Node, advantage: str = "rloo", with_nodes: bool = False) -> list[tuple]:
     """Training samples of a tree: (query ids, segment ids, advantage, depth) per non-root node, depth-first
-    pre-order (a node, then its subtree, then its next sibling). Calls backup_values.
+    pre-order (a node, then its subtree, then its next sibling); with_nodes: the node in place of its segment's ids.
+    Calls backup_values.
 
     Paper: segment advantage estimation: SPO-tree's tree-based advantage estimation.
 
@@ -254,7 +259,7 @@ def tree_segments(root: Node, advantage: str = "rloo") -> list[tuple[list[int], 
     while stack:
         node, edge_advantage, query, depth = stack.pop()
         if edge_advantage != 0:
-            segments.append((list(query), list(node.tokens), edge_advantage, depth))
+            segments.append((list(query), node if with_nodes else list(node.tokens), edge_advantage, depth))
         stack += children(node, query + node.tokens, depth)
     return segments
 
@@ -270,9 +275,9 @@ def walk(root: Node) -> Iterator[tuple[Node, list[int]]]:
 
 
 def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advantage: str) -> tuple[list[dict], int]:
-    """Replay-buffer edges of one iteration's trees (tree_segments of each, with the question's index and the
-    iteration it was born in) and the number of edges with a non-zero advantage. An empty segment (a stop
-    string that began in the parent's segment) has no token to train and makes no edge, but is counted.
+    """Replay-buffer edges of one iteration's trees (tree_segments of each, with the question's index, the
+    iteration it was born in and the sampler's log-probs when it gave them) and the number of edges with a non-zero
+    advantage. An empty segment (a stop string that began in the parent's segment) makes no edge, but is counted.
 
     >>> tree = Node([9], [Node([1], reward=1.0), Node([2], reward=0.0)])
     >>> edges, nonzero = tree_edges([tree], [7], iteration=3, advantage="rloo")
@@ -283,19 +288,18 @@ def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advan
     """
     edges, nonzero = [], 0
     for question_id, tree in zip(question_ids, trees):
-        segments = tree_segments(tree, advantage)
+        segments = tree_segments(tree, advantage, with_nodes=True)
         nonzero += len(segments)
         edges += [
             {
                 "question": question_id,
                 "born": iteration,
-                "prompt_ids": query,
-                "response_ids": segment,
+                **new_sample(query, engines.Completion(node.tokens, node.finish_reason, node.logprobs)),
                 "advantage": edge_advantage,
                 "depth": depth,
             }
-            for query, segment, edge_advantage, depth in segments
-            if segment
+            for query, node, edge_advantage, depth in segments
+            if node.tokens
         ]
     return edges, nonzero
 
@@ -470,14 +474,15 @@ def policy_loss(
     would otherwise make exp() overflow to inf and the whole update non-finite.
 
     Token 0 doubled its probability (ratio 2, clipped to 1.2 for a positive advantage); token 1 did not move:
-    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0).
+    pg_loss = -(1.2 * 1 + 1 * -1) / 2 tokens = -0.1; kl = exp(log 0.5) - log 0.5 - 1 = 0.1931 (token 1 adds 0),
+    0.0966 per masked token (kl_per_token: logged beside the loss's kl, not in the loss).
 
     >>> old = torch.log(torch.tensor([[0.25, 0.5]]))
     >>> loss, stats = policy_loss(torch.log(torch.tensor([[0.5, 0.5]])), old, old, torch.tensor([[1.0, -1.0]]),
     ...                           torch.tensor([[True, True]]), clip_eps=0.2, beta=0.1, batch_tokens=2,
     ...                           batch_sequences=1)
     >>> round(loss.item(), 4), {key: round(value, 4) for key, value in stats.items()}
-    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'clip_count': 1.0})
+    (-0.0807, {'pg_loss': -0.1, 'kl': 0.1931, 'kl_per_token': 0.0966, 'clip_count': 1.0})
     """
     mask = mask.float()
     ratio = torch.exp(torch.clamp(logps - old_logps, -10.0, 10.0))  # [rows, T]
@@ -487,7 +492,8 @@ def policy_loss(
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [rows, T], k3 estimator: unbiased, always >= 0
     kl_loss = (kl * mask).sum() / batch_sequences
     clipped = ((ratio - 1).abs() > clip_eps).float()
-    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "clip_count": (clipped * mask).sum().item()}
+    stats = {"pg_loss": pg_loss.item(), "kl": kl_loss.item(), "kl_per_token": (kl * mask).sum().item() / batch_tokens}
+    stats["clip_count"] = (clipped * mask).sum().item()
     return pg_loss + beta * kl_loss, stats
 
 
@@ -539,7 +545,7 @@ def grow_trees(
         for (parent, prompt, path), completions in zip(frontier, groups):
             for completion in completions:
                 ids, finish = completion.ids, completion.finish_reason  # empty when a stop string began in the path
-                child = Node(tokens=list(ids), finish_reason=finish, depth=depth + 1)
+                child = Node(list(ids), finish_reason=finish, depth=depth + 1, logprobs=completion.logprobs)
                 parent.children.append(child)
                 room = context - len(prompt) - len(path) - len(ids)
                 if not last and finish == "length" and len(ids) == segment_tokens and room > 0:
@@ -630,7 +636,7 @@ def accumulate_gradients(
     is normalised by the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
     batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
-    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_count": 0.0}
+    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "kl_per_token": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
         logps = response_logprobs(model, batch, temperature, precision=precision)
@@ -688,10 +694,10 @@ def update_policy(
                 precision=precision,
             )
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
-            if skipped_non_finite(stats, iteration, streak, temperature=args.temperature):
-                continue
             distributed.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+            if skipped_non_finite(stats, iteration, streak, keys=("loss", "grad_norm"), temperature=args.temperature):
+                continue
             optimizer.step()
             model_stats.append(stats)
     optimizer.zero_grad(set_to_none=True)
@@ -748,9 +754,7 @@ def main(args: Args) -> dict:
         # 3. Values and segment advantages; old log-probs of the new edges under the policy that sampled them.
         #    Under torchrun every rank gets every rank's edges: the replay buffer is one, the same on all ranks.
         new_edges, nonzero_edges = tree_edges(trees, question_ids, iteration, args.advantage)
-        old_logps = sample_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id, run.precision)
-        for edge, logps in zip(new_edges, old_logps):
-            edge["old_logps"] = logps
+        attach_old_logprobs(model, new_edges, args.micro_batch_size, args.temperature, pad_id, run.precision)
         new_edges = distributed.gather(new_edges)
         saved_probs = {}
         if book.saves_samples(iteration):  # p_t of the saved trees' nodes, before the update
@@ -777,6 +781,7 @@ def main(args: Args) -> dict:
             args.prob_mask,
             run.precision,
         )
+        correct_rollouts(rank_samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
         # 5. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
@@ -790,9 +795,8 @@ def main(args: Args) -> dict:
         seconds = book.iteration_seconds()  # rollout, update, iteration (without evaluation and checkpoint), train
 
         # 6. Log (over all ranks' trees), save samples, evaluate, checkpoint.
-        loss_masks = [s["loss_mask"] for s in rank_samples]
         metrics = iteration_metrics(
-            trees, samples, buffer, loss_masks, nonzero_edges, iteration, update_stats, lr, seconds, level_seconds
+            trees, samples, buffer, rank_samples, nonzero_edges, iteration, update_stats, lr, seconds, level_seconds
         )
         book.log(iteration, metrics, progress_line(iteration, metrics, level_seconds))
         if book.saves_samples(iteration):
@@ -891,7 +895,7 @@ def iteration_metrics(
     trees: list[Node],
     samples: list[dict],
     buffer: list[dict],
-    loss_masks: list[torch.Tensor],
+    rank_samples: list[dict],
     nonzero_edges: int,
     iteration: int,
     update_stats: list[dict],
@@ -900,9 +904,9 @@ def iteration_metrics(
     level_seconds: list[float],
 ) -> dict:
     """One iteration's metrics.jsonl entry, over all ranks' trees: the trees (rewards, shape), the samples trained on
-    and their loss masks, the buffer, the losses (averaged over `update_stats`, the optimizer steps taken) and times
-    (`seconds`: rollout, update, iteration and train; `level_seconds`: each level of the rollout)."""
-    trees, loss_masks = distributed.gather(trees), distributed.gather(loss_masks)
+    (`rank_samples`: this rank's, with loss masks, entropies, sampler log-probs), the buffer, the losses (averaged
+    over `update_stats`, the steps taken), times (`seconds`; `level_seconds`: each level of the rollout)."""
+    trees, loss_masks = distributed.gather(trees), distributed.gather([s["loss_mask"] for s in rank_samples])
     nonzero_edges = int(distributed.all_sum(torch.tensor(nonzero_edges)))
     nodes = [node for tree in trees for node, _ in walk(tree)]
     leaves = [node for node in nodes if not node.children]
@@ -936,17 +940,15 @@ def iteration_metrics(
         ) / len(trees)
     for depth, seconds in enumerate(level_seconds, 1):
         metrics[f"time/level{depth}_seconds"] = seconds
-    for key in ("loss", "pg_loss", "kl", "clip_frac", "grad_norm"):
-        if update_stats:
-            metrics[f"losses/{key}"] = sum(stats[key] for stats in update_stats) / len(update_stats)
-    return metrics
+    metrics |= rollout_metrics(rank_samples)  # entropy; the sampler against the trainer
+    return metrics | bookkeeping.loss_metrics(update_stats)
 
 
 def progress_line(iteration: int, metrics: dict, level_seconds: list[float]) -> str:
     """The one line printed per iteration."""
     return (
         f"iter {iteration}: reward {metrics['charts/reward']:.3f}  root value {metrics['charts/root_value']:.3f}  "
-        f"edges {metrics['charts/samples']}  kl {metrics.get('losses/kl', 0):.2e}  "
+        f"edges {metrics['charts/samples']}  kl/token {metrics.get('losses/kl_per_token', 0):.2e}  "
         f"rollout {metrics['time/rollout_seconds']:.1f}s "
         f"({' / '.join(f'{seconds:.1f}' for seconds in level_seconds)})  update {metrics['time/update_seconds']:.1f}s"
     )

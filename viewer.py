@@ -240,7 +240,8 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
 
 
 def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
-    """metrics.jsonl as {key: {iteration: value}} (a later line for the same iteration wins)."""
+    """metrics.jsonl as {key: {iteration: value}} (a later line for the same iteration wins; a key RENAMED since the
+    run was made under its name of today)."""
     if run_dir.is_dir():
         files.refuse_links(run_dir)
     path = run_dir / "metrics.jsonl"
@@ -254,7 +255,7 @@ def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
             raise UsageError(f"{path} line {number} has no integer iteration; {REPAIR}")
         for key, value in row.items():
             if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                series.setdefault(key, {})[row["iteration"]] = float(value)
+                series.setdefault(RENAMED.get(key, key), {})[row["iteration"]] = float(value)
     return series
 
 
@@ -662,10 +663,14 @@ def build_page(runs: list[dict]) -> str:
 PANELS = {
     "charts/reward": "train reward",
     "eval/accuracy": "eval accuracy",
-    "losses/kl": "KL to the reference",
+    "losses/kl_per_token": "KL to the reference, per token",
+    "losses/kl_per_sequence": "KL to the reference, per sequence (the loss's)",
+    "policy/entropy": "entropy per token (nats)",
+    "sampler/kl_per_token": "KL sampler || trainer, per token",
     "charts/response_tokens": "response tokens",
     "time/iteration_seconds": "seconds per iteration",
 }
+RENAMED = {"losses/kl": "losses/kl_per_sequence"}  # metrics.jsonl of runs from before the rename
 
 
 def x_positions(series: dict[str, dict[int, float]], x: str, run_dir: Path) -> dict[int, float]:

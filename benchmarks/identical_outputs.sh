@@ -2,8 +2,9 @@
 # Does a code change leave every training output identical? Runs the four training scripts (grpo_baseline.py,
 # ppo_baseline.py, spo_chain.py, spo_tree.py) at the same small fp32 CPU settings on two versions of the code and
 # compares what they wrote, per script:
-#   metrics.jsonl  every key BASE logged, per iteration, present in OTHER with the same value (floats exactly: fp32 on
-#                  a CPU repeats bit for bit), except time/* and charts/tokens_per_second; keys only OTHER logs: info
+#   metrics.jsonl  every key BASE logged, per iteration, present in OTHER (under its new name where RENAMED) with the
+#                  same value (floats exactly: fp32 on a CPU repeats bit for bit), except time/* and
+#                  charts/tokens_per_second; keys only OTHER logs: info
 #   samples/       every samples/iter_*.jsonl byte for byte (and the same set of files)
 #   summary.json   the accuracies (accuracy_*)
 #   args.json      the settings both sides have (output_dir aside: each side writes its own); keys on one side: info
@@ -30,7 +31,7 @@
 set -uo pipefail  # no -e: a failing run is reported, and the other scripts still run
 
 if [ $# -lt 1 ] || [ $# -gt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,28p' "$0"
+  sed -n '2,29p' "$0"
   exit 2
 fi
 repo=$(cd "$(dirname "$0")/.." && git rev-parse --show-toplevel) || exit 2
@@ -160,6 +161,7 @@ import sys
 from pathlib import Path
 
 IGNORED_ARGS = {"output_dir"}  # each side writes under its own work dir
+RENAMED = {"losses/kl": "losses/kl_per_sequence"}  # a metric BASE may log under its earlier name: compared as renamed
 
 
 def ignored_metric(key):
@@ -194,17 +196,22 @@ different, details = [], []
 
 # (a) metrics.jsonl
 base_metrics, other_metrics = metrics_by_iteration(base / "metrics.jsonl"), metrics_by_iteration(other / "metrics.jsonl")
-bad_keys, new_keys = {}, set()
+bad_keys, new_keys, renamed_keys = {}, set(), set()
 for iteration, keys in base_metrics.items():
     theirs = other_metrics.get(iteration, {})
     for key, values in keys.items():
         if ignored_metric(key):
             continue
-        if key not in theirs:
+        name = RENAMED[key] if key not in theirs and RENAMED.get(key) in theirs else key  # OTHER's name for it
+        if name != key:
+            renamed_keys.add((key, name))
+        if name not in theirs:
             bad_keys.setdefault(key, []).append(f"iteration {iteration}: missing in OTHER")
-        elif len(values) != len(theirs[key]) or not all(map(same, values, theirs[key])):
-            bad_keys.setdefault(key, []).append(f"iteration {iteration}: {values} != {theirs[key]}")
+        elif len(values) != len(theirs[name]) or not all(map(same, values, theirs[name])):
+            bad_keys.setdefault(key, []).append(f"iteration {iteration}: {values} != {theirs[name]}")
     new_keys |= {key for key in theirs if key not in keys and not ignored_metric(key)}
+new_keys -= {name for _, name in renamed_keys}
+details += [f"  info: metrics {key}: compared with OTHER's {name} (renamed)" for key, name in sorted(renamed_keys)]
 for iteration in other_metrics.keys() - base_metrics.keys():
     details.append(f"  info: metrics: OTHER logs iteration {iteration}, BASE does not")
 for key, problems in sorted(bad_keys.items()):

@@ -15,6 +15,7 @@
   memory.py          the `auto` memory settings, from the device's free memory and the model's shape
   precision.py       the bf16 / fp32 choice, as a value passed to what computes
   training.py        log-probs of responses, micro-batching and collate, reseeding, the non-finite guard, the optimizer
+  sampler_check.py   entropy, the sampler checked against the trainer per token, the optional rollout correction
   engines.py         choosing the rollout engine; completions.py: what every engine returns
   hf_engine.py       the HF rollout engine (transformers, any device)
   vllm_engine.py     the vLLM rollout engine (GPU); vllm_preflight.py: what would stop it, checked before it starts

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import tqdm
 
-from plumbing import checkpoints, distributed, memory, runs
+from plumbing import checkpoints, distributed, memory, runs, sampler_check
 from plumbing.precision import Precision, choose_precision
 
 
@@ -115,6 +115,7 @@ class Loop:
             distributed.print0(line)
         self.accuracy_before = self.accuracy_after = None
         self.streak = [0]  # non-finite losses in a row (training.skipped_non_finite)
+        self.sampler_warned = False  # the sampler-vs-trainer warning was printed (sampler_check.sampler_warning)
         self.seconds: dict[str, float] = {}
         self.started = time.time()
         self.iteration, self.last, self.progress = 0, False, None
@@ -171,6 +172,9 @@ class Loop:
         self.log_file.write(iteration, metrics)
         self.progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         distributed.print0(line, tqdm.tqdm.write)
+        if not self.sampler_warned and (warning := sampler_check.sampler_warning(iteration, metrics)):
+            distributed.print0(warning, tqdm.tqdm.write)  # once per run: the metric goes on showing it
+            self.sampler_warned = True
 
     def saves_samples(self, iteration: int) -> bool:
         """--save-samples is due (on every rank: with --fsdp what the records need takes every rank's pass)."""
@@ -191,3 +195,18 @@ class Loop:
     def finish(self) -> dict:
         """Close the log, write summary.json, print the closing line; returns the summary."""
         return runs.finish_run(self.run.dir, self.log_file, self.accuracy_before, self.accuracy_after, self.eval_task)
+
+
+def loss_metrics(update_stats: list[dict], also: tuple[str, ...] = ()) -> dict:
+    """The optimizer steps' loss, pg_loss, kl, kl_per_token, clip_frac, grad_norm and `also` stats, each averaged
+    over the steps taken (none: nothing), as losses/<key>; the loss's KL term (summed over a sequence's masked tokens,
+    mean over sequences) is named losses/kl_per_sequence, so that it is not taken for the per-token KL other
+    trainers log as their KL (losses/kl_per_token here)."""
+    if not update_stats:
+        return {}
+    keys = ("loss", "pg_loss", "kl", "kl_per_token", "clip_frac", "grad_norm", *also)
+    return {
+        f"losses/{'kl_per_sequence' if key == 'kl' else key}": sum(stats[key] for stats in update_stats)
+        / len(update_stats)
+        for key in keys
+    }

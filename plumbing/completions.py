@@ -1,4 +1,5 @@
-"""What every rollout engine returns: token ids and a finish reason (Completion), and the stop rule they share.
+"""What every rollout engine returns: token ids, a finish reason and the ids' log-probs (Completion), and the stop
+rule the engines share.
 
 Generation stops at EOS or at a stop string; a response cut by a stop string counts as finished, and its ids end
 where the stop string begins.
@@ -16,6 +17,10 @@ from transformers import PreTrainedTokenizerBase
 class Completion:
     ids: list[int]  # sampled token ids; ends with EOS when the model stopped itself; cut where a stop string begins
     finish_reason: str  # "stop" (EOS or stop string) or "length" (token or context limit: scores 0)
+    # Per id, the log-prob the engine sampled it with: log softmax(logits / temperature) over the whole vocabulary,
+    # before any top-p cut (what the trainer computes); None where the engine did not report it (greedy decoding,
+    # vLLM at top_p < 1, whose reported log-probs are renormalised over the nucleus)
+    logprobs: list[float] | None = None
 
 
 def cut_at_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: Sequence[str]) -> tuple[list[int], bool]:

@@ -83,8 +83,10 @@ def make_sampler(
 
 def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, checkpoint, precision: Precision):
     """A training run's rollout engine: make_sampler with the run's --backend, --seed, --sampler-batch-tokens,
-    --context and vLLM flags (`args`, a script's Args); vLLM loads the checkpoint's weights when resuming."""
-    return make_sampler(
+    --context and vLLM flags (`args`, a script's Args); vLLM loads the checkpoint's weights when resuming. vLLM at
+    top_p < 1 reports no log-prob to hold against the trainer's (Completion.logprobs): said in one line, and
+    --rollout-correction refused."""
+    sampler = make_sampler(
         args.backend,
         model,
         tokenizer,
@@ -96,6 +98,18 @@ def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enforce_eager=args.vllm_enforce_eager,
     )
+    if isinstance(sampler, VLLMSampler) and args.top_p < 1:
+        if args.rollout_correction != "none":
+            raise UsageError(
+                f"--rollout-correction {args.rollout_correction} needs the log-prob each token was sampled with, "
+                f"which vLLM at --top-p {args.top_p:g} reports renormalised over the nucleus: use --top-p 1 or "
+                "--backend hf"
+            )
+        distributed.print0(
+            f"sampler-vs-trainer metrics (sampler/*) not logged: vLLM at --top-p {args.top_p:g} reports log-probs "
+            "renormalised over the nucleus, not the trainer's (--top-p 1 or --backend hf logs them)"
+        )
+    return sampler
 
 
 def sampling_settings(args, stop: list[str]) -> dict:

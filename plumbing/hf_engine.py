@@ -19,8 +19,10 @@ from plumbing.precision import FP32, Precision
 
 def _next_tokens(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, candidates: int = 64
-) -> torch.Tensor:
-    """Sample one token per row from logits [rows, vocab] with temperature and nucleus (top-p) filtering.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row from logits [rows, vocab] with temperature and nucleus (top-p) filtering. Returns the
+    tokens [rows] and their log-probs under softmax(logits / temperature) over the whole vocabulary, before the top-p
+    cut ([rows]; what the trainer computes; None when greedy, temperature 0).
 
     Exact, without sorting the vocabulary every step (a full sort and a full-vocabulary multinomial cost
     more than the model's forward pass for a small model): the draw is made by inverse CDF among the
@@ -29,7 +31,7 @@ def _next_tokens(
     mass is drawn from the remaining tokens in proportion to their probabilities.
     """
     if temperature <= 0:
-        return logits.argmax(-1)
+        return logits.argmax(-1), None
     logprobs = (logits.float() / temperature).log_softmax(-1)  # [rows, vocab]; one fused pass per row
     vocab = logprobs.shape[-1]
     top_logprobs, top_ids = logprobs.topk(min(candidates, vocab), dim=-1)  # [rows, k], most likely first
@@ -54,7 +56,7 @@ def _next_tokens(
             else:  # the draw fell past the candidates' mass: one of the other tokens, in proportion
                 probs = probs.scatter(-1, top_ids[beyond], 0.0)
                 chosen[beyond] = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return chosen
+    return chosen, logprobs.gather(-1, chosen[:, None]).squeeze(-1)
 
 
 def _left_padded(
@@ -339,6 +341,7 @@ class HFSampler:
             [] if ignore_eos else sorted(models.eos_ids(model, self.tokenizer)), dtype=torch.long, device=device
         )
         tokens = torch.full((rows, max(1, steps)), pad, dtype=torch.long, device=device)  # [rows, steps]
+        token_logps = torch.zeros(rows, max(1, steps), device=device)  # [rows, steps]: what each was sampled with
         lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens sampled per row
         stopped = torch.zeros(rows, dtype=torch.bool, device=device)  # ended by EOS or a stop string
         batch_rows = torch.arange(rows, device=device)  # [batch]: the row each batch position samples for
@@ -348,10 +351,12 @@ class HFSampler:
         for step in range(steps):
             if not bool(alive.any()):
                 break
-            chosen = _next_tokens(logits, temperature, top_p, self.generator)  # [batch]
+            chosen, chosen_logps = _next_tokens(logits, temperature, top_p, self.generator)  # [batch], [batch]
             live = alive.nonzero().flatten()  # batch positions still sampling
             live_rows, live_chosen = batch_rows[live], chosen[live]
             tokens[live_rows, step] = live_chosen
+            if chosen_logps is not None:
+                token_logps[live_rows, step] = chosen_logps[live]
             lengths[live_rows] += 1
             finished = torch.isin(live_chosen, eos)  # [live]
             if stop:
@@ -391,7 +396,8 @@ class HFSampler:
             if stopped[row] and ids[-1] not in eos_set:  # a stop string: train up to where it begins
                 history = histories[row // n]
                 ids = cut_at_stop(self.tokenizer, history + ids, stop)[0][len(history) :]
-            completions.append(Completion(ids=ids, finish_reason="stop" if stopped[row] else "length"))
+            logps = token_logps[row, : len(ids)].tolist() if temperature > 0 else None
+            completions.append(Completion(ids, "stop" if stopped[row] else "length", logps))
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 

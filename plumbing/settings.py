@@ -56,7 +56,12 @@ RESUMED_CHANGES = {
 
 # Settings added after runs were made, with the value such a run ran with: it resumes with that value. The HF sampler
 # sampled in batches of 65,536 positions; SPO-tree weighed every edge equally.
-RUN_BEFORE_THE_SETTING = {"sampler_batch_tokens": 2**16, "edge_weight": "uniform"}
+RUN_BEFORE_THE_SETTING = {
+    "sampler_batch_tokens": 2**16,
+    "edge_weight": "uniform",
+    "rollout_correction": "none",
+    "rollout_cap": 2.0,
+}
 
 
 def saved_settings(args_class, run_dir: str | Path):
@@ -184,6 +189,12 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
                 f"--batch-size ({args.batch_size}) must be a positive multiple of "
                 f"--micro-batch-size ({args.micro_batch_size})"
             )
+    if get("rollout_correction") not in (None, "none") and get("backend") == "vllm" and args.top_p < 1:
+        problems.append(
+            f"--rollout-correction {args.rollout_correction} with --backend vllm needs --top-p 1: at --top-p "
+            f"{args.top_p:g} vLLM reports each token's log-prob renormalised over the nucleus, not the trainer's "
+            "quantity; use --top-p 1 or --backend hf"
+        )
     if get("track") and importlib.util.find_spec("wandb") is None:
         problems.append(
             "--track logs to Weights & Biases, whose package is not installed: pip install wandb, or leave out --track"
@@ -221,8 +232,8 @@ class TrainArgs:
     exp_name: str = "run"
     """experiment name, part of the run name"""
     seed: ranges.Seed = 1
-    """seed of every random draw: questions, rollouts, SPO-tree's replay buffer, initialisation (same seed on CPU
-    gives identical metrics)"""
+    """seed of every random draw: questions, rollouts, SPO-tree's replay buffer, initialisation (the same seed on a
+    CPU gives identical metrics with one thread, OMP_NUM_THREADS=1; with more, sums may round otherwise)"""
     model: str = "rho-1b-sft-gsm8k"
     (
         "policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, "
@@ -276,6 +287,14 @@ class TrainArgs:
     """PPO ratio clipping"""
     beta: ranges.NonNegativeFloat = 1e-4
     """k3 KL penalty to the reference model (0 disables the reference model)"""
+    rollout_correction: Literal["none", "tis"] = "none"
+    (
+        "beyond the paper: tis weights each token's surrogate by min(pi_old / pi_sampler, --rollout-cap), the "
+        "trainer's probability of the token over the one the sampler drew it with (truncated importance sampling); "
+        "none: the paper's"
+    )
+    rollout_cap: ranges.bounded(float, 1) = 2.0
+    """the largest weight --rollout-correction tis gives a token"""
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
     replica does not fit one GPU; the sampler gathers the whole model while it samples"""

@@ -108,11 +108,18 @@ def collate(samples: list[dict], pad_id: int, device) -> dict:
 
 
 def token_logprobs(
-    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]."""
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]. With
+    entropy=True also the entropy of that distribution at each position (no gradient; a metric only):
+    H = log Z - sum_v p_v * logit_v, from the same logits."""
     logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)  # [tokens]
+    log_z = logits.logsumexp(-1)  # [tokens]
+    logps = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [tokens]
+    if not entropy:
+        return logps
+    with torch.no_grad():
+        return logps, log_z - (logits.softmax(-1) * logits).sum(-1)
 
 
 def last_hidden_state(model, **inputs) -> tuple[torch.Tensor, Cache | None]:
@@ -132,9 +139,11 @@ def response_logprobs(
     chunk_tokens: int = LOGIT_CHUNK,
     recompute_above: int = KEPT_LOGITS,
     precision: Precision = FP32,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
-    so that exp(logp) is the probability the sampler used.
+    so that exp(logp) is the probability the sampler used. entropy=True: also the entropy of pi(. | prompt, y_<t)
+    at each response position ([rows, R], no gradient), from the same chunks of logits.
 
     Paper: the token probabilities p_t.
 
@@ -191,11 +200,13 @@ def response_logprobs(
         recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
         logps = [
-            checkpoint(token_logprobs, lm_head, h, t, temperature, use_reentrant=False)
+            checkpoint(token_logprobs, lm_head, h, t, temperature, entropy, use_reentrant=False)
             if recompute
-            else token_logprobs(lm_head, h, t, temperature)
+            else token_logprobs(lm_head, h, t, temperature, entropy)
             for h, t in chunks
         ]
+    if entropy:
+        return tuple(torch.cat(parts).view(rows, response_len) for parts in zip(*logps))  # 2 x [rows, R]
     return torch.cat(logps).view(rows, response_len)  # [rows, R]
 
 
@@ -255,8 +266,10 @@ def sample_logprobs(
     pad_id: int,
     precision: Precision = FP32,
     batch_tokens: int | None = None,
-) -> list[torch.Tensor]:
-    """Per-sample response log-probs (1-D CPU tensors) without gradients, in passes of at most `batch_tokens` cached
+    entropy: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-sample response log-probs (1-D CPU tensors; entropy=True: and their positions' entropies, a second list)
+    without gradients, in passes of at most `batch_tokens` cached
     positions each; by default as many as the GPU's free memory holds (no_grad_batches), so that SPO-tree's pass over
     all of an iteration's new edges takes a few large passes instead of hundreds of training micro-batches. Where
     nothing is sized (a CPU), micro-batches of `micro_batch_size` sequences. The log-probs do not depend on the split
@@ -264,13 +277,39 @@ def sample_logprobs(
     was_training = model.training
     model.eval()
     out: list[torch.Tensor] = [None] * len(samples)
+    entropies: list[torch.Tensor] = [None] * len(samples)
     for indices in no_grad_batches(model, samples, micro_batch_size, precision, batch_tokens):
         batch = collate([samples[i] for i in indices], pad_id, model.device)
-        logps = response_logprobs(model, batch, temperature, precision=precision).cpu()
-        for i, row in zip(indices, logps):
+        logps = response_logprobs(model, batch, temperature, precision=precision, entropy=entropy)
+        logps, entropy_rows = logps if entropy else (logps, logps)
+        for i, row, row_entropy in zip(indices, logps.cpu(), entropy_rows.cpu()):
             out[i] = row[: len(samples[i]["response_ids"])]
+            entropies[i] = row_entropy[: len(samples[i]["response_ids"])]
     model.train(was_training)
-    return out
+    return (out, entropies) if entropy else out
+
+
+def attach_old_logprobs(
+    model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32
+) -> list[torch.Tensor]:
+    """Set each sample's "old_logps" (pi_old: the policy that sampled it, before the update) and "entropy" (of the
+    sampling distribution at each response token, plumbing/sampler_check.py) from one no-grad pass; returns the
+    old log-probs."""
+    old_logps, entropies = sample_logprobs(
+        model, samples, micro_batch_size, temperature, pad_id, precision, entropy=True
+    )
+    for s, logps, entropy in zip(samples, old_logps, entropies):
+        s["old_logps"], s["entropy"] = logps, entropy
+    return old_logps
+
+
+def new_sample(prompt_ids: list[int], completion) -> dict:
+    """A training sample of a sampled response: its prompt and response ids, and the log-probs the engine sampled
+    them with when it reported them (sampler_logps, plumbing/sampler_check.py)."""
+    sample = {"prompt_ids": prompt_ids, "response_ids": completion.ids}
+    if completion.logprobs is not None:
+        sample["sampler_logps"] = torch.tensor(completion.logprobs, dtype=torch.float32)
+    return sample
 
 
 def reseed(seed: int, iteration: int, sampler) -> random.Random:

@@ -73,6 +73,9 @@ class VLLMSampler:
             enable_prefix_caching=True,
             enable_sleep_mode=enable_sleep_mode,
             enforce_eager=enforce_eager,
+            # The log-prob a token was sampled with, after temperature (and top-p: see sample()), as the trainer's
+            # log-probs are; the default (raw_logprobs) is before temperature.
+            logprobs_mode="processed_logprobs",
             # Under torchrun each rank holds the whole model on its own GPU (see the comment above the class); in
             # one process the default single-process executor.
             tensor_parallel_size=1,
@@ -146,8 +149,20 @@ class VLLMSampler:
         # their noise from the engine's RNG state (the v2 model runner seeds them from
         # numpy's global RNG), which no reseed reaches: a resumed run would not repeat.
         seeds = torch.randint(0, 2**62, (len(live),), generator=self.generator).tolist()
+        # Each sampled token's own log-prob (logprobs=0: no alternatives). At top_p < 1 vLLM's processed log-probs
+        # are renormalised over the nucleus, no longer the trainer's quantity: not asked for, and the
+        # sampler-vs-trainer metrics are not logged (plumbing/sampler_check.py).
+        logprobs = 0 if top_p == 1.0 and temperature > 0 else None
         params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=budgets[i], stop=stop, seed=seed)
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=budgets[i],
+                stop=stop,
+                seed=seed,
+                logprobs=logprobs,
+            )
             for i, seed in zip(live, seeds)
         ]
         outs = self.llm.generate(
@@ -165,6 +180,8 @@ class VLLMSampler:
         if c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
         ids, finish = list(c.token_ids), c.finish_reason
+        # c.logprobs: per token, {token id: Logprob} holding the sampled token (logprobs=0), or None when not asked
+        logprobs = None if c.logprobs is None else [step[token].logprob for step, token in zip(c.logprobs, ids)]
         if stop:
             # vLLM's token_ids still include the token(s) that spell the stop
             # string. Cut them with the same rule as cut_at_stop. This also catches
@@ -173,7 +190,7 @@ class VLLMSampler:
             cut, found = cut_at_stop(self.tokenizer, history + ids, stop)
             if found:
                 ids, finish = cut[len(history) :], "stop"
-        return Completion(ids=ids, finish_reason=finish)
+        return Completion(ids, finish, None if logprobs is None else logprobs[: len(ids)])
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Copy the training model's current weights into the engine, in place, then bring back the KV cache if

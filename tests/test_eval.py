@@ -286,9 +286,11 @@ def test_next_tokens_draws_exactly_from_the_nucleus(top_p, candidates):
     kept = sorted_probs.cumsum(-1) - sorted_probs <= top_p  # SPEC: the mass before a kept token is at most top_p
     expected = torch.zeros(8).index_put_((order[kept],), sorted_probs[kept])
     expected /= expected.sum()
-    chosen = hf_engine._next_tokens(
+    chosen, logps = hf_engine._next_tokens(
         logits.repeat(rows, 1), temperature, top_p, torch.Generator().manual_seed(0), candidates=candidates
     )
+    # the log-prob each token was drawn with: the whole vocabulary's, before the top-p cut (the trainer's quantity)
+    assert torch.allclose(logps, torch.log_softmax(logits / temperature, -1)[chosen])
     seen = torch.bincount(chosen, minlength=8).double() / rows
     tolerance = 5 * (expected * (1 - expected) / rows).sqrt() + 1e-9  # five standard errors
     assert ((seen - expected).abs() <= tolerance).all(), (seen, expected)

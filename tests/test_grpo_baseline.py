@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,7 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_eval_reloads(tiny_mode
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
-    assert "losses/kl" in train[0] and "losses/grad_norm" in train[0]
+    assert "losses/kl_per_sequence" in train[0] and "losses/grad_norm" in train[0]
     model, tokenizer = models.load_model(summary["checkpoint"])
     result = ev.evaluate(model, tokenizer, str(gsm8k_jsonl), limit=2, max_new_tokens=4)
     assert result["examples"] == 2 and 0.0 <= result["accuracy"] <= 1.0
@@ -324,8 +325,8 @@ def test_max_minutes_stops_early_and_save_samples_writes_the_rollouts(tiny_model
 def test_single_on_policy_step_skips_the_old_logprob_pass_and_still_saves_probs(
     tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch
 ):
-    calls, real = [], grpo.sample_logprobs
-    monkeypatch.setattr(grpo, "sample_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], grpo.attach_old_logprobs
+    monkeypatch.setattr(grpo, "attach_old_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     # 3 questions x 4 samples in one batch, one epoch: one optimizer step per iteration, no prob mask.
     summary = grpo.main(
         smoke_args(
@@ -348,3 +349,7 @@ def test_single_on_policy_step_skips_the_old_logprob_pass_and_still_saves_probs(
         )
     )
     assert len(calls) == 2
+    # The rollout correction weighs each token by pi_old / pi_sampler before the update: one pass again.
+    args = smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "d", iterations=1, batch_size=12, beta=0.0)
+    grpo.main(replace(args, rollout_correction="tis"))
+    assert len(calls) == 3

@@ -364,7 +364,10 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_with_the_critic(sevens
         "losses/value_clip_frac",
         "charts/mean_value",
         "losses/critic_grad_norm",
-        "losses/kl",
+        "losses/kl_per_sequence",
+        "losses/kl_per_token",
+        "policy/entropy",
+        "sampler/kl_per_token",
     ):
         assert key in train[0]
     assert train[0]["charts/reward"] > 0  # the critic has something to learn

@@ -372,7 +372,9 @@ def test_smoke_run_counts_mc_rollouts_and_writes_a_checkpoint_eval_reloads(
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and v == v and abs(v) != float("inf") for m in metrics for v in m.values())
-    assert "losses/kl" in train[0] and "losses/grad_norm" in train[0] and "charts/mc_value_mean" in train[0]
+    assert (
+        "losses/kl_per_sequence" in train[0] and "losses/grad_norm" in train[0] and "charts/mc_value_mean" in train[0]
+    )
     # one MC call per iteration, distinct prefixes only, and the logged count is what was requested
     assert len(requests) == 2
     for (prompts, n), m in zip(requests, train):

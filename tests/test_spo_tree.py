@@ -537,7 +537,7 @@ def test_smoke_run_trains_on_tree_edges_and_writes_a_checkpoint_with_the_buffer(
     train = [m for m in metrics if "charts/reward" in m]
     assert [m["iteration"] for m in train] == [1, 2]
     assert all(isinstance(v, (int, float)) and math.isfinite(v) for m in metrics for v in m.values())
-    assert all("losses/kl" in m and "losses/grad_norm" in m and m["charts/samples"] > 0 for m in train)
+    assert all("losses/kl_per_sequence" in m and "losses/grad_norm" in m and m["charts/samples"] > 0 for m in train)
     assert all(m["charts/unique_samples"] == m["charts/samples"] for m in train)
     for m in train:  # tree 4,3: every depth-1 node that did not stop has 3 children (the context never binds here)
         open_nodes = 4 - m["tree/early_leaves_depth1"]

@@ -209,7 +209,10 @@ def make_run(directory: Path, algorithm: str, iterations=(1, 2), questions=2, gr
             {
                 "iteration": k,
                 "charts/reward": 0.1 * k + 0.05 * seed * rng.random(),
-                "losses/kl": 1e-4 * k * (1 + seed),
+                "losses/kl_per_token": 1e-4 * k * (1 + seed),
+                "losses/kl_per_sequence": 3e-3 * k * (1 + seed),
+                "policy/entropy": 1.5 - 0.1 * k,
+                "sampler/kl_per_token": 1e-7 * k,
                 "charts/response_tokens": 30 + k + 3 * seed,
                 "time/iteration_seconds": 20.0 + k,
                 "time/train_seconds": total,
@@ -470,6 +473,15 @@ def test_curves_of_two_runs_write_a_png(tmp_path):
         plotted = viewer.plot_curves(runs, output, x=x, smooth=0.5 if x == "tokens" else 0.0)
         assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 10_000
     assert plotted == list(viewer.PANELS)
+
+
+def test_a_run_from_before_the_kl_was_named_by_its_unit_plots_its_kl_per_sequence(tmp_path):
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "losses/kl": 0.5, "charts/reward": 0.2}) + "\n")
+    assert viewer.load_metrics(run) == {"losses/kl_per_sequence": {1: 0.5}, "charts/reward": {1: 0.2}}
+    plotted = viewer.plot_curves([run], tmp_path / "old.png")
+    assert plotted == ["charts/reward", "losses/kl_per_sequence"]
 
 
 def test_curves_x_axis_is_cumulative_and_starts_eval_at_zero(tmp_path):

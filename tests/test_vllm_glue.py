@@ -33,6 +33,7 @@ and stop_reason is the matched string.
 """
 
 import hashlib
+import math
 import os
 import random
 import sys
@@ -47,7 +48,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from plumbing import distributed, engines, precision, vllm_preflight
+from plumbing import distributed, engines, precision, sampler_check, training, vllm_preflight
 from plumbing.engines import Completion, VLLMSampler, cut_at_stop
 from plumbing.training import reseed
 
@@ -105,6 +106,7 @@ class FakeSamplingParams:
         max_tokens: int | None = 16,
         stop: str | list[str] | None = None,
         seed: int | None = None,
+        logprobs: int | None = None,
     ):
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
@@ -119,6 +121,9 @@ class FakeSamplingParams:
             raise ValueError("n must be 1 when using greedy sampling")
         self.n, self.temperature, self.top_p, self.max_tokens, self.stop = n, temperature, top_p, max_tokens, stop
         self.seed = None if seed == -1 else seed
+        if logprobs is not None and logprobs < -1:
+            raise ValueError(f"logprobs must be non-negative or -1, got {logprobs}.")
+        self.logprobs = logprobs
 
 
 @dataclass
@@ -130,6 +135,13 @@ class FakeCompletionOutput:  # vllm/outputs.py CompletionOutput
     logprobs: Any
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+@dataclass
+class FakeLogprob:  # vllm/logprobs.py Logprob
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -204,6 +216,8 @@ class FakeEngine:
     script: Any = None
     reset_ok: bool = True  # what reset_prefix_cache returns (False: blocks still in use)
     weights: Any = None  # {name: shape} the engine's model loads, checked by FakeWorker
+    # the log-prob the 'model' samples token `token` with at response position `position` (processed_logprobs)
+    logprob: Any = lambda prompt, position, token: -(1 + token % 5) / 10
     log: list = field(default_factory=list)
     llm: Any = None
 
@@ -229,6 +243,7 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
             enable_sleep_mode: bool = False,
             distributed_executor_backend: str | None = None,
             trust_remote_code: bool = False,
+            logprobs_mode: str = "raw_logprobs",
         ):
             # In-process engine core is required for passing tensors through collective_rpc.
             assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -247,6 +262,7 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
                         tensor_parallel_size=tensor_parallel_size,
                         distributed_executor_backend=distributed_executor_backend,
                         trust_remote_code=trust_remote_code,
+                        logprobs_mode=logprobs_mode,
                     ),
                 )
             )
@@ -336,7 +352,11 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
                 elif len(out) >= sp.max_tokens or len(p) + len(out) >= self.max_model_len:
                     finish = "length"
                 if finish:
-                    return FakeCompletionOutput(index, text, list(out), None, None, finish, reason)
+                    # logprobs=k: per token, {id: Logprob} holding the sampled token and the k most likely others
+                    logprobs = None
+                    if sp.logprobs is not None:
+                        logprobs = [{t: FakeLogprob(engine.logprob(p, j, t), 1)} for j, t in enumerate(out)]
+                    return FakeCompletionOutput(index, text, list(out), None, logprobs, finish, reason)
             raise AssertionError("script ran out of tokens")
 
         @staticmethod
@@ -417,6 +437,8 @@ def test_constructor(engine, monkeypatch):
         # one process: vLLM's own executor
         distributed_executor_backend=None,
         trust_remote_code=False,
+        # the log-probs it reports are after temperature, as the trainer's (the default is before)
+        logprobs_mode="processed_logprobs",
     )
     assert calls(engine, "world") == [("world", {"world_size": 1})]
     assert s.tokenizer is engine.llm.get_tokenizer()
@@ -453,6 +475,37 @@ def test_token_id_prompts_n_and_context_clamp(engine):
 
     s.sample(prompts, 1, temperature=1.0, top_p=1.0, max_new_tokens=[3, 9, 9], context=20)  # one budget per prompt
     assert [sp.max_tokens for sp in calls(engine, "generate")[-1][2]] == [3, 6, 2]
+
+
+def test_sampled_log_probs_travel_through_the_sampler_to_the_metric(engine):
+    # top_p = 1: each token's log-prob as vLLM sampled it (logprobs=0: the sampled token only), cut with the ids at a
+    # stop string; from there to the training sample and the sampler-vs-trainer metrics.
+    engine.script = lambda p, i: iter(ids(" 2", "+", " 2", "\n\n", "Q", ":") + [T["x"]] * 8)
+    s = VLLMSampler("m", max_model_len=64)
+    [[c]] = s.sample([[T["Q"]] * 3], 1, temperature=0.7, top_p=1.0, max_new_tokens=10, stop=["\n\nQ:"])
+    assert calls(engine, "generate")[-1][2][0].logprobs == 0
+    assert c.ids == ids(" 2", "+", " 2") and c.finish_reason == "stop"
+    assert c.logprobs == [engine.logprob(None, j, t) for j, t in enumerate(c.ids)]
+    sample = training.new_sample([T["Q"]] * 3, c)
+    assert torch.equal(sample["sampler_logps"], torch.tensor(c.logprobs))
+    # The trainer puts the first token 0.25 higher, the second 0.05 lower, the third where the sampler did.
+    sample["old_logps"] = sample["sampler_logps"] + torch.tensor([0.25, -0.05, 0.0])
+    sample["loss_mask"], sample["entropy"] = torch.ones(3, dtype=torch.bool), torch.tensor([1.0, 2.0, 3.0])
+    metrics = sampler_check.rollout_metrics([sample])
+    assert metrics["sampler/logp_gap_mean"] == pytest.approx(0.1)
+    assert metrics["sampler/logp_gap_max"] == pytest.approx(0.25)
+    k3 = lambda d: math.exp(d) - d - 1  # noqa: E731
+    assert metrics["sampler/kl_per_token"] == pytest.approx((k3(0.25) + k3(-0.05)) / 3)
+    assert metrics["policy/entropy"] == pytest.approx(2.0)
+
+    # top_p < 1: vLLM's log-probs are renormalised over the nucleus, not the trainer's: none asked for, none kept,
+    # and no sampler metric.
+    [[c]] = s.sample([[T["Q"]] * 3], 1, temperature=0.7, top_p=0.9, max_new_tokens=4)
+    assert calls(engine, "generate")[-1][2][0].logprobs is None and c.logprobs is None
+    sample = training.new_sample([T["Q"]] * 3, c)
+    assert "sampler_logps" not in sample
+    sample |= {"old_logps": torch.zeros(4), "loss_mask": torch.ones(4, dtype=torch.bool), "entropy": torch.ones(4)}
+    assert not any(key.startswith("sampler/") for key in sampler_check.rollout_metrics([sample]))
 
 
 def test_prompts_without_room_get_empty_length_completions(engine):
