@@ -308,14 +308,32 @@ def test_llm_api_the_glue_relies_on(src):
 
 def test_fields_the_glue_sets_and_reads(src):
     for name, wanted in {
-        "SamplingParams": ["n", "temperature", "top_p", "max_tokens", "stop", "seed"],
+        "SamplingParams": ["n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs"],
         "TokensPrompt": ["prompt_token_ids"],
-        "CompletionOutput": ["token_ids", "finish_reason"],
+        "CompletionOutput": ["token_ids", "finish_reason", "logprobs"],
         "RequestOutput": ["outputs"],
     }.items():
         path, cls = src.export(name)
         missing = set(wanted) - set(fields(src, (path, cls)))
         assert not missing, f"{path}: {name} has no {sorted(missing)}"
+
+
+def test_processed_logprobs_are_after_temperature_and_top_p(src):
+    # The glue asks for logprobs_mode="processed_logprobs" and holds them against the trainer's log softmax(logits /
+    # temperature) (plumbing/sampler_check.py); each sampled token's comes back as a Logprob with a .logprob.
+    modes = next(
+        node.value
+        for node in src.tree("vllm/config/model.py").body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["LogprobsMode"]
+    )
+    assert "processed_logprobs" in ast.literal_eval(modes.slice), "vllm/config/model.py: LogprobsMode changed"
+    sample = ast.unparse(method(src.find_class("vllm.v1.sample.sampler", "Sampler"), "sample"))
+    temperature, nucleus = sample.find("self.apply_temperature("), sample.find("self.topk_topp_sampler(")
+    assert 0 <= temperature < nucleus, (
+        "vllm/v1/sample/sampler.py: Sampler.sample no longer applies the temperature before top-k/top-p, where the "
+        "processed log-probs are taken"
+    )
+    assert "logprob" in fields(src, src.find_class("vllm.logprobs", "Logprob")), "vllm/logprobs.py: Logprob.logprob"
 
 
 def test_reload_weights_reaches_the_model_runner(src):
