@@ -24,7 +24,6 @@ only the policy loss and the whitening, with the same semantics as grpo_baseline
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,6 +34,7 @@ from transformers import Cache
 
 import eval as ev
 from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing.lora import plain_copy
 from plumbing.precision import FP32, Precision
 from plumbing.sampler_check import correct_rollouts, rollout_metrics
 from plumbing.training import (
@@ -313,7 +313,8 @@ def make_critic(policy, precision: Precision = FP32) -> Critic:
 
     Paper: PPO's advantage (baseline).
     """
-    return Critic(copy.deepcopy(policy.base_model), policy.config.hidden_size, precision)
+    # plain_copy: with --lora-rank, without the policy's adapters (the critic trains its own weights in full)
+    return Critic(plain_copy(policy.base_model), policy.config.hidden_size, precision)
 
 
 def load_critic(args: Args, model, checkpoint: Path | None, device: str, precision: Precision = FP32) -> Critic:
@@ -559,7 +560,7 @@ def main(args: Args) -> dict:
         return run.finished  # resumed after its last iteration: reported, left as it is
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
     # The critic is a copy of the policy: gradient checkpointing and --fsdp are applied by load_critic, after the copy.
-    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, wrap=False)
+    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, False, run.precision)
     critic = load_critic(args, model, run.checkpoint, device, run.precision)
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer

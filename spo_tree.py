@@ -723,7 +723,7 @@ def main(args: Args) -> dict:
     if run.finished:
         return run.finished  # resumed after its last iteration: reported, left as it is
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
-    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device)
+    model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, precision=run.precision)
     train_examples, eval_examples = ev.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )

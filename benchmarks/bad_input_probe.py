@@ -95,6 +95,7 @@ def make_fixtures(folder: Path) -> dict[str, str]:
     make_untrusted_inputs(folder, paths)
     make_untrusted_runs(folder, paths, tiny)
     make_untrusted_models(folder, paths, tiny)
+    make_adapters(folder, paths, tiny)
     paths["SHORTPOS"] = folder / "short_positions"  # the tiny model with 64 positions
     shutil.copytree(tiny, paths["SHORTPOS"])
     config = json.loads((tiny / "config.json").read_text())
@@ -190,6 +191,23 @@ def make_untrusted_models(folder: Path, paths: dict[str, Path], tiny: Path) -> N
     model("RAISETEMPLATE", template="{{ raise_exception('This model only supports system-first conversations') }}")
     model("ESCAPETEMPLATE", template="{{ cycler.__init__.__globals__.os.system('touch ESCAPED') }}")
     model("HUGETEMPLATE", template="{{ 'x' * 10**8 }}")
+
+
+def make_adapters(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
+    """LoRA adapter checkpoints (plumbing/lora.py) gone wrong: the base they record moved away; a config that is not
+    one this project writes."""
+    from plumbing import lora, models
+
+    for name in ("ADAPTERNOBASE", "ADAPTERBADCONFIG"):
+        model, _ = models.load_model(str(tiny), device="cpu")
+        lora.add_adapters(model, lora.lora_config(4, None, 0.0, lora.DEFAULT_TARGET, str(tiny)))
+        paths[name] = folder / name.lower()
+        lora.save_adapter(model, paths[name], str(tiny), models.fingerprint(str(tiny)))
+        shutil.copy(tiny / "tokenizer.json", paths[name])
+    record = json.loads((paths["ADAPTERNOBASE"] / lora.BASE_RECORD).read_text())
+    (paths["ADAPTERNOBASE"] / lora.BASE_RECORD).write_text(json.dumps({**record, "model": str(folder / "gone")}))
+    config = paths["ADAPTERBADCONFIG"] / lora.ADAPTER_CONFIG
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": "16", "target_modules": 3}))
 
 
 def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
@@ -354,6 +372,17 @@ CASES = [
     ("grpo_baseline.py --model RAISETEMPLATE --task GOODTASK --output-dir RUNS", "This model only supports"),
     ("eval.py --model ESCAPETEMPLATE --task GOODTASK", "tried to leave Jinja's sandbox"),
     ("ppo_baseline.py --model HUGETEMPLATE --task GOODTASK --output-dir RUNS", "100,000,000 characters"),
+    # LoRA (plumbing/lora.py): ranges, targets, what it cannot run with yet, adapter checkpoints gone wrong
+    ("grpo_baseline.py --lora-rank -1", "--lora-rank (-1)"),
+    ("spo_chain.py --lora-rank 4 --lora-dropout 1", "--lora-dropout (1.0)"),
+    ("grpo_baseline.py --model TINY --task GOODTASK --lora-rank 999 --output-dir RUNS", "above the width"),
+    ("spo_tree.py --model TINY --task GOODTASK --lora-rank 4 --lora-target qkv --output-dir RUNS", "--lora-target qkv"),
+    ("ppo_baseline.py --lora-rank 4 --fsdp", "--fsdp with --lora-rank is not supported yet"),
+    ("eval.py --model ADAPTERNOBASE --task GOODTASK", "is not there; put it back"),
+    (
+        "grpo_baseline.py --model ADAPTERBADCONFIG --task GOODTASK --output-dir RUNS",
+        "not an adapter this project wrote",
+    ),
     ("benchmarks/learning.py --algorithms foo", "unknown algorithm"),
     ("benchmarks/learning.py --results EMPTY", "is a directory"),
     ("benchmarks/learning.py --lr 0", "--lr (0.0) must be positive"),

@@ -16,6 +16,7 @@
   precision.py       the bf16 / fp32 choice, as a value passed to what computes
   training.py        log-probs of responses, micro-batching and collate, reseeding, the non-finite guard, the optimizer
   sampler_check.py   entropy, the sampler checked against the trainer per token, the optional rollout correction
+  lora.py            LoRA adapters (peft): frozen base, adapter checkpoints, the base as the reference, the merge
   engines.py         choosing the rollout engine; completions.py: what every engine returns
   hf_engine.py       the HF rollout engine (transformers, any device)
   vllm_engine.py     the vLLM rollout engine (GPU); vllm_preflight.py: what would stop it, checked before it starts

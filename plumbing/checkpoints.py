@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import sys
 import warnings
 import zipfile
 from pathlib import Path
 
 import torch
 
-from plumbing import UsageError, distributed, shown
+from plumbing import UsageError, distributed, lora, models, shown
 
 
 def load_data(path: Path, mmap: bool = False):
@@ -100,13 +101,18 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, module
     it (with --fsdp the weights are gathered from the shards); rank 0 writes. `modules` ({"critic": critic}) are
     saved beside the policy as one state dict each (critic.pt); trainer_state.pt, written last, gets the world size."""
     final, staging, previous = run_dir / "checkpoint", run_dir / "checkpoint.new", run_dir / "checkpoint.old"
-    weights = distributed.full_state_dict(model)
+    adapter = lora.has_adapters(model)  # --lora-rank > 0: the adapter alone (plumbing/lora.py), in peft's format
+    weights = None if adapter else distributed.full_state_dict(model)
     module_weights = {name: distributed.full_state_dict(module) for name, module in (modules or {}).items()}
     if distributed.rank() > 0:
         return final
     settle(run_dir)
     try:
-        model.save_pretrained(staging, state_dict=weights)
+        if adapter:
+            base = model.peft_config["default"].base_model_name_or_path
+            lora.save_adapter(model, staging, base, models.fingerprint(base))
+        else:
+            model.save_pretrained(staging, state_dict=weights)
         tokenizer.save_pretrained(staging)
         for name, state in module_weights.items():
             torch.save(state, staging / f"{name}.pt")
@@ -187,3 +193,25 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if damaged:
         raise UsageError(f"--resume {run_dir}: {'; '.join(damaged)}, and no intact checkpoint is left; start a new run")
     return None
+
+
+def merge_adapter(checkpoint: Path, output: Path) -> None:
+    """Write an adapter checkpoint (plumbing/lora.py) as a plain transformers model directory: the base with
+    W + (alpha / R) B A merged in, in fp32, and the tokenizer; transformers and vLLM load it."""
+    if not lora.is_adapter_checkpoint(checkpoint):
+        raise UsageError(f"{checkpoint} is not an adapter checkpoint (no {lora.ADAPTER_CONFIG}, or a config.json)")
+    if output.exists():
+        raise UsageError(f"{output} exists: give a new directory for the merged model")
+    model, tokenizer = models.load_model(str(checkpoint), dtype=torch.float32, device="cpu")
+    model.peft_wrapper.merge_and_unload().save_pretrained(output)
+    tokenizer.save_pretrained(output)
+
+
+if __name__ == "__main__":  # python -m plumbing.checkpoints merge runs/<run>/checkpoint merged/
+    if len(sys.argv) != 4 or sys.argv[1] != "merge":
+        sys.exit("usage: python -m plumbing.checkpoints merge runs/<run>/checkpoint OUTPUT_DIR")
+    try:
+        merge_adapter(Path(sys.argv[2]), Path(sys.argv[3]))
+    except UsageError as error:
+        sys.exit(f"error: {error}")
+    print(f"wrote {sys.argv[3]}: the base with the adapter merged in (transformers and vLLM load it)")

@@ -98,6 +98,11 @@ def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enforce_eager=args.vllm_enforce_eager,
     )
+    if isinstance(sampler, VLLMSampler) and getattr(args, "lora_rank", 0):
+        raise UsageError(
+            "--lora-rank with vLLM is not supported yet (the engine would sample the base, not the adapters): "
+            "use --backend hf"
+        )
     if isinstance(sampler, VLLMSampler) and args.top_p < 1:
         if args.rollout_correction != "none":
             raise UsageError(

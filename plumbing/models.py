@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, model_dirs
+from plumbing import UsageError, lora, model_dirs
 
 ALIASES = {
     "rho-1b-sft-gsm8k": "realtreetune/rho-1b-sft-GSM8K",
@@ -258,12 +258,17 @@ def missing_directory_problem(name: str) -> str:
 
 
 def load_model(
-    name_or_path: str, dtype: torch.dtype | None = None, device: str | None = None
+    name_or_path: str, dtype: torch.dtype | None = None, device: str | None = None, base: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) from an alias, a hub id or a local directory; bf16 on GPU, fp32 on CPU."""
+    """Load (model, tokenizer) from an alias, a hub id or a local directory; bf16 on GPU, fp32 on CPU. An adapter
+    checkpoint (plumbing/lora.py) loads onto its base: `base` when given (a resumed run's --model), else the one its
+    base_model.json records, either checked against the fingerprint recorded there."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = resolve_model(name_or_path)
+    if lora.is_adapter_checkpoint(path):
+        load_base = lambda name: load_model(name, dtype, device)  # noqa: E731
+        return lora.load_onto_base(name_or_path, Path(path), load_base, fingerprint, base)
     if problem := model_directory_problem(path):
         raise UsageError(f"cannot load model {name_or_path!r}: {problem}")
     try:
@@ -297,6 +302,8 @@ def model_directory_problem(path: str | Path) -> str | None:
         return missing_directory_problem(name) if is_local_path(name) else None
     if not path.is_dir():
         return f"{path} is a file, not a model directory"
+    if lora.is_adapter_checkpoint(path):
+        return None  # its base is a model directory, checked when it loads
     if not (path / "config.json").exists():
         if (path / "checkpoint").is_dir():
             return f"{path} is a run directory, not a model: did you mean {path / 'checkpoint'}?"
@@ -347,17 +354,29 @@ def load_policy(
     reference_on_device: bool,
     gradient_checkpointing: bool = False,
     fsdp: bool = False,
+    adapters=None,
+    base_dtype: torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, PreTrainedModel | None]:
     """(policy, tokenizer, reference): the policy in fp32 master weights from the checkpoint when resuming, else
     from `name_or_path`; the frozen reference model from `name_or_path` (None with beta 0). reference_on_device
     (--reference-on-device, which memory.size_run resolves): True, the reference lives on `device` for the whole run;
     False, it is parked in pinned CPU memory and visits `device` for its passes only (`with on_device(reference):`).
     On a CPU both are the same. gradient_checkpointing and fsdp (under torchrun: FSDP2 shards) apply to the policy;
-    the reference stays whole."""
-    model, tokenizer = load_model(str(checkpoint) if checkpoint else name_or_path, dtype=torch.float32, device=device)
+    the reference stays whole. `adapters` (a LoraConfig, --lora-rank > 0): the base frozen (in `base_dtype` when
+    given), adapters trained, and the reference is the policy with its adapters off (lora.AdaptersOff); a checkpoint
+    holds the adapters then, loaded onto `name_or_path`."""
+    if not checkpoint and lora.is_adapter_checkpoint(resolve_model(name_or_path)):
+        raise UsageError(
+            f"--model {name_or_path} is an adapter checkpoint: --resume its run, or start from its merged model "
+            f"(python -m plumbing.checkpoints merge {name_or_path} merged/)"
+        )
+    source = str(checkpoint) if checkpoint else name_or_path
+    model, tokenizer = load_model(source, dtype=torch.float32, device=device, base=name_or_path)
     check_logits_from_hidden(model)  # training's response_logprobs applies the LM head itself
-    reference = None
-    if beta > 0:
+    if adapters is not None and not lora.has_adapters(model):
+        lora.add_adapters(model, adapters, base_dtype)
+    reference = lora.AdaptersOff(model) if adapters is not None and beta > 0 else None
+    if beta > 0 and adapters is None:
         reference, _ = load_model(name_or_path, dtype=model.dtype, device=device if reference_on_device else "cpu")
         reference.requires_grad_(False)
         if not reference_on_device:
@@ -371,10 +390,13 @@ def load_policy(
     return model, tokenizer, reference
 
 
-def load_run_models(args, checkpoint: Path | None, device: str, wrap: bool = True):
+def load_run_models(args, checkpoint: Path | None, device: str, wrap: bool = True, precision=None):
     """A training run's (policy, tokenizer, reference): load_policy with the run's --model, --beta,
-    --reference-on-device and, with `wrap`, --gradient-checkpointing and --fsdp (`args`, a script's Args). PPO passes
-    wrap=False and applies those two after copying its critic from the policy."""
+    --reference-on-device, --lora-* and, with `wrap`, --gradient-checkpointing and --fsdp (`args`, a script's Args).
+    PPO passes wrap=False and applies those two after copying its critic from the policy. With LoRA the frozen base
+    is kept in bf16 where `precision` (the run's Precision) computes in bf16 on `device`."""
+    base = str(Path(resolve_model(args.model)).absolute()) if is_local_path(args.model) else args.model
+    adapters, base_dtype = lora.run_adapters(args, device, precision, base)
     return load_policy(
         args.model,
         checkpoint,
@@ -383,6 +405,8 @@ def load_run_models(args, checkpoint: Path | None, device: str, wrap: bool = Tru
         reference_on_device=args.reference_on_device,
         gradient_checkpointing=wrap and args.gradient_checkpointing,
         fsdp=wrap and args.fsdp,
+        adapters=adapters,
+        base_dtype=base_dtype,
     )
 
 
@@ -406,6 +430,10 @@ def on_device(reference: torch.nn.Module):
         with on_device(reference):
             ref_logps = sample_logprobs(reference, samples, ...)
     """
+    if isinstance(reference, lora.AdaptersOff):
+        with lora.adapters_disabled(reference.policy):
+            yield reference
+        return
     device = getattr(reference, "parked_for", None)
     if device is None:
         yield reference

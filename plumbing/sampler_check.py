@@ -23,10 +23,10 @@ from plumbing import distributed
 CORRECTIONS = ("none", "tis")
 
 # Per-token KL(sampler || trainer) above which a run prints one warning line. In fp32 the HF sampler and the trainer
-# agree to rounding (about 1e-9 per token on a CPU); a bf16 engine against the fp32 trainer stays near 1e-3
-# (benchmarks/README.md has this project's measurement). 1e-2 is ten times that: past it the rollouts come from a
-# policy measurably different from the one trained (a sampler left behind by the updates, or weights that never
-# reached it), which the ratio's pi_old, taken from the trainer, does not see.
+# agree to rounding (1e-11 per token on SmolLM2, CPU); bf16 passes that round differently stay orders of magnitude
+# below 1e-2 (benchmarks/README.md, "bf16 against fp32 log-probs", has this project's figure). Past 1e-2 the rollouts
+# come from a policy measurably different from the one trained (a sampler left behind by the updates, or weights that
+# never reached it), which the ratio's pi_old, taken from the trainer, does not see.
 SAMPLER_KL_WARNING = 1e-2
 
 

@@ -61,6 +61,10 @@ RUN_BEFORE_THE_SETTING = {
     "edge_weight": "uniform",
     "rollout_correction": "none",
     "rollout_cap": 2.0,
+    "lora_rank": 0,
+    "lora_alpha": None,
+    "lora_dropout": 0.0,
+    "lora_target": "all-linear",
 }
 
 
@@ -195,6 +199,13 @@ def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]
             f"{args.top_p:g} vLLM reports each token's log-prob renormalised over the nucleus, not the trainer's "
             "quantity; use --top-p 1 or --backend hf"
         )
+    if get("lora_rank") and get("fsdp"):
+        problems.append("--fsdp with --lora-rank is not supported yet: leave out --fsdp (DDP under torchrun works)")
+    if get("lora_rank") and get("backend") == "vllm":
+        problems.append(
+            "--backend vllm with --lora-rank is not supported yet (the engine would not see the adapters): "
+            "use --backend hf"
+        )
     if get("track") and importlib.util.find_spec("wandb") is None:
         problems.append(
             "--track logs to Weights & Biases, whose package is not installed: pip install wandb, or leave out --track"
@@ -295,6 +306,18 @@ class TrainArgs:
     )
     rollout_cap: ranges.bounded(float, 1) = 2.0
     """the largest weight --rollout-correction tis gives a token"""
+    lora_rank: ranges.NonNegativeInt = 0
+    (
+        "beyond the paper: LoRA adapters of this rank on --lora-target, the base frozen and the reference the base "
+        "(0: full fine-tuning, the paper's); adapters usually want a larger --lr (RUNNING.md, LoRA)"
+    )
+    lora_alpha: ranges.OptionalPositiveFloat = None
+    """LoRA scale alpha (the update is alpha / rank x B A); default 2 x --lora-rank"""
+    lora_dropout: ranges.bounded(float, 0, 1, high_open=True) = 0.0
+    """dropout on the adapters' input"""
+    lora_target: str = "all-linear"
+    """the layers that get adapters: all-linear (every linear layer of the attention and MLP blocks, not the LM head)
+    or module names separated by commas (q_proj,v_proj)"""
     fsdp: bool = False
     """under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2), for models whose
     replica does not fit one GPU; the sampler gathers the whole model while it samples"""

@@ -416,7 +416,10 @@ def make_optimizer(
     A --max-minutes budget does not shorten it (a schedule planned from timings would differ by machine and load):
     bookkeeping.schedule_line says so at the start when the budget cannot outlast the warmup."""
     with distributed.on_shards(model):  # --fsdp: from the shards, even while the awake sampler holds the model gathered
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        # the trainable parameters: all of them, or with --lora-rank the adapters alone
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
+        )
         scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
         if state is not None:
             distributed.load_optimizer_state(model, optimizer, state[f"{prefix}optimizer"])

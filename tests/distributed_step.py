@@ -4,6 +4,7 @@
     python tests/distributed_step.py SCRIPT MODEL_DIR OUT                         # world size 1: every rollout
     torchrun --nproc_per_node 2 tests/distributed_step.py SCRIPT MODEL_DIR OUT    # each rank its share
     torchrun --nproc_per_node 2 tests/distributed_step.py SCRIPT MODEL_DIR OUT --fsdp   # the models sharded (FSDP2)
+    ... --lora     # rank-4 LoRA adapters on the policy, the reference its adapters off; each rank writes a file
 
 The rollouts (prompts, responses, rewards, values or tree edges) are drawn from a fixed seed, the same in every
 process; each rank keeps the share of questions that main() would give it (distributed.shard) and runs the script's own
@@ -24,6 +25,7 @@ from plumbing import distributed, models  # noqa: E402
 
 QUESTIONS, GROUP = 4, 4
 FSDP = "--fsdp" in sys.argv
+LORA = "--lora" in sys.argv
 PROB_THRESHOLD = 0.0094  # about the median p_t of these rollouts under the tiny model at temperature 1: a real mask
 
 
@@ -55,6 +57,12 @@ def models_and_rollouts(model_dir: str):
     """The policy, a reference model (the same weights), the tokenizer and the fixed rollouts."""
     model, tokenizer = models.load_model(model_dir, dtype=torch.float32)
     reference, _ = models.load_model(model_dir, dtype=torch.float32)
+    if LORA:
+        from plumbing import lora
+
+        torch.manual_seed(0)  # the adapters' A, the same on every rank
+        lora.add_adapters(model, lora.lora_config(4, None, 0.0, lora.DEFAULT_TARGET))
+        reference = lora.AdaptersOff(model)
     return model, reference, tokenizer, *fixed_rollouts(len(tokenizer), tokenizer.eos_token_id)
 
 
@@ -257,9 +265,10 @@ def main() -> None:
     )
     # every rank
     parameters = [{name: t.detach().clone() for name, t in distributed.full_state_dict(m).items()} for m in models]
-    if distributed.rank() == 0:
+    if distributed.rank() == 0 or LORA:
         Path(out).mkdir(parents=True, exist_ok=True)
-        name = f"world{distributed.world_size()}{'_fsdp' if FSDP else ''}.pt"
+        name = f"world{distributed.world_size()}{'_fsdp' if FSDP else ''}"
+        name += f"_lora_rank{distributed.rank()}.pt" if LORA else ".pt"
         torch.save({"parameters": parameters, "stats": stats}, Path(out) / name)
 
 

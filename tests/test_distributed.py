@@ -70,6 +70,26 @@ def test_two_ranks_make_the_update_of_one_process_on_the_union_of_their_samples(
             assert torch.allclose(ranks[name], single[name], rtol=1e-5, atol=1e-7), name
 
 
+def test_two_ranks_with_lora_agree_and_make_the_update_of_one_process(tiny_model_dir, tmp_path):
+    run([sys.executable, str(DRIVER), "grpo_baseline", str(tiny_model_dir), str(tmp_path), "--lora"])
+    run(TORCHRUN + [str(DRIVER), "grpo_baseline", str(tiny_model_dir), str(tmp_path), "--lora"])
+    one, *ranks = (
+        torch.load(tmp_path / name, weights_only=True)
+        for name in ("world1_lora_rank0.pt", "world2_lora_rank0.pt", "world2_lora_rank1.pt")
+    )
+    initial = dict(models.load_model(str(tiny_model_dir), dtype=torch.float32)[0].named_parameters())
+    moved = [name for name, p in one["parameters"][0].items() if name not in initial]
+    assert moved and all("lora_" in name for name in moved)
+    assert max(one["parameters"][0][name].abs().max().item() for name in moved if "lora_B" in name) > 1e-4
+    for rank in ranks:
+        for key in one["stats"]:
+            assert rank["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
+        for name, single in one["parameters"][0].items():
+            assert torch.allclose(rank["parameters"][0][name], single, rtol=1e-5, atol=1e-7), name
+    for name, tensor in ranks[0]["parameters"][0].items():
+        assert torch.equal(tensor, ranks[1]["parameters"][0][name]), name  # the ranks agree, bit for bit
+
+
 SMOKE = {  # torchrun settings: SMOKE_SETTINGS with 4 questions (a multiple of 2 ranks) and batches of 8
     "grpo_baseline": dict(questions=4, batch_size=8, micro_batch_size=4),
     "ppo_baseline": dict(questions=4, batch_size=8, micro_batch_size=4),

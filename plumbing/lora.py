@@ -1,0 +1,239 @@
+"""LoRA adapters (peft) on the HF path, beyond the paper (--lora-rank R > 0; 0, the default, is the paper's full
+fine-tuning): the base weights frozen, low-rank adapters on its linear layers trained.
+
+The training model stays the transformers model itself, with peft's LoRA layers in place of its linear layers (peft
+injects them into the model it is given), so every pass that reaches inside it (the backbone without its LM head, the
+LM head, the HF sampler) runs the adapted policy. The reference model is the same model with its adapters switched off
+(AdaptersOff): right because the adapters start at zero (B = 0), so the adapted policy starts as the base.
+
+An adapter checkpoint is peft's format (adapter_config.json, adapter_model.safetensors) beside the tokenizer, the
+trainer state and base_model.json (the base's path and fingerprint); it has no config.json. Its adapters load onto a
+base this project loaded itself, from a validated config: no auto class, no pickle.
+
+  python -m plumbing.checkpoints merge runs/<run>/checkpoint merged/    # a plain transformers model: W + alpha/R B A
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from plumbing import UsageError, files
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD = "adapter_config.json", "adapter_model.safetensors", "base_model.json"
+DEFAULT_TARGET = "all-linear"  # every linear layer of the attention and MLP blocks; never the LM head
+
+
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    """A directory holding an adapter and no model of its own (config.json)."""
+    path = Path(path)
+    return path.is_dir() and (path / ADAPTER_CONFIG).exists() and not (path / "config.json").exists()
+
+
+def has_adapters(model) -> bool:
+    return bool(getattr(model, "peft_config", None))
+
+
+def lora_config(rank: int, alpha: float | None, dropout: float, target: str, base: str = ""):
+    """peft's LoraConfig for --lora-rank, --lora-alpha (None: 2 x rank), --lora-dropout and --lora-target (all-linear,
+    or module names separated by commas)."""
+    from peft import LoraConfig
+
+    modules = DEFAULT_TARGET if target == DEFAULT_TARGET else [name.strip() for name in target.split(",") if name]
+    return LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank if alpha is None else alpha,
+        lora_dropout=dropout,
+        target_modules=modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
+
+
+def run_adapters(args, device: str, precision=None, base: str = "") -> tuple:
+    """A training run's (LoraConfig, dtype of the frozen base) from its --lora-* settings (`args`, a script's Args);
+    (None, None) at --lora-rank 0. The base stays in bf16 where `precision` computes in bf16 on `device`; `base`: the
+    base model as the checkpoint records it (an absolute path, or a hub id or alias)."""
+    if not getattr(args, "lora_rank", 0):
+        return None, None
+    bf16 = precision is not None and torch.device(device).type in precision.bf16
+    config = lora_config(args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target, base)
+    return config, torch.bfloat16 if bf16 else None
+
+
+def add_adapters(model, config, base_dtype: torch.dtype | None = None):
+    """Inject `config`'s adapters into `model` (in place; returns it): its own weights frozen (in `base_dtype` when
+    given: bf16 halves them), the adapters in fp32 and trainable, B = 0 so the model computes what it did. peft's
+    PeftModel around it is kept as model.peft_wrapper (not a submodule), for loading and merging."""
+    from peft import get_peft_model
+
+    if base_dtype is not None:
+        model.to(base_dtype)
+    try:
+        wrapper = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as error:  # peft: target modules not found in the base model
+        reason = str(error).strip().splitlines()[0]
+        raise UsageError(
+            f"--lora-target {format_target(config.target_modules)}: {reason}; give module names the model has "
+            f"(e.g. q_proj,v_proj) or {DEFAULT_TARGET}"
+        ) from None
+    narrowest = min(
+        (min(m.in_features, m.out_features) for m in wrapper.modules() if hasattr(m, "lora_A") and m.lora_A),
+        default=None,
+    )
+    if narrowest is not None and config.r > narrowest:
+        raise UsageError(
+            f"--lora-rank {config.r} is above the width of the narrowest adapted layer ({narrowest}): an adapter of "
+            f"that rank is no longer low-rank; give --lora-rank {narrowest} or less"
+        )
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()  # the adapters' master weights and optimizer state in fp32
+    model.__dict__["peft_wrapper"] = wrapper  # in __dict__: not registered as a submodule (it holds the model)
+    return model
+
+
+def format_target(target) -> str:
+    return target if isinstance(target, str) else ",".join(sorted(target))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The base model for the `with` block: every LoRA layer of `model` computes its base layer alone."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class AdaptersOff:
+    """The reference model of a LoRA run: the training model, seen with its adapters off. It stands where a reference
+    model goes (models.on_device switches the adapters off for the block of its passes); every attribute is the
+    model's."""
+
+    def __init__(self, model):
+        self.__dict__["policy"] = model
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["policy"], name)
+
+    def __call__(self, *args, **kwargs):
+        return self.__dict__["policy"](*args, **kwargs)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def save_adapter(model, directory: Path, base: str, fingerprint: str | None) -> None:
+    """Write `model`'s adapter in peft's format (keys as PeftModel.save_pretrained writes them), and its base."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    state = {f"base_model.model.{k}": v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(str(directory))
+    record = {"model": base, "fingerprint": fingerprint}
+    files.write_atomic(directory / BASE_RECORD, json.dumps(record, indent=1) + "\n", "the base-model record")
+
+
+def read_adapter_config(directory: Path):
+    """The checkpoint's LoraConfig, from validated fields only (anything else in the file is not read)."""
+    raw = files.read_json(directory / ADAPTER_CONFIG, "the adapter's config")
+    problems = []
+    if raw.get("peft_type") != "LORA":
+        problems.append(f"peft_type {raw.get('peft_type')!r} is not LORA")
+    if not isinstance(raw.get("r"), int) or isinstance(raw.get("r"), bool) or raw["r"] < 1:
+        problems.append(f"r {raw.get('r')!r} is not a positive integer")
+    if not isinstance(raw.get("lora_alpha"), (int, float)) or isinstance(raw.get("lora_alpha"), bool):
+        problems.append(f"lora_alpha {raw.get('lora_alpha')!r} is not a number")
+    dropout = raw.get("lora_dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        problems.append(f"lora_dropout {dropout!r} is not in [0, 1)")
+    target = raw.get("target_modules")
+    if not (
+        target == DEFAULT_TARGET or isinstance(target, list) and target and all(isinstance(t, str) for t in target)
+    ):
+        problems.append(f"target_modules {target!r} is neither {DEFAULT_TARGET} nor a list of module names")
+    if problems:
+        raise UsageError(f"{directory / ADAPTER_CONFIG}: {'; '.join(problems)}: not an adapter this project wrote")
+    names = DEFAULT_TARGET if target == DEFAULT_TARGET else ",".join(target)
+    return lora_config(
+        raw["r"], float(raw["lora_alpha"]), float(dropout), names, raw.get("base_model_name_or_path", "")
+    )
+
+
+def base_record(directory: Path) -> dict:
+    record = files.read_json(directory / BASE_RECORD, "the adapter's base-model record")
+    if not isinstance(record.get("model"), str):
+        raise UsageError(f"{directory / BASE_RECORD} names no base model: not an adapter checkpoint this project wrote")
+    return record
+
+
+def load_adapter(model, directory: Path):
+    """Add the adapter checkpoint `directory` to `model` (its base, loaded by the caller; returns it)."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    files.refuse_links(directory)
+    weights = directory / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise UsageError(f"{directory} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}: copy the whole checkpoint")
+    model = add_adapters(model, read_adapter_config(directory))
+    try:
+        state = load_file(weights)
+    except Exception as error:  # safetensors' own error type for a damaged file
+        raise UsageError(f"{weights} is damaged ({type(error).__name__}): copy the checkpoint again") from None
+    result = set_peft_model_state_dict(model.peft_wrapper, state)
+    missing = [key for key in result.missing_keys if "lora_" in key]
+    if missing or result.unexpected_keys:
+        raise UsageError(
+            f"{weights} does not fit its base model ({len(missing)} adapter weights missing, "
+            f"{len(result.unexpected_keys)} unexpected): was the checkpoint written for another model?"
+        )
+    return model
+
+
+def load_onto_base(name: str, directory: Path, load_model, fingerprint, base: str | None = None):
+    """(model, tokenizer) of the adapter checkpoint `directory` (given as `name`): its base, `base` when given (a
+    resumed run's --model), else the one base_model.json records, checked against the fingerprint recorded there.
+    `load_model(base)` and `fingerprint(base)`: models.py's, which imports this module."""
+    record = base_record(directory)
+    base = base or record["model"]
+    if Path(base).is_absolute() and not Path(base).exists():
+        raise UsageError(
+            f"cannot load the adapter {name}: its base model {base} is not there; put it back, or write where it is "
+            f"now into {directory / BASE_RECORD}"
+        )
+    if record.get("fingerprint") and fingerprint(base) != record["fingerprint"]:
+        raise UsageError(
+            f"cannot load the adapter {name}: its base model {base} is not the one it was trained on (fingerprint "
+            f"{fingerprint(base)}, recorded {record['fingerprint']}); give that model"
+        )
+    model, tokenizer = load_model(base)
+    return load_adapter(model, directory), tokenizer
+
+
+def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` with every LoRA layer (if any) replaced by its base layer, trainable, in fp32: PPO's
+    critic copies the policy's backbone this way (its own weights, trained in full; RUNNING.md, LoRA)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    module = copy.deepcopy(module)
+    for name, child in list(module.named_modules()):
+        if isinstance(child, BaseTunerLayer) and name:
+            parent, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, attribute, child.get_base_layer())
+    return module.float().requires_grad_(True)
