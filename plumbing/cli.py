@@ -52,6 +52,8 @@ def run_cli(main, args) -> None:
     except Exception as error:
         if (failure := distributed.peer_failure(error)) is None:
             raise
+        for signum in STOPPING_SIGNALS:  # torchrun's SIGTERM to the survivors may come now: the line says it all
+            signal.signal(signum, signal.SIG_IGN)
         # another rank died or hung: this one ends with the line, before torch's own teardown can abort
         _end(
             f"rank {distributed.rank()}: another process of this run died or stopped answering ({failure}); "
