@@ -379,10 +379,8 @@ CASES = [
     ("spo_tree.py --model TINY --task GOODTASK --lora-rank 4 --lora-target qkv --output-dir RUNS", "--lora-target qkv"),
     ("ppo_baseline.py --lora-rank 4 --fsdp", "--fsdp with --lora-rank is not supported yet"),
     ("eval.py --model ADAPTERNOBASE --task GOODTASK", "is not there; put it back"),
-    (
-        "grpo_baseline.py --model ADAPTERBADCONFIG --task GOODTASK --output-dir RUNS",
-        "not an adapter this project wrote",
-    ),
+    ("eval.py --model ADAPTERBADCONFIG --task GOODTASK", "not an adapter this project wrote"),
+    ("grpo_baseline.py --model ADAPTERNOBASE --task GOODTASK --output-dir RUNS", "is an adapter checkpoint: --resume"),
     ("benchmarks/learning.py --algorithms foo", "unknown algorithm"),
     ("benchmarks/learning.py --results EMPTY", "is a directory"),
     ("benchmarks/learning.py --lr 0", "--lr (0.0) must be positive"),

@@ -23,10 +23,11 @@ from plumbing import distributed
 CORRECTIONS = ("none", "tis")
 
 # Per-token KL(sampler || trainer) above which a run prints one warning line. In fp32 the HF sampler and the trainer
-# agree to rounding (1e-11 per token on SmolLM2, CPU); bf16 passes that round differently stay orders of magnitude
-# below 1e-2 (benchmarks/README.md, "bf16 against fp32 log-probs", has this project's figure). Past 1e-2 the rollouts
-# come from a policy measurably different from the one trained (a sampler left behind by the updates, or weights that
-# never reached it), which the ratio's pi_old, taken from the trainer, does not see.
+# agree to rounding (1e-11 per token on SmolLM2, CPU); in bf16 autocast the sampler's KV-cached steps and the
+# trainer's passes round differently: 0.9e-3 to 1.5e-3 per token on the CPU quickstart (benchmarks/README.md, "bf16
+# against fp32 log-probs"). 1e-2 is seven times that: past it the rollouts come from a policy measurably different
+# from the one trained (a sampler left behind by the updates, or weights that never reached it), which the ratio's
+# pi_old, taken from the trainer, does not see.
 SAMPLER_KL_WARNING = 1e-2
 
 
