@@ -43,7 +43,9 @@ def lora_config(rank: int, alpha: float | None, dropout: float, target: str, bas
     or module names separated by commas)."""
     from peft import LoraConfig
 
-    modules = DEFAULT_TARGET if target == DEFAULT_TARGET else [name.strip() for name in target.split(",") if name]
+    modules = (
+        DEFAULT_TARGET if target == DEFAULT_TARGET else [name.strip() for name in target.split(",") if name.strip()]
+    )
     return LoraConfig(
         r=rank,
         lora_alpha=2 * rank if alpha is None else alpha,

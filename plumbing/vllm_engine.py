@@ -182,6 +182,8 @@ class VLLMSampler:
         ids, finish = list(c.token_ids), c.finish_reason
         # c.logprobs: per token, {token id: Logprob} holding the sampled token (logprobs=0), or None when not asked
         logprobs = None if c.logprobs is None else [step[token].logprob for step, token in zip(c.logprobs, ids)]
+        if logprobs is not None and len(logprobs) < len(ids):  # not one per token: none (the metrics skip it)
+            logprobs = None
         if stop:
             # vLLM's token_ids still include the token(s) that spell the stop
             # string. Cut them with the same rule as cut_at_stop. This also catches

@@ -450,7 +450,7 @@ def glue_sampling_params_keywords() -> list[str]:
 def check_sampling_params_and_tokens_prompt(ctx: Ctx) -> None:
     from vllm import SamplingParams, TokensPrompt
 
-    values = dict(n=3, temperature=0.7, top_p=0.9, max_tokens=17, stop=["\n\n\nProblem:"], seed=2**62 - 1)
+    values = dict(n=3, temperature=0.7, top_p=0.9, max_tokens=17, stop=["\n\n\nProblem:"], seed=2**62 - 1, logprobs=0)
     keywords = glue_sampling_params_keywords()
     assert set(keywords) <= set(values), f"VLLMSampler passes {sorted(set(keywords) - set(values))}: add values here"
     params = SamplingParams(**{k: values[k] for k in keywords})
