@@ -20,8 +20,6 @@ import torch
 
 from plumbing import distributed
 
-CORRECTIONS = ("none", "tis")
-
 # Per-token KL(sampler || trainer) above which a run prints one warning line. In fp32 the HF sampler and the trainer
 # agree to rounding (1e-11 per token on SmolLM2, CPU); in bf16 autocast the sampler's KV-cached steps and the
 # trainer's passes round differently: 0.9e-3 to 1.5e-3 per token on the CPU quickstart (benchmarks/README.md, "bf16

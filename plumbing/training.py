@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import Cache, get_linear_schedule_with_warmup
 
-from plumbing import UsageError, distributed
+from plumbing import UsageError, distributed, lora
 from plumbing.memory import KEPT_LOGITS, LOGIT_CHUNK, model_shape, no_grad_pass_bytes
 from plumbing.precision import FP32, Precision
 
@@ -417,9 +417,7 @@ def make_optimizer(
     bookkeeping.schedule_line says so at the start when the budget cannot outlast the warmup."""
     with distributed.on_shards(model):  # --fsdp: from the shards, even while the awake sampler holds the model gathered
         # the trainable parameters: all of them, or with --lora-rank the adapters alone
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
-        )
+        optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=lr, weight_decay=weight_decay)
         scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
         if state is not None:
             distributed.load_optimizer_state(model, optimizer, state[f"{prefix}optimizer"])

@@ -4,6 +4,7 @@ Nothing here touches the network: the model is saved to a temp directory and loa
 from_pretrained, so the same path as a real checkpoint is exercised.
 """
 
+import contextlib
 import json
 import os
 import string
@@ -183,6 +184,28 @@ def cli_flags(settings: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         out += [flag] if value is True else [f"--no-{key.replace('_', '-')}"] if value is False else [flag, str(value)]
     return out
+
+
+class Killed(Exception):
+    """What killed_at_step raises in place of a script's optimizer step: a run killed mid-iteration."""
+
+
+@contextlib.contextmanager
+def killed_at_step(monkeypatch, script, step: int):
+    """The `with` block must end with Killed raised at the `step`-th call of script.accumulate_gradients (a kill in
+    the middle of the run); the real function is back afterwards."""
+    calls, real = [], script.accumulate_gradients
+
+    def dies(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(script, "accumulate_gradients", dies)
+    with pytest.raises(Killed):
+        yield
+    monkeypatch.setattr(script, "accumulate_gradients", real)
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -11,7 +11,7 @@ import torch
 
 import eval as ev
 import grpo_baseline as grpo
-from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
+from conftest import killed_at_step, make_tiny_model, read_metrics, smoke_args, write_jsonl
 from plumbing import UsageError, models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,21 +218,8 @@ def test_smoke_run_writes_finite_metrics_and_a_checkpoint_eval_reloads(tiny_mode
 def test_resume_after_a_kill_continues_exactly_where_it_stopped(tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch):
     full = grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "full", iterations=3))
 
-    class Killed(Exception):
-        pass
-
-    calls, real_step = [], grpo.accumulate_gradients
-
-    def dies_in_iteration_3(*args, **kwargs):  # 2 optimizer steps per iteration: the 5th is iteration 3's first
-        calls.append(1)
-        if len(calls) == 5:
-            raise Killed
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(grpo, "accumulate_gradients", dies_in_iteration_3)
-    with pytest.raises(Killed):
+    with killed_at_step(monkeypatch, grpo, 5):  # 2 optimizer steps per iteration: the 5th is iteration 3's first
         grpo.main(smoke_args(grpo, tiny_model_dir, gsm8k_jsonl, tmp_path / "killed", iterations=3))
-    monkeypatch.setattr(grpo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
     assert torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)["iteration"] == 2
 

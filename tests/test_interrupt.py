@@ -66,7 +66,15 @@ def _start(model_dir, data, out, cwd):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_foreground_signals,
     )
+
+
+def _foreground_signals():
+    """The run's stopping signals as a foreground run has them: a test runner started under nohup, or as a shell's
+    background job, passes SIGHUP or SIGINT on ignored, and the run keeps an ignored signal ignored (cli.run_cli)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _wait_for(condition, process, timeout=180):

@@ -13,7 +13,7 @@ import torch
 import grpo_baseline as grpo
 import ppo_baseline as ppo
 import spo_tree
-from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
+from conftest import killed_at_step, make_tiny_model, read_metrics, smoke_args, write_jsonl
 from plumbing import UsageError, lora, models, settings, training
 from plumbing.engines import HFSampler
 
@@ -120,22 +120,9 @@ def test_adapter_checkpoint_resumes_evaluates_and_merges(digits, tmp_path, monke
     assert {p.name for p in checkpoint.iterdir()} >= {lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS, lora.BASE_RECORD}
     assert not (checkpoint / "config.json").exists() and not list(checkpoint.glob("*.bin"))
 
-    # kill in iteration 3 and --resume: the numbers of the uninterrupted run
-    class Killed(Exception):
-        pass
-
-    calls, real_step = [], grpo.accumulate_gradients
-
-    def dies_in_iteration_3(*args, **kwargs):  # 2 optimizer steps per iteration: the 5th is iteration 3's first
-        calls.append(1)
-        if len(calls) == 5:
-            raise Killed
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(grpo, "accumulate_gradients", dies_in_iteration_3)
-    with pytest.raises(Killed):
+    # kill in iteration 3 (2 optimizer steps per iteration: the 5th is its first) and --resume: the uninterrupted run
+    with killed_at_step(monkeypatch, grpo, 5):
         grpo.main(smoke_args(grpo, model_dir, data, tmp_path / "killed", **lora_args))
-    monkeypatch.setattr(grpo, "accumulate_gradients", real_step)
     run_dir = next((tmp_path / "killed").iterdir())
     grpo.main(smoke_args(grpo, model_dir, data, tmp_path / "unused", **lora_args, resume=str(run_dir)))
     assert read_metrics(run_dir) == read_metrics(full["run_dir"])
