@@ -294,7 +294,9 @@ def test_a_killed_rank_ends_the_other_with_one_line_and_the_torchrun_resume(tiny
     survivor = rank_logs(logs)[0]
     assert "Traceback" not in survivor, survivor[-3000:]
     line = last_line(survivor)
-    assert line.startswith("rank 0: another process of this run died or stopped answering ("), line
+    # Which comes first is a race the run does not control: rank 0 finds its peer gone at its next collective, or
+    # torchrun, which saw the death too, stops it with SIGTERM before that (seen under load). Either way: one line.
+    assert line.startswith(("rank 0: another process of this run died or stopped answering (", "interrupted: ")), line
     assert RESUME in line and "keeps its checkpoint of iteration" in line, line
 
 
