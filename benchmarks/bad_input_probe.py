@@ -372,12 +372,12 @@ CASES = [
     ("grpo_baseline.py --model RAISETEMPLATE --task GOODTASK --output-dir RUNS", "This model only supports"),
     ("eval.py --model ESCAPETEMPLATE --task GOODTASK", "tried to leave Jinja's sandbox"),
     ("ppo_baseline.py --model HUGETEMPLATE --task GOODTASK --output-dir RUNS", "100,000,000 characters"),
-    # LoRA (plumbing/lora.py): ranges, targets, what it cannot run with yet, adapter checkpoints gone wrong
+    # LoRA (plumbing/lora.py): ranges, targets, what it does not run with (--fsdp), adapter checkpoints gone wrong
     ("grpo_baseline.py --lora-rank -1", "--lora-rank (-1)"),
     ("spo_chain.py --lora-rank 4 --lora-dropout 1", "--lora-dropout (1.0)"),
     ("grpo_baseline.py --model TINY --task GOODTASK --lora-rank 999 --output-dir RUNS", "above the width"),
     ("spo_tree.py --model TINY --task GOODTASK --lora-rank 4 --lora-target qkv --output-dir RUNS", "--lora-target qkv"),
-    ("ppo_baseline.py --lora-rank 4 --fsdp", "--fsdp with --lora-rank is not supported yet"),
+    ("ppo_baseline.py --lora-rank 4 --fsdp", "--fsdp with --lora-rank is not supported: with LoRA"),
     ("eval.py --model ADAPTERNOBASE --task GOODTASK", "is not there; put it back"),
     ("eval.py --model ADAPTERBADCONFIG --task GOODTASK", "not an adapter this project wrote"),
     ("grpo_baseline.py --model ADAPTERNOBASE --task GOODTASK --output-dir RUNS", "is an adapter checkpoint: --resume"),

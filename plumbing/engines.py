@@ -83,14 +83,17 @@ def make_sampler(
 
 def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, checkpoint, precision: Precision):
     """A training run's rollout engine: make_sampler with the run's --backend, --seed, --sampler-batch-tokens,
-    --context and vLLM flags (`args`, a script's Args); vLLM loads the checkpoint's weights when resuming. vLLM at
+    --context and vLLM flags (`args`, a script's Args); vLLM loads the checkpoint's weights when resuming (with
+    --lora-rank: the base, then the checkpoint's adapters merged into it, as after every update). vLLM at
     top_p < 1 reports no log-prob to hold against the trainer's (Completion.logprobs): said in one line, and
     --rollout-correction refused."""
+    adapters = getattr(args, "lora_rank", 0) > 0
     sampler = make_sampler(
         args.backend,
         model,
         tokenizer,
-        str(checkpoint) if checkpoint else args.model,
+        # an adapter checkpoint is not a model directory: the engine starts from the base, and gets the merge below
+        str(checkpoint) if checkpoint and not adapters else args.model,
         seed=args.seed,
         precision=precision,
         sampler_batch_tokens=args.sampler_batch_tokens,
@@ -98,11 +101,8 @@ def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enforce_eager=args.vllm_enforce_eager,
     )
-    if isinstance(sampler, VLLMSampler) and getattr(args, "lora_rank", 0):
-        raise UsageError(
-            "--lora-rank with vLLM is not supported yet (the engine would sample the base, not the adapters): "
-            "use --backend hf"
-        )
+    if isinstance(sampler, VLLMSampler) and adapters and checkpoint:
+        sampler.load_weights(model)  # the resumed adapters, merged (a fresh run's start at B = 0 is the base itself)
     if isinstance(sampler, VLLMSampler) and args.top_p < 1:
         if args.rollout_correction != "none":
             raise UsageError(

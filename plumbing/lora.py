@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -226,6 +227,32 @@ def load_onto_base(name: str, directory: Path, load_model, fingerprint, base: st
         )
     model, tokenizer = load_model(base)
     return load_adapter(model, directory), tokenizer
+
+
+def merged_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the model as plain transformers would hold it: every adapted layer's weight merged, W + alpha
+    / R B A (peft's get_delta_weight), computed out of place in fp32, under the base model's own parameter names (no
+    `.base_layer`, no `lora_` tensors); other parameters as they are. The training model is never changed: no
+    merge and unmerge in place, which on a bf16 base would round the weights a little further each time. One merged
+    tensor at a time (the vLLM engine's weight sync streams them). A model without adapters: its named_parameters."""
+    if not has_adapters(model):
+        yield from model.named_parameters()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    for name, parameter in model.named_parameters():
+        if any(part.startswith("lora_") for part in name.split(".")):
+            continue
+        layer_name, found, attribute = name.partition(".base_layer.")
+        if not found:
+            yield name, parameter
+            continue
+        if attribute == "weight":
+            layer = layers[layer_name]
+            yield f"{layer_name}.weight", parameter.detach().float() + layer.get_delta_weight("default").float()
+        else:
+            yield f"{layer_name}.{attribute}", parameter
 
 
 def plain_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from plumbing import distributed, vllm_preflight
+from plumbing import distributed, lora, vllm_preflight
 from plumbing.completions import Completion, cut_at_stop, stop_histories
 from plumbing.precision import engine_dtype
 
@@ -195,8 +195,8 @@ class VLLMSampler:
         return Completion(ids, finish, None if logprobs is None else logprobs[: len(ids)])
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        """Copy the training model's current weights into the engine, in place, then bring back the KV cache if
-        sleep() released it. Under torchrun every rank calls it (a sharded model's weights are gathered)."""
+        """Copy the training model's current weights (with LoRA: merged) into the engine, in place, then bring back the
+        KV cache if sleep() released it. Under torchrun every rank calls it (a sharded model's weights are gathered)."""
         if self.asleep:
             raise RuntimeError("VLLMSampler.load_weights() called while asleep; call wake_up() first")
         from torch.distributed.tensor import DTensor
@@ -218,8 +218,10 @@ class VLLMSampler:
         # that CUDA graphs point to and clears the LoRA, encoder and MM caches.
         # The fp32 master weights go over in the engine's dtype, one tensor at a time:
         # the generator holds a single converted tensor, never a second copy of the
-        # model. detach() keeps autograd out of vLLM's copy_.
-        weights = ((name, whole(p)) for name, p in model.named_parameters())
+        # model. detach() keeps autograd out of vLLM's copy_. A LoRA model goes over merged (W + alpha / R B A,
+        # computed out of place in fp32, under the base's names: lora.merged_parameters), one layer at a time; the
+        # training model itself is never merged (benchmarks/README.md, "LoRA in the vLLM engine").
+        weights = ((name, whole(p)) for name, p in lora.merged_parameters(model))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.weights_discarded = False
         if self.cache_asleep:  # woken only now: the KV cache was not allocated while the weights loaded

@@ -69,6 +69,7 @@ def record(engine: FakeEngine, **extra) -> dict:
     ]
     return {
         "llm": calls(engine, "LLM")[0][2],
+        "model": calls(engine, "LLM")[0][1],  # the model directory the engine was built from
         "world": calls(engine, "world")[0][1],
         "events": events,
         "generate": [
@@ -83,7 +84,11 @@ def record(engine: FakeEngine, **extra) -> dict:
 def run_script(out: Path, script: str, flags: list[str]) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(flags[flags.index("--model") + 1])
+    if "--model" in flags:
+        model = flags[flags.index("--model") + 1]
+    else:  # --resume RUN: the run's own model
+        model = json.loads((Path(flags[flags.index("--resume") + 1]) / "args.json").read_text())["model"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
 
     def answer(prompt_ids: list[int], index: int):
         a, b = map(int, re.findall(r"has (\d+) apples and buys (\d+) more", tokenizer.decode(prompt_ids))[-1])
@@ -116,7 +121,7 @@ def sharded_sync(out: Path, model_dir: str) -> None:
 
 
 def write(out: Path, result: dict) -> None:
-    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))  # one process: rank0
 
 
 if __name__ == "__main__":
