@@ -72,7 +72,7 @@ def rounded_away(model) -> dict:
 
 def main(out: Path = ROOT / "benchmarks/results/lora_merge_gap.json", rank: int = 16, lr: float = 1e-3) -> None:
     """Train the quickstart with adapters, then measure the gaps and write them to `out`."""
-    started = time.perf_counter()
+    started, code = time.perf_counter(), runs.code_state()  # the tree as the run starts
     with tempfile.TemporaryDirectory() as directory:
         run = lora_benchmark.measured_run(["--lora-rank", str(rank), "--lr", f"{lr:g}"], Path(directory))
         checkpoint = next(p for p in Path(directory).iterdir() if p.is_dir()) / "checkpoint"
@@ -102,7 +102,7 @@ def main(out: Path = ROOT / "benchmarks/results/lora_merge_gap.json", rank: int 
     result = {
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu": cpu_description(),
-        "code": runs.code_state(),
+        "code": code,
         "run": {
             "flags": run["flags"],
             "accuracy_before": run["accuracy_before"],

@@ -12,6 +12,10 @@ The formula (bytes; P parameters, L layers, hidden h, MLP width I, vocab V, r = 
                             --fsdp over N ranks: divided by N, plus 4 P for the whole model the sampler gathers)
   autocast copies     2 P   the bf16 copies of the weights that autocast keeps during a forward/backward pass
   reference model     4 P   fp32, on the GPU (--reference-on-device) or moved in for its pass
+  with --lora-rank    e P + 16 A   the frozen base (e: 2 in bf16), the A adapter parameters' fp32 weights, gradients
+                            and moments (adapter_params); no reference model (the policy with its adapters off), no
+                            autocast copies of a bf16 base; PPO's critic as above; activations as above (LoRA's
+                            measure 5-10 % below: tests/test_memory.py)
   activations         per token of a micro-batch (micro-batch x context tokens at most), + 8 h for the final norm:
                       L (38 h + 6 r h + 8 I)        without checkpointing: what bf16 autocast saves for the backward
                                                     pass of a pre-norm decoder layer (norms in fp32, linear inputs and
@@ -41,11 +45,12 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from plumbing import UsageError, distributed, engines, models, shown
+from plumbing import UsageError, distributed, engines, lora, models, shown
 from plumbing.precision import Precision
 
 GiB = 2**30
@@ -92,6 +97,30 @@ def model_shape(config) -> ModelShape:
     per_layer = attention + 3 * h * intermediate + 2 * h  # + two RMSNorm weights
     embeddings = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     return ModelShape(layers * per_layer + embeddings + h, layers, h, intermediate, vocab, heads, kv_heads)
+
+
+ADAPTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def adapter_params(shape: ModelShape, rank: int, target: str = "all-linear") -> int:
+    """LoRA's trainable parameters: rank x (in + out) for each adapted linear layer of the attention and MLP blocks
+    (--lora-target: all-linear, or module names separated by commas).
+
+    >>> adapter_params(ModelShape(0, 1, 8, 16, 0, 2, 1), rank=2, target="q_proj,down_proj")
+    64
+    """
+    h, d, I = shape.hidden, shape.head_dim, shape.intermediate  # noqa: E741
+    sizes = dict(
+        q_proj=h + shape.heads * d,
+        k_proj=h + shape.kv_heads * d,
+        v_proj=h + shape.kv_heads * d,
+        o_proj=shape.heads * d + h,
+        gate_proj=h + I,
+        up_proj=h + I,
+        down_proj=I + h,
+    )
+    names = ADAPTED_MODULES if target == "all-linear" else [n.strip() for n in target.split(",")]
+    return shape.layers * rank * sum(sizes.get(name, 0) for name in names)
 
 
 def activation_bytes_per_token(shape: ModelShape, checkpointing: bool) -> int:
@@ -152,11 +181,11 @@ class Plan:
     peak_gb: float | None = None  # the update's estimated peak (None on a CPU)
     fits: bool = True  # False: values given on the command line exceed the estimate (a warning, not a refusal)
     line: str = ""
+    adapters: bool = False  # LoRA: the reference is the policy with its adapters off, never a model of its own
 
     def settings(self) -> dict:
-        return {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("line", "peak_gb", "fits")
-        }
+        """The knobs' values (what main() puts into its args)."""
+        return {name: getattr(self, name) for name in KNOBS}
 
 
 def micro_batch_candidates(batch_per_rank: int, requested) -> list[int]:
@@ -166,7 +195,7 @@ def micro_batch_candidates(batch_per_rank: int, requested) -> list[int]:
     return [m for m in range(min(LARGEST_MICRO_BATCH, batch_per_rank), 0, -1) if batch_per_rank % m == 0]
 
 
-def cpu_plan(batch_per_rank: int, requested: dict) -> Plan:
+def cpu_plan(batch_per_rank: int, requested: dict, adapters: bool = False) -> Plan:
     """Today's values where there is no GPU memory to size: what is given, else micro-batch 8 (or the largest divisor
     of the batch below it), no checkpointing, the reference where the model is, vLLM's share 0.3 (unused)."""
     pick = lambda name, default: default if requested.get(name, "auto") == "auto" else requested[name]  # noqa: E731
@@ -176,6 +205,7 @@ def cpu_plan(batch_per_rank: int, requested: dict) -> Plan:
         reference_on_device=pick("reference_on_device", True),
         vllm_gpu_memory_utilization=pick("vllm_gpu_memory_utilization", 0.3),
         sampler_batch_tokens=pick("sampler_batch_tokens", CPU_SAMPLER_TOKENS),
+        adapters=adapters,
     )
     return dataclasses.replace(plan, line=f"memory: {describe(plan)} (CPU: no sizing)")
 
@@ -189,7 +219,12 @@ def describe(plan: Plan, backend: str = "hf") -> str:
     )
     return (
         f"micro-batch {plan.micro_batch_size}, checkpointing {'on' if plan.gradient_checkpointing else 'off'}, "
-        f"reference on {'device' if plan.reference_on_device else 'CPU (pinned)'}, {engine}"
+        + (
+            "reference: the base (adapters off)"
+            if plan.adapters
+            else f"reference on {'device' if plan.reference_on_device else 'CPU (pinned)'}"
+        )
+        + f", {engine}"
     )
 
 
@@ -206,23 +241,33 @@ def plan(
     critic: bool = False,
     fsdp_ranks: int = 1,
     element: int = 2,
+    adapters: int = 0,
 ) -> Plan:
     """The memory knobs for one GPU with `total` bytes of which `free` are free, by the formula of this module's
     docstring. `requested`: the command line's values ("auto" or a value, which is kept). backend: the rollout engine
     ("hf" or "vllm"). critic: PPO's value model (a second copy of the training state and activations). element: bytes
-    of a bf16/fp16 value (2), or 4 where the GPU computes in fp32. Raises UsageError when nothing fits."""
+    of a bf16/fp16 value (2), or 4 where the GPU computes in fp32. adapters: LoRA's trainable parameters
+    (adapter_params; 0: full fine-tuning). Raises UsageError when nothing fits."""
     P, copies = shape.params, 2 if critic else 1
     margin = 0.05 * total + GiB
     sharded = fsdp_ranks > 1
-    state = copies * 16 * P / fsdp_ranks + (4 * P if sharded else 0)  # + the whole model the sampler gathers
-    autocast_copies = copies * (P / fsdp_ranks if sharded else P) * element  # bf16 weights during the pass
-    reference = 4 * P if beta > 0 else 0
-    resident_rollout = copies * 12 * P / fsdp_ranks + (4 * P if sharded else 0)  # weights + AdamW during rollout
+    # (training state, resident during rollout: weights + AdamW, autocast's bf16 weight copies during a pass) of a
+    # model trained in full, and of the policy: with adapters, a frozen base of `element` bytes a parameter, the
+    # adapters' fp32 weights, gradients and moments. PPO's critic is trained in full either way (lora.plain_copy).
+    full = (16 * P / fsdp_ranks, 12 * P / fsdp_ranks, (P / fsdp_ranks if sharded else P) * element)
+    policy = (element * P + 16 * adapters, element * P + 12 * adapters, element * adapters) if adapters else full
+    gathered = 4 * P if sharded else 0  # the whole model the sampler gathers
+    state, resident_rollout, autocast_copies = (
+        mine + (theirs if critic else 0) + extra for mine, theirs, extra in zip(policy, full, (gathered, gathered, 0))
+    )
+    reference = 4 * P if beta > 0 and not adapters else 0  # with adapters: the policy with its adapters off
 
     # The no-grad passes (old log-probs, reference, PPO's values) run while the engine is awake: vLLM's share must
     # leave them the reference (resident, or its copy visiting), autocast's weight copies, an LM-head chunk and a
     # pass of at least one full-context row (no_grad_pass_bytes).
     per_position, once = no_grad_pass_bytes(shape, element, context, sharded)
+    if adapters and element == 2 and not critic:
+        once -= P * element  # a bf16 base: autocast copies no weights
     no_grad_reserve = reference + once + 4 * context * per_position  # `once` holds autocast's weight copies
 
     def rollout_room(reference_on_device: bool) -> float:
@@ -266,6 +311,7 @@ def plan(
                 f"free of {total / GiB:.0f}: use a GPU with more memory, --fsdp over several GPUs (torchrun), "
                 "a shorter "
                 "--context, or --beta 0 (no reference model)"
+                + ("" if adapters else ", or --lora-rank 16 (adapters on a frozen bf16 base, no reference copy)")
                 + (", or --backend hf (no engine beside training)" if backend == "vllm" else "")
             )
     micro, checkpointing, on_device = chosen
@@ -281,7 +327,9 @@ def plan(
         room = rollout_room(on_device) - autocast_copies - 256 * shape.vocab * 4 * 3  # + a step's logits for 256 rows
         sampler_tokens = int(max(context, min(room / (1.2 * kv_bytes_per_position(shape, element)), 256 * context)))
     peak = update_peak(micro, checkpointing, on_device)
-    result = Plan(micro, checkpointing, on_device, share, sampler_tokens, peak_gb=round(peak / GiB, 1), fits=fits)
+    result = Plan(
+        micro, checkpointing, on_device, share, sampler_tokens, round(peak / GiB, 1), fits, adapters=adapters > 0
+    )
     note = f"; {', '.join('--' + n.replace('_', '-') for n in given)} as given" if given else ""
     return dataclasses.replace(
         result,
@@ -314,6 +362,8 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
     # model, or that asks for custom code, is refused here on any device (models.model_directory_problem).
     if models.is_local_path(model_path) and (problem := models.model_directory_problem(model_path)):
         raise UsageError(f"cannot load model {model_path!r}: {problem}")
+    if models.is_local_path(model_path) and lora.is_adapter_checkpoint(model_path):
+        model_path = lora.base_record(Path(model_path))["model"]  # an adapter has no config: its base's shape
     requested = {name: getattr(args, name) for name in KNOBS}
     earlier = (first_start or {}).get("memory") or {}
     if requested["sampler_batch_tokens"] == "auto" and isinstance(earlier.get("sampler_batch_tokens"), int):
@@ -321,7 +371,7 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
     batch_per_rank = max(1, args.batch_size // distributed.world_size())
     device = torch.device(device)
     if device.type != "cuda":
-        result = cpu_plan(batch_per_rank, requested)
+        result = cpu_plan(batch_per_rank, requested, adapters=getattr(args, "lora_rank", 0) > 0)
     else:
         free, total = torch.cuda.mem_get_info(device)
         free = min(distributed.gather([free]))  # every rank must take the same micro-batches (collectives match)
@@ -331,6 +381,7 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise UsageError(f"cannot read the config of model {model_path!r} ({shown(reason)})") from None
         shape = model_shape(config)
+        rank = getattr(args, "lora_rank", 0)
         result = plan(
             shape,
             total=total,
@@ -343,6 +394,7 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
             critic=hasattr(args, "critic_lr"),
             fsdp_ranks=distributed.world_size() if args.fsdp else 1,
             element=2 if device.type in precision.bf16 else 4,
+            adapters=adapter_params(shape, rank, args.lora_target) if rank else 0,
         )
     distributed.print0(result.line)
     if not result.fits:

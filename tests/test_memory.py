@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from plumbing import UsageError, memory, training
+from plumbing import UsageError, lora, memory, training
 from plumbing.precision import FP32, choose_precision
 
 GiB = 2**30
@@ -79,11 +79,14 @@ def test_paper_model_has_its_published_size():
     assert memory.model_shape(QWEN_1_5B).params == 1_777_088_000  # "1.5B" counts the tied-size backbone; 1.78B untied
 
 
-def _saved_bytes_per_token(config, checkpointing: bool) -> float:
+def _saved_bytes_per_token(config, checkpointing: bool, lora_rank: int = 0) -> float:
     """Bytes autograd saves for the backward pass per response token of response_logprobs under bf16 autocast (the
-    slope between 4 rows of 256 and of 512 tokens, so the weights' bf16 copies and per-row terms cancel)."""
+    slope between 4 rows of 256 and of 512 tokens, so the weights' bf16 copies and per-row terms cancel); with
+    lora_rank, adapters on every linear layer of a frozen bf16 base, as a LoRA run trains."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().train()
+    if lora_rank:
+        lora.add_adapters(model, lora.lora_config(lora_rank, None, 0.0, lora.DEFAULT_TARGET), torch.bfloat16)
     if checkpointing:
         model.activation_checkpointing_enable()
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -359,3 +362,90 @@ def test_a_run_from_before_the_sampler_batch_setting_resumes_with_the_batch_it_s
     del saved["sampler_batch_tokens"]
     (tmp_path / "args.json").write_text(json.dumps(saved))
     assert settings.saved_settings(grpo.Args, tmp_path).sampler_batch_tokens == 2**16
+
+
+SMALL_QWEN = transformers.Qwen2Config(
+    hidden_size=256,
+    intermediate_size=1408,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=512,
+    tie_word_embeddings=False,
+    attn_implementation="sdpa",
+)
+
+
+@pytest.mark.parametrize("target", [lora.DEFAULT_TARGET, "q_proj,v_proj,down_proj"])
+def test_adapter_count_is_what_peft_trains(target):
+    model = transformers.AutoModelForCausalLM.from_config(SMALL_QWEN)
+    lora.add_adapters(model, lora.lora_config(8, None, 0.0, target))
+    trained = sum(p.numel() for p in lora.trainable_parameters(model))
+    assert memory.adapter_params(memory.model_shape(SMALL_QWEN), 8, target) == trained
+
+
+def test_lora_activations_stay_within_the_full_fine_tuning_term():
+    """LoRA's backward keeps each adapted layer's input for its adapter, not for the frozen weight: measured 5-10 %
+    below full fine-tuning at this size, so the plan counts activations as for full fine-tuning (an upper bound)."""
+    full = memory.activation_bytes_per_token(memory.model_shape(SMALL_QWEN), False) + 4 * SMALL_QWEN.vocab_size
+    measured = _saved_bytes_per_token(SMALL_QWEN, checkpointing=False, lora_rank=16)
+    assert 0.8 * full <= measured <= full
+
+
+def test_lora_fits_the_long_cot_run_on_24_gib_and_counts_no_reference():
+    shape = memory.model_shape(QWEN_1_5B)
+    adapters = memory.adapter_params(shape, 16)
+    assert 18e6 < adapters < 19e6  # 1 % of the model
+    plan = long_cot_plan(24, adapters=adapters)  # refused in full fine-tuning (the test above)
+    assert plan.fits and plan.peak_gb <= 24 - 0.5 - 0.05 * 24 - 1 and plan.vllm_gpu_memory_utilization >= 0.5
+    assert "reference: the base (adapters off)" in plan.line
+    # The state: a bf16 base (2 P) and the adapters' 16 bytes each, against 16 P + a 4 P reference in full
+    full, adapted = long_cot_plan(141, beta=0.0), long_cot_plan(141, beta=0.0, adapters=adapters)
+    assert full.micro_batch_size == adapted.micro_batch_size
+    assert (full.peak_gb - adapted.peak_gb) * GiB == pytest.approx(
+        (16 + 2 - 2) * shape.params - 16 * adapters - 2 * adapters, rel=0.02
+    )
+    with pytest.raises(UsageError, match="--lora-rank 16"):  # full fine-tuning's refusal names LoRA
+        long_cot_plan(24)
+
+
+def test_a_7b_model_with_lora_fits_24_gib_with_the_hf_sampler_not_beside_vllm():
+    shape = memory.model_shape(
+        transformers.Qwen2Config(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+        )
+    )
+    adapters = memory.adapter_params(shape, 16)
+    settings = dict(total=24 * GiB, free=int(23.5 * GiB), context=2048, batch_per_rank=128, beta=1e-4, requested={})
+    with pytest.raises(UsageError, match="--backend hf"):
+        memory.plan(shape, backend="vllm", adapters=adapters, **settings)
+    plan = memory.plan(shape, backend="hf", adapters=adapters, **settings)
+    assert plan.fits and plan.gradient_checkpointing
+    assert memory.plan(shape, backend="vllm", adapters=adapters, **{**settings, "total": 40 * GiB, "free": 39 * GiB})
+
+
+def test_a_lora_resume_sizes_from_its_base_models_config(monkeypatch, tmp_path):
+    """An adapter checkpoint has no config.json: the plan reads its base's (base_model.json)."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "base_model.json").write_text(json.dumps({"model": "some/base", "fingerprint": None}))
+    read = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(23.5 * GiB), 24 * GiB))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path, **kw: read.append(path) or QWEN_1_5B)
+    args = types.SimpleNamespace(
+        **dict.fromkeys(memory.KNOBS, "auto"),
+        batch_size=128,
+        fsdp=False,
+        context=2048,
+        backend="vllm",
+        beta=1e-4,
+        lora_rank=16,
+        lora_target=lora.DEFAULT_TARGET,
+    )
+    plan = memory.size_run(args, "cuda", choose_precision("bf16", "cuda"), str(tmp_path))
+    assert read == ["some/base"] and plan.adapters and plan.fits
