@@ -12,6 +12,8 @@ other step. Each step writes its figures, or its error, to one JSON file:
   real_shape_update     the update at the real DeepSeek-R1-Distill-Qwen-1.5B shape (random weights) at the micro-batch
                         the memory plan picks on this GPU, with the training state resident: peak memory beside the
                         plan's estimate; then micro-batch 4, and 8 with checkpointing; the no-grad pass's tokens/s
+  lora_update           the same with --lora-rank 16 (frozen bf16 base, fp32 adapters, no reference): peaks beside
+                        the plan's LoRA estimate, and the seconds of the vLLM sync's merge of every weight
   spo_tree_old_logprob_pass  SPO-tree's old-log-prob pass over every edge of paper-sized trees (6,6,6, 600-token
                         segments, 2K context) at the real shape: micro-batches of 8 against passes sized to free
                         memory (peak beside memory.no_grad_pass_bytes), and its share of pass + update
@@ -57,7 +59,7 @@ import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
 from conftest import make_tokenizer  # noqa: E402
-from plumbing import cli, engines, files, memory, models, ranges, runs, training, vllm_preflight  # noqa: E402
+from plumbing import cli, engines, files, lora, memory, models, ranges, runs, training, vllm_preflight  # noqa: E402
 from plumbing.memory import GiB, model_shape  # noqa: E402
 from plumbing.precision import choose_precision, gpu_has_bf16  # noqa: E402
 from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
@@ -114,6 +116,7 @@ class Args:
         "script_ppo",
         "script_spo_tree_vllm",
         "real_shape_update",
+        "lora_update",
         "spo_tree_old_logprob_pass",
         "hf_sampler",
         "reference_round_trip",
@@ -334,9 +337,10 @@ def run_script(name: str, args: Args) -> dict:
 # ----------------------------------------------------------------------------- the passes at the real shape
 
 
-def update_plan(device: str, context: int, free: int, total: int, requested: dict) -> memory.Plan:
+def update_plan(device: str, context: int, free: int, total: int, requested: dict, lora_rank: int = 0) -> memory.Plan:
     """memory.plan for SPO-tree's long-CoT run (batch 128, beta 1e-4, --backend hf) at the step's shape, with
-    `free` of `total` bytes (on a CPU a nominal 16 GiB: nothing is sized there, the formula still runs)."""
+    `free` of `total` bytes (on a CPU a nominal 16 GiB: nothing is sized there, the formula still runs); with
+    lora_rank, adapters of that rank on every linear layer."""
     shape = model_shape(Qwen2Config(**(QWEN_1_5B if device == "cuda" else QWEN_TOY)))
     element = 2 if device in choose_precision("auto", device).bf16 else 4
     beta = PAPER.get("beta", spo_tree.Args.beta)
@@ -350,6 +354,7 @@ def update_plan(device: str, context: int, free: int, total: int, requested: dic
         beta=beta,
         requested=requested,
         element=element,
+        adapters=memory.adapter_params(shape, lora_rank) if lora_rank else 0,
     )
 
 
@@ -431,6 +436,71 @@ def real_shape_update(args: Args) -> dict:
         response_logprobs(model if reference is None else reference, batch, 0.6, precision=precision)
         synchronize(device)
     results["no_grad_logprob_tokens_per_second"] = round(16 * response / (time.time() - started))
+    return results
+
+
+def lora_update(args: Args) -> dict:
+    """The update at the real shape with LoRA (--lora-rank 16 on every linear layer): the base frozen in the compute
+    precision (bf16 where the GPU has it), the adapters and their AdamW moments in fp32, no reference model (the policy
+    with its adapters off). At the micro-batch and checkpointing the plan picks with LoRA, then micro-batch 8: each
+    peak beside the plan's estimate. Then the vLLM sync's merge (lora.merged_parameters, every weight once, cast to
+    bf16 as the engine takes it): its seconds and its peak above the update's resident state."""
+    device, rank = args.device, 16
+    context = 64 if device == "cpu" else args.context
+    free, total = torch.cuda.mem_get_info() if device == "cuda" else (16 * GiB, 16 * GiB)
+    chosen = update_plan(device, context, free, total, {}, lora_rank=rank)  # before anything is loaded
+    precision = choose_precision("auto", device)
+    model = qwen(device)
+    base_dtype = torch.bfloat16 if device in precision.bf16 else None
+    lora.add_adapters(model, lora.lora_config(rank, None, 0.0, lora.DEFAULT_TARGET), base_dtype)
+    vocab = model.config.vocab_size
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-4)
+    model.train()
+    response_logprobs(model, collate(random_rows(1, 8, 8, vocab), 0, device), 0.6, precision=precision).sum().backward()
+    optimizer.step()  # the adapters' moments exist, B is no longer zero; the gradients stay, as mid-step
+    results = {
+        "trainable_parameters": sum(p.numel() for p in lora.trainable_parameters(model)),
+        "planned_adapters": memory.adapter_params(model_shape(model.config), rank),
+        "base_dtype": str(base_dtype or torch.float32),
+        "precision": precision.line,
+        "plan": chosen.line,
+        "free_gib_before": round(free / GiB, 1),
+    }
+    prompt, response = context // 4, context - context // 4
+    for rows, checkpointing in dict.fromkeys([(chosen.micro_batch_size, chosen.gradient_checkpointing), (8, False)]):
+        requested = {"micro_batch_size": rows, "gradient_checkpointing": checkpointing}
+        estimate = update_plan(device, context, free, total, requested, lora_rank=rank)
+        model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
+        batch = collate(random_rows(rows, prompt, response, vocab), 0, device)
+        synchronize(device)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        started = time.time()
+        response_logprobs(model, batch, 0.6, precision=precision).sum().backward()
+        synchronize(device)
+        results[f"mb{rows}{'_ckpt' if checkpointing else ''}"] = {
+            "seconds": round(time.time() - started, 2),
+            "peak_gib": peak_gib(device),
+            "estimated_gib": estimate.peak_gb,
+            "plan_picked_it": (rows, checkpointing) == (chosen.micro_batch_size, chosen.gradient_checkpointing),
+        }
+        batch = None
+    model.activation_checkpointing_disable()
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    resident = torch.cuda.memory_allocated() if device == "cuda" else 0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started, merged = time.time(), 0
+    for _, tensor in lora.merged_parameters(model):  # as VLLMSampler.load_weights streams them
+        merged += tensor.detach().to(torch.bfloat16).numel()
+    synchronize(device)
+    results["merge"] = {
+        "seconds": round(time.time() - started, 2),
+        "parameters": merged,
+        "peak_above_resident_gib": None if device != "cuda" else round((peak_gib(device) * GiB - resident) / GiB, 2),
+    }
     return results
 
 
@@ -758,6 +828,7 @@ STEPS = {
     **{f"script_{name}": (lambda args, name=name: run_script(name, args)) for name in SCRIPTS},
     "script_spo_tree_vllm": lambda args: run_script("spo_tree_vllm", args),
     "real_shape_update": real_shape_update,
+    "lora_update": lora_update,
     "spo_tree_old_logprob_pass": spo_tree_old_logprob_pass,
     "hf_sampler": hf_sampler,
     "reference_round_trip": reference_round_trip,

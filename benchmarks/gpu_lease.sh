@@ -222,6 +222,7 @@ check environment 120
 check models 120
 check script_spo_tree 180   # two iterations of spo_tree.py --backend hf, memory at auto, the reference parked
 check real_shape_update 180
+check lora_update 150       # the update with --lora-rank 16: its peak beside the plan's, the vLLM sync's merge
 check spo_tree_old_logprob_pass 180
 check hf_sampler 120
 check script_grpo 150

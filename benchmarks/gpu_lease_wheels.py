@@ -34,6 +34,7 @@ CARRIED = {
     "latex2sympy2-extended": "math-verify's",
     "antlr4-python3-runtime": "latex2sympy2-extended's",
     "transformers": "the machine's 5.17.0 lacks the 5.24 names plumbing/ calls",
+    "peft": "LoRA (plumbing/lora.py); the machine's version is not known",
 }
 VERSIONS = {"docstring-parser": "0.18.0", "typeguard": "4.6.1", "typing-extensions": "4.16.0"}  # unpinned there
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]

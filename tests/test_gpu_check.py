@@ -53,3 +53,17 @@ def test_a_step_that_fails_writes_its_error(tmp_path):
     result = gpu_check.main(gpu_check.Args(step="script_grpo", device="cpu", work=str(tmp_path)))
     assert "error" in result and "trace" in result
     assert json.loads((tmp_path / "script_grpo.json").read_text())["script_grpo"]["error"] == result["error"]
+
+
+def test_the_lora_step_trains_the_planned_adapters_and_times_the_merge(tmp_path):
+    """The lease's LoRA step at toy size: the adapters it trains are the ones the plan counts, both micro-batches run
+    beside an estimate, and the sync's merge covers every weight of the base."""
+    result = gpu_check.main(gpu_check.Args(step="lora_update", device="cpu", work=str(tmp_path)))
+    assert "error" not in result, result.get("trace")
+    assert result["trainable_parameters"] == result["planned_adapters"] > 0
+    picked = [key for key in result if key.startswith("mb") and result[key]["plan_picked_it"]]
+    assert len(picked) == 1 and "mb8" in result
+    assert all(result[key]["estimated_gib"] is not None for key in result if key.startswith("mb"))
+    assert "reference: the base (adapters off)" in result["plan"]
+    base = gpu_check.qwen("cpu")
+    assert result["merge"]["parameters"] == sum(p.numel() for p in base.parameters())

@@ -126,6 +126,8 @@ def assert_hf_steps(by_name: dict) -> None:
     update = by_name["real_shape_update"]["result"]
     assert set(update) >= {"mb8", "mb4", "mb8_ckpt", "no_grad_logprob_tokens_per_second", "plan"}
     assert update["mb8"]["plan_picked_it"] and update["mb8"]["estimated_gib"] is not None
+    adapted = by_name["lora_update"]["result"]
+    assert adapted["trainable_parameters"] == adapted["planned_adapters"] and adapted["merge"]["parameters"] > 0
     tree_pass = by_name["spo_tree_old_logprob_pass"]["result"]
     assert tree_pass["edges"] == 2 * (3 + 9) and tree_pass["logprob_max_difference"] == 0  # 2 toy trees 3,3; a CPU
     for name in ("micro_batch_8", "sized_to_memory"):
@@ -143,7 +145,8 @@ def test_the_lent_machines_rehearsal_runs_every_step(tmp_path):
     by_name = steps(report)
     assert code == 0, printed
     assert report["summary"]["failed"] == report["summary"]["timed out"] == [], printed
-    expected = ["wheels", "environment", "models", "script_spo_tree", "real_shape_update", "spo_tree_old_logprob_pass"]
+    expected = ["wheels", "environment", "models", "script_spo_tree", "real_shape_update", "lora_update"]
+    expected += ["spo_tree_old_logprob_pass"]
     expected += ["hf_sampler", "script_grpo", "script_spo_chain", "script_ppo", "reference_round_trip"]
     assert list(by_name) == expected  # no vLLM step on the lent machine: it has no vllm
     # the wheels: installed into a scratch path and used by every later step where they were downloaded (here); CI
