@@ -126,6 +126,9 @@ def test_adapter_checkpoint_resumes_evaluates_and_merges(digits, tmp_path, monke
     run_dir = next((tmp_path / "killed").iterdir())
     grpo.main(smoke_args(grpo, model_dir, data, tmp_path / "unused", **lora_args, resume=str(run_dir)))
     assert read_metrics(run_dir) == read_metrics(full["run_dir"])
+    # the HF sampler is the adapted training model itself: the sampler-vs-trainer gap is logged, at rounding (fp32)
+    gaps = [m["sampler/kl_per_token"] for m in read_metrics(run_dir) if "sampler/kl_per_token" in m]
+    assert len(gaps) == 3 and max(gaps) < 1e-6
     # a --lora-* setting changed on resume: refused in one line
     with pytest.raises(UsageError, match="--lora-rank"):
         grpo.main(
