@@ -9,7 +9,13 @@ Reported: each accuracy with its Wilson 95 % interval over the questions, and ea
 (and minus the starting model) with a paired 95 % bootstrap interval over questions, plus the discordant questions
 (right here and wrong there, and the reverse).
 
+Across seeds (--pool A.json B.json ...: learning_paired outputs, no evaluation): an algorithm minus the reference on
+every seed the files hold, each seed's paired difference, and their mean with a 95 % bootstrap interval that
+resamples the questions within each seed (a seed's runs answer its own held-out questions).
+
   python benchmarks/learning_paired.py       # after learning.py; about 8 minutes on 2 cores (6 evaluations)
+  python benchmarks/learning_paired.py --pool runs_a_paired.json runs_b_paired.json --algorithm spo_chain_int20 \
+      --reference grpo_mask_4x4 --out pooled.json
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ class Args:
     """the algorithm every other one is compared with"""
     resamples: ranges.PositiveInt = 10_000
     """bootstrap resamples of the questions"""
+    pool: tuple[Path, ...] = ()
+    """learning_paired outputs to pool across seeds (no evaluation): --algorithm minus --reference on every seed"""
+    algorithm: str = "spo_chain_int20"
+    """with --pool: the algorithm compared with --reference"""
 
 
 def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -62,6 +72,62 @@ def paired(a: list[float], b: list[float], resamples: int, seed: int = 0) -> dic
         "only_first_right": int((difference > 0).sum()),
         "only_second_right": int((difference < 0).sum()),
     }
+
+
+def across_seeds(per_seed: dict[str, tuple[list[float], list[float]]], resamples: int, seed: int = 0) -> dict:
+    """The mean over seeds of mean(a - b) over each seed's questions, with a 95 % bootstrap interval resampling the
+    questions within each seed, and each seed's own paired difference. per_seed: seed -> (a's scores, b's scores).
+
+    >>> across_seeds({"0": ([1, 1], [0, 1]), "1": ([1, 0], [1, 0])}, 200)["difference"]
+    0.25
+    """
+    generator = torch.Generator().manual_seed(seed)
+    means = torch.zeros(resamples, dtype=torch.float64)
+    for a, b in per_seed.values():
+        difference = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+        index = torch.randint(0, len(a), (resamples, len(a)), generator=generator)
+        means += difference[index].mean(dim=1) / len(per_seed)
+    return {
+        "difference": sum((sum(a) - sum(b)) / len(a) for a, b in per_seed.values()) / len(per_seed),
+        "ci": [means.quantile(0.025).item(), means.quantile(0.975).item()],
+        "seeds": {seed: paired(a, b, resamples) for seed, (a, b) in per_seed.items()},
+    }
+
+
+def pool(args: Args) -> None:
+    """--pool: --algorithm minus --reference on every seed of the given learning_paired outputs, and across them."""
+    per_seed = {}
+    for path in args.pool:
+        if not path.is_file():
+            raise UsageError(f"--pool {path}: no such file; run benchmarks/learning_paired.py --learning ... first")
+        for seed, result in json.loads(path.read_text())["seeds"].items():
+            scores = result["scores"]
+            if args.algorithm not in scores or args.reference not in scores:
+                raise UsageError(
+                    f"{path}: seed {seed} has scores of {sorted(scores)}, not {args.algorithm} and {args.reference}"
+                )
+            if seed in per_seed:
+                raise UsageError(f"--pool: seed {seed} is in two files; give each seed once")
+            per_seed[seed] = (scores[args.algorithm], scores[args.reference])
+    result = across_seeds(dict(sorted(per_seed.items())), args.resamples)
+    out = {
+        "cpu": cpu_description(),
+        "code": runs.code_state(),
+        "pool": [str(p) for p in args.pool],
+        "algorithm": args.algorithm,
+        "reference": args.reference,
+        **result,
+    }
+    for seed, row in result["seeds"].items():
+        low, high = row["ci"]
+        print(
+            f"seed {seed}: {args.algorithm} - {args.reference} {row['difference']:+.3f} [{low:+.3f}, {high:+.3f}] "
+            f"({row['only_first_right']} / {row['only_second_right']} discordant)"
+        )
+    low, high = result["ci"]
+    print(f"across {len(per_seed)} seeds: {result['difference']:+.3f} [{low:+.3f}, {high:+.3f}]")
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"-> {args.out}")
 
 
 def flag(run: dict, name: str) -> str:
@@ -93,6 +159,8 @@ def evaluate(model: str, run: dict, output: Path) -> list[float]:
 def main(args: Args) -> None:
     if problems := ranges.problems(args):
         raise UsageError("; ".join(problems))
+    if args.pool:
+        return pool(args)
     if not args.learning.is_file():
         raise UsageError(f"--learning {args.learning}: no such file; run benchmarks/learning.py first")
     learning = json.loads(args.learning.read_text())

@@ -98,3 +98,25 @@ def test_missing_checkpoints_and_reference_are_named(tmp_path, monkeypatch):
     (tmp_path / "runs" / "spo_tree" / "checkpoint").rmdir()
     with pytest.raises(UsageError, match="have no checkpoint any more"):
         lp.main(lp.Args(learning=path, out=tmp_path / "paired.json"))
+
+
+def test_seeds_pool_as_the_mean_of_their_paired_differences(tmp_path):
+    def paired_output(path: Path, seeds: dict[str, tuple[list[int], list[int]]]) -> Path:
+        path.write_text(json.dumps({"seeds": {s: {"scores": {"int20": a, "mask": b}} for s, (a, b) in seeds.items()}}))
+        return path
+
+    one = paired_output(tmp_path / "a.json", {"2": ([1, 1, 1, 1], [1, 0, 1, 0])})  # +0.5
+    two = paired_output(tmp_path / "b.json", {"0": ([1, 0, 1, 1], [1, 0, 1, 1]), "1": ([1, 1, 0, 0], [0, 1, 0, 0])})
+    out = tmp_path / "pooled.json"
+    lp.main(lp.Args(pool=(one, two), algorithm="int20", reference="mask", out=out, resamples=500))
+    result = json.loads(out.read_text())
+    assert result["difference"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert [result["seeds"][s]["difference"] for s in ("0", "1", "2")] == [0.0, 0.25, 0.5]
+    assert result["ci"][0] <= result["difference"] <= result["ci"][1]
+    # questions resampled within seeds: a seed whose runs agree on every question adds no spread
+    same = lp.across_seeds({"0": ([1, 0], [1, 0]), "1": ([0, 1], [0, 1])}, 100)
+    assert same["difference"] == 0 and same["ci"] == [0, 0]
+    with pytest.raises(UsageError, match="seed 2 is in two files"):
+        lp.main(lp.Args(pool=(one, one), algorithm="int20", reference="mask", out=out))
+    with pytest.raises(UsageError, match="not ppo and mask"):
+        lp.main(lp.Args(pool=(one,), algorithm="ppo", reference="mask", out=out))
