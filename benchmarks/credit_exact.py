@@ -58,6 +58,10 @@ final accuracy (benchmarks/learning.py), long responses (here 2-5 tokens, so int
 SPO-tree's segments are M = 2 tokens), real language, or a critic trained over a whole run (here it sees a few
 batches of a frozen policy, with --critic-lr chosen for this small model, not the paper's 1e-6).
 
+--task critical swaps the task: digits 0 and 1, a prompt of three bits, reward 1 for the key bit (their parity), then
+exactly --filler bits of any value, then EOS (--horizon --filler + 2; CRITICAL): one early token decides the reward.
+The same enumeration, sampler and estimators run on it.
+
 Defaults take about 4 minutes on 2 CPU cores (one torch thread); training PPO's critics is half of it.
 
   python benchmarks/credit_exact.py                       # writes benchmarks/results/credit_exact.{json,png}
@@ -78,6 +82,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -108,8 +113,14 @@ class Args:
     """results JSON (the PNG is written beside it)"""
     tiny: bool = False
     "a seconds-long run for the tests: horizon 4, two prompts, three seeds, budgets 16 and 64 (overrides those flags)"
+    task: Literal["sum", "critical"] = "sum"
+    """sum: digits that add up to the prompt's (0-3, the default); critical: one key bit, then --filler free bits
+    (CRITICAL's docstring): a reward that one early token decides"""
+    filler: ranges.PositiveInt = 6
+    """--task critical: the free bits after the key bit (--horizon must be --filler + 2)"""
     prompts: list[str] = field(default_factory=lambda: ["11", "12", "22", "13", "23", "33"])
-    """prompts as two digits a b (0-3); the response's digits must add up to a + b"""
+    """prompts as two digits a b (0-3); the response's digits must add up to a + b (--task critical: three bits,
+    e.g. 011, whose parity is the key)"""
     horizon: ranges.PositiveInt = 8
     """response token budget (max new tokens); a response without EOS by then is unfinished and scores 0"""
     temperature: ranges.PositiveFloat = 0.6
@@ -180,18 +191,31 @@ TINY = dict(
 
 EOS, DIGITS = 0, 4  # token 0 ends a response; token d + 1 is the digit d
 VOCAB = DIGITS + 1
+# The critical-token task: digits 0 and 1 (tokens 1, 2) and EOS; a prompt of three bits; reward 1 for the key bit (the
+# prompt's parity), then exactly --filler bits of any value, then EOS. Only the first token and where EOS falls decide
+# the reward; the filler bits do not, so credit given to the whole response spreads over --filler irrelevant tokens.
+CRITICAL = dict(digits=2, prompts=["000", "001", "010", "011", "100", "101", "110", "111"])
+CRITICAL_LENGTH_MISTAKES = 0.1  # share of the critical corpus with one filler bit too many or too few
+TASK_DIGITS = {"sum": DIGITS, "critical": CRITICAL["digits"]}
 
 
 # ----------------------------------------------------------------------------------------------
 # The policy: a tiny Llama pre-trained on a synthetic corpus
 
 
-def parse_prompt(text: str) -> tuple[list[int], int]:
-    """Prompt ids and target of a prompt written as two digits.
+def parse_prompt(text: str, task: str = "sum") -> tuple[list[int], int]:
+    """Prompt ids and target of a prompt written as two digits (--task critical: three bits; the target is the key
+    bit, their parity).
 
     >>> parse_prompt("23")
     ([3, 4], 5)
+    >>> parse_prompt("011", "critical")
+    ([1, 2, 2], 0)
     """
+    if task == "critical":
+        if len(text) != 3 or not all(c in "01" for c in text):
+            raise ValueError(f"prompt {text!r}: write three bits, e.g. 011")
+        return [int(c) + 1 for c in text], sum(int(c) for c in text) % 2
     if len(text) != 2 or not all(c in "0123" for c in text):
         raise ValueError(f"prompt {text!r}: write two digits 0-3, e.g. 23")
     return [int(c) + 1 for c in text], sum(int(c) for c in text)
@@ -214,17 +238,43 @@ def corpus_response(target: int, mistake_rate: float, rng: random.Random) -> lis
     return digits
 
 
+def critical_response(key: int, filler: int, mistake_rate: float, rng: random.Random) -> list[int]:
+    """One critical-task corpus response (digits, EOS not included): the key bit, wrong with probability
+    mistake_rate / 2, then `filler` random bits, one more or one fewer in CRITICAL_LENGTH_MISTAKES of the corpus.
+
+    >>> critical_response(1, 3, 0.0, random.Random(0))
+    [1, 1, 0, 1]
+    """
+    first = key if rng.random() >= mistake_rate / 2 else 1 - key
+    length = filler
+    if rng.random() < CRITICAL_LENGTH_MISTAKES:
+        length += rng.choice([-1, 1])
+    return [first] + [rng.randint(0, 1) for _ in range(length)]
+
+
+def corpus_row(args: Args, rng: random.Random) -> list[int]:
+    """One pre-training sequence of the task: a random prompt, its corpus response, EOS."""
+    if args.task == "critical":
+        prompt, key = parse_prompt("".join(str(rng.randint(0, 1)) for _ in range(3)), "critical")
+        digits = critical_response(key, args.filler, args.mistake_rate, rng)
+    else:
+        prompt, target = parse_prompt(f"{rng.randint(0, 3)}{rng.randint(0, 3)}")
+        digits = corpus_response(target, args.mistake_rate, rng)
+    return prompt + [d + 1 for d in digits][: args.horizon - 1] + [EOS]
+
+
 def make_policy(args: Args) -> tuple[LlamaForCausalLM, float]:
-    """The tiny Llama (built from a config: no download), pre-trained on the corpus of every two-digit prompt; returns
-    it in eval mode and its last pre-training loss."""
+    """The tiny Llama (built from a config: no download), pre-trained on the corpus of every prompt of the task;
+    returns it in eval mode and its last pre-training loss."""
+    prompt_length = 3 if args.task == "critical" else 2
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=TASK_DIGITS[args.task] + 1,
         hidden_size=args.hidden_size,
         intermediate_size=2 * args.hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2 + args.horizon + 1,
+        max_position_embeddings=prompt_length + args.horizon + 1,
         pad_token_id=EOS,
         eos_token_id=EOS,
         bos_token_id=None,
@@ -235,17 +285,12 @@ def make_policy(args: Args) -> tuple[LlamaForCausalLM, float]:
     rng, optimizer = random.Random(args.policy_seed), torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr)
     loss = torch.tensor(math.nan)
     for _ in range(args.pretrain_steps):
-        rows = []
-        for _ in range(args.pretrain_batch):
-            prompt, target = parse_prompt(f"{rng.randint(0, 3)}{rng.randint(0, 3)}")
-            rows.append(
-                prompt + [d + 1 for d in corpus_response(target, args.mistake_rate, rng)][: args.horizon - 1] + [EOS]
-            )
+        rows = [corpus_row(args, rng) for _ in range(args.pretrain_batch)]
         width = max(map(len, rows))
         input_ids = torch.tensor([row + [EOS] * (width - len(row)) for row in rows])  # [batch, width]
         attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])  # [batch, width]
         labels = input_ids.masked_fill(attention == 0, -100)
-        labels[:, :2] = -100  # the prompt is given, not learned
+        labels[:, :prompt_length] = -100  # the prompt is given, not learned
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -258,7 +303,7 @@ def make_policy(args: Args) -> tuple[LlamaForCausalLM, float]:
 # The exact answer: every continuation of every prefix
 
 
-def digit_sums(length: int) -> np.ndarray:
+def digit_sums(length: int, digits: int = DIGITS) -> np.ndarray:
     """[DIGITS**length]: the digit sum of every `length`-digit prefix, prefixes numbered in base DIGITS (first digit
     most significant), as in Exact.
 
@@ -267,14 +312,30 @@ def digit_sums(length: int) -> np.ndarray:
     """
     sums = np.zeros(1, dtype=np.int64)
     for _ in range(length):
-        sums = (sums[:, None] + np.arange(DIGITS)[None]).reshape(-1)
+        sums = (sums[:, None] + np.arange(digits)[None]).reshape(-1)
     return sums
+
+
+def finish_rewards(task: str, target: int, length: int, filler: int = 0) -> np.ndarray:
+    """[digits**length]: the reward of ending (EOS) after each `length`-digit prefix, numbered as digit_sums does.
+    sum: 1 where the digits add up to the target; critical: 1 where the prefix is the key bit (the target) and
+    `filler` more bits.
+
+    >>> finish_rewards("critical", 1, 3, filler=2).tolist()  # 3 bits: 4 prefixes start with 1
+    [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    """
+    digits = TASK_DIGITS[task]
+    if task == "sum":
+        return (digit_sums(length, digits) == target).astype(float)
+    if length != filler + 1:
+        return np.zeros(digits**length)
+    return (np.arange(digits**length) // digits ** (length - 1) == target).astype(float)
 
 
 @dataclass
 class Exact:
-    """One prompt's exact answer. A prefix of k digits is numbered i = sum of d_j * DIGITS**(k-1-j); its child with
-    digit d is i * DIGITS + d.
+    """One prompt's exact answer. A prefix of k digits is numbered i = sum of d_j * D**(k-1-j) (D = digits: 4 for the
+    sum task, 2 for the critical one); its child with digit d is i * D + d.
     probs[k]   [DIGITS**k, VOCAB]: next-token distribution after each k-digit prefix (k < horizon)
     reach[k]   [DIGITS**k]: probability that a response starts with each k-digit prefix
     values[k]  [DIGITS**k]: V(prompt + the k digits), the expected reward of its continuations; values[horizon] = 0
@@ -285,6 +346,8 @@ class Exact:
     probs: list[np.ndarray]
     reach: list[np.ndarray]
     values: list[np.ndarray]
+    digits: int = DIGITS  # the response's digits (the base prefixes are numbered in)
+    finish: list[np.ndarray] = field(default_factory=list)  # finish[k]: finish_rewards of the k-digit prefixes
 
     @property
     def horizon(self) -> int:
@@ -294,10 +357,14 @@ class Exact:
         """V(prompt + prefix); a prefix that ends with EOS is a finished response, worth its reward."""
         if prefix and prefix[-1] == EOS:
             return reward(self, prefix, "stop")
+        return float(self.values[len(prefix)][self.number(prefix)])
+
+    def number(self, digits: list[int]) -> int:
+        """The number of a prefix of digit tokens (first digit most significant, in base self.digits)."""
         index = 0
-        for token in prefix:
-            index = index * DIGITS + token - 1
-        return float(self.values[len(prefix)][index])
+        for token in digits:
+            index = index * self.digits + token - 1
+        return index
 
     def advantages(self, response: list[int]) -> list[float]:
         """A*_t = V(prompt + y_<=t) - V(prompt + y_<t) of every token of a response (they add up to R - V(prompt))."""
@@ -309,7 +376,7 @@ class Exact:
         probs, index = [], 0
         for t, token in enumerate(response):
             probs.append(float(self.probs[t][index, token]))
-            index = index * DIGITS + token - 1
+            index = index * self.digits + token - 1
         return probs
 
     def expected_length(self) -> float:
@@ -323,23 +390,32 @@ class Exact:
 
 
 def reward(exact: Exact, response: list[int], finish_reason: str) -> float:
-    """1 when the response finished (EOS) and its digits add up to the target, else 0 (unfinished: 0)."""
-    return float(finish_reason == "stop" and sum(token - 1 for token in response[:-1]) == exact.target)
+    """1 when the response finished (EOS) as its task rewards (sum: its digits add up to the target; critical: the key
+    bit, then --filler bits), else 0 (unfinished: 0)."""
+    if not exact.finish:  # a table built by hand: the sum task's rule
+        return float(finish_reason == "stop" and sum(token - 1 for token in response[:-1]) == exact.target)
+    return float(finish_reason == "stop" and exact.finish[len(response) - 1][exact.number(response[:-1])] > 0)
 
 
 @torch.no_grad()
 def enumerate_exact(
-    model, prompt: list[int], target: int, horizon: int, temperature: float, micro_batch_size: int
+    model,
+    prompt: list[int],
+    target: int,
+    horizon: int,
+    temperature: float,
+    micro_batch_size: int,
+    task: str = "sum",
+    filler: int = 0,
 ) -> Exact:
     """The exact answer for one prompt: one forward pass per prefix (the prefixes of a length in batches, no padding),
     then the values from the horizon back to the prompt. Probabilities in float64 from logits / temperature."""
+    base = TASK_DIGITS[task]
     probs, reach = [], [np.ones(1)]
     for k in range(horizon):
-        index = np.arange(DIGITS**k)
+        index = np.arange(base**k)
         digits = (
-            np.stack([index // DIGITS ** (k - 1 - j) % DIGITS for j in range(k)], axis=1)
-            if k
-            else np.zeros((1, 0), int)
+            np.stack([index // base ** (k - 1 - j) % base for j in range(k)], axis=1) if k else np.zeros((1, 0), int)
         )
         # [4^k, P + k]
         input_ids = torch.cat([torch.tensor(prompt).expand(len(index), -1), torch.from_numpy(digits + 1)], dim=1)
@@ -348,19 +424,20 @@ def enumerate_exact(
         )
         probs.append(torch.softmax(logits.double() / temperature, dim=-1).cpu().numpy())  # [4^k, VOCAB]
         reach.append((reach[-1][:, None] * probs[-1][:, 1:]).reshape(-1))
-    values = [np.zeros(DIGITS**horizon)]
+    finish = [finish_rewards(task, target, k, filler) for k in range(horizon)]
+    values = [np.zeros(base**horizon)]
     for k in reversed(range(horizon)):
-        finished = probs[k][:, EOS] * (digit_sums(k) == target)  # EOS now: reward 1 when the digits add up
-        values.insert(0, finished + (probs[k][:, 1:] * values[0].reshape(-1, DIGITS)).sum(-1))
-    return Exact(prompt=list(prompt), target=target, probs=probs, reach=reach[:-1], values=values)
+        finished = probs[k][:, EOS] * finish[k]  # EOS now: its reward
+        values.insert(0, finished + (probs[k][:, 1:] * values[0].reshape(-1, base)).sum(-1))
+    return Exact(list(prompt), target, probs, reach[:-1], values, digits=base, finish=finish)
 
 
 def rewarded_responses(exact: Exact) -> tuple[list[list[int]], list[float]]:
     """Every response with reward 1 (its digits, then EOS) and its probability P(y)."""
     responses, weights = [], []
     for k in range(exact.horizon):
-        for index in np.flatnonzero(digit_sums(k) == exact.target):
-            digits = [int(index) // DIGITS ** (k - 1 - j) % DIGITS for j in range(k)]
+        for index in np.flatnonzero(exact.finish[k] > 0):
+            digits = [int(index) // exact.digits ** (k - 1 - j) % exact.digits for j in range(k)]
             responses.append([d + 1 for d in digits] + [EOS])
             weights.append(float(exact.reach[k][index] * exact.probs[k][index, EOS]))
     return responses, weights
@@ -448,17 +525,19 @@ class ExactSampler:
         """n continuations of prompt + prefix of at most `limit` tokens; all n advance one token per step together."""
         index = np.zeros(n, dtype=np.int64)  # the prefix's number at its length, then each continuation's
         for token in prefix:
-            index = index * DIGITS + token - 1
+            index = index * exact.digits + token - 1
         tokens, alive, finished = np.zeros((n, limit), dtype=np.int64), np.ones(n, dtype=bool), np.zeros(n, dtype=bool)
         lengths = np.zeros(n, dtype=np.int64)
         for step in range(limit):
             rows = np.flatnonzero(alive)
             cdf = exact.probs[len(prefix) + step][index[rows]].cumsum(-1)  # [alive, VOCAB]
-            drawn = np.minimum((cdf < self.rng.random(len(rows))[:, None] * cdf[:, -1:]).sum(-1), VOCAB - 1)  # [alive]
+            drawn = np.minimum(
+                (cdf < self.rng.random(len(rows))[:, None] * cdf[:, -1:]).sum(-1), exact.digits
+            )  # [alive]
             tokens[rows, step], lengths[rows] = drawn, step + 1
             finished[rows[drawn == EOS]] = True
             alive[rows[drawn == EOS]] = False
-            index[rows] = index[rows] * DIGITS + drawn - 1  # (rows that drew EOS are not read again)
+            index[rows] = index[rows] * exact.digits + drawn - 1  # (rows that drew EOS are not read again)
             if not alive.any():
                 break
         self.tokens += int(lengths.sum())
@@ -1192,17 +1271,7 @@ def print_table(results: dict) -> None:
 
 
 def validate(args: Args) -> None:
-    problems = ranges.problems(args)  # every number against the range its field declares
-    try:
-        [parse_prompt(text) for text in args.prompts]
-    except ValueError as error:
-        problems.append(f"--prompts: {error}")
-    if not args.prompts:
-        problems.append("--prompts needs at least one value")
-    if not 2 <= args.horizon <= 9:
-        problems.append(
-            f"--horizon {args.horizon}: 2 to 9 (the enumeration holds 4^horizon unfinished responses per prompt)"
-        )
+    problems = ranges.problems(args) + task_problems(args)  # every number against its field's range; the task
     if (args.tree_depth - 1) * args.segment_tokens >= args.horizon:
         problems.append(
             "the levels above SPO-tree's last ((--tree-depth - 1) x --segment-tokens) must be shorter than --horizon"
@@ -1213,6 +1282,30 @@ def validate(args: Args) -> None:
         )
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def task_problems(args) -> list[str]:
+    """What is wrong with --task, --prompts, --filler and --horizon together (`args`: this module's Args or
+    learning_exact's)."""
+    problems = []
+    try:
+        [parse_prompt(text, args.task) for text in args.prompts]
+    except ValueError as error:
+        problems.append(f"--prompts: {error}")
+    if not args.prompts:
+        problems.append("--prompts needs at least one value")
+    if args.task == "critical" and args.horizon != args.filler + 2:
+        problems.append(
+            f"--horizon {args.horizon}: --task critical needs --filler + 2 ({args.filler + 2}: the key bit, the "
+            "filler, EOS)"
+        )
+    elif args.task == "critical" and args.horizon > 16:
+        problems.append(f"--filler {args.filler}: at most 14 (the enumeration holds 2^horizon responses per prompt)")
+    elif args.task == "sum" and not 2 <= args.horizon <= 9:
+        problems.append(
+            f"--horizon {args.horizon}: 2 to 9 (the enumeration holds 4^horizon unfinished responses per prompt)"
+        )
+    return problems
 
 
 def machine() -> dict:
@@ -1248,9 +1341,18 @@ def machine() -> dict:
 # Main
 
 
+def task_defaults(args):
+    """--task critical with the sum task's default prompts: the eight three-bit prompts instead (`args`: this module's
+    Args or learning_exact's)."""
+    if args.task == "critical" and args.prompts == type(args)().prompts:
+        return dataclasses.replace(args, prompts=list(CRITICAL["prompts"]))
+    return args
+
+
 def main(args: Args) -> dict:
     if args.tiny:
         args = dataclasses.replace(args, **TINY)
+    args = task_defaults(args)
     validate(args)
     torch.set_num_threads(args.threads)
     started, seconds = time.time(), {}
@@ -1260,7 +1362,15 @@ def main(args: Args) -> dict:
     seconds["pretrain"] = time.time() - started
     step = time.time()
     exacts = [
-        enumerate_exact(model, *parse_prompt(text), args.horizon, args.temperature, args.micro_batch_size)
+        enumerate_exact(
+            model,
+            *parse_prompt(text, args.task),
+            args.horizon,
+            args.temperature,
+            args.micro_batch_size,
+            args.task,
+            args.filler,
+        )
         for text in args.prompts
     ]
     exact_grad = exact_gradient(model, exacts, args.temperature, args.micro_batch_size)
@@ -1324,7 +1434,9 @@ def main(args: Args) -> dict:
                         "value": float(exact.values[0][0]),
                         "expected_length": exact.expected_length(),
                         "low_probability_share": exact.low_probability_share(args.prob_threshold),
-                        "responses_enumerated": int(sum(DIGITS**k for k in range(args.horizon)) + DIGITS**args.horizon),
+                        "responses_enumerated": int(
+                            sum(exact.digits**k for k in range(args.horizon)) + exact.digits**args.horizon
+                        ),
                     }
                     for text, exact in zip(args.prompts, exacts)
                 ],

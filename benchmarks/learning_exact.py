@@ -73,7 +73,17 @@ final J mostly measures stability. The critic's learning rate (--critic-lr) is f
 the exact V falls from 0.42 to 0.004-0.03 over a run). Two tuning seeds make a noisy choice among learning rates 3x
 apart. Spend per iteration is equal only at the start (see above).
 
+The critical-token task and the token axis (not yet run at full size). --task
+critical (credit_exact.CRITICAL): three-bit prompts, and the reward is 1 for the key bit (the prompt's parity) followed
+by exactly --filler bits of any value and EOS, so one early token decides the reward and credit given to the whole
+response spreads over --filler irrelevant tokens; the prediction it tests: if segment credit helps, SPO's lead over
+GRPO grows with --filler. --token-budget B stops every run at B sampled tokens per prompt, chooses each setting's
+rate by the area under J against cumulative tokens to B (final J measures stability more than speed), and reports J
+at B / 4, B / 2 and B interpolated per seed; --common-lr adds every setting at one rate, untuned.
+
   python benchmarks/learning_exact.py                      # writes benchmarks/results/learning_exact.{json,png}
+  python benchmarks/learning_exact.py --task critical --filler 6 --horizon 8 --token-budget 1000 --iterations 200 \
+      --common-lr 1e-3 --tuning-seeds 1000 1001 1002 1003 --out /tmp/critical6.json
   python benchmarks/learning_exact.py --settings grpo spo_tree_uniform spo_tree_depth --seeds 0 1 2 --out /tmp/le.json
   python benchmarks/learning_exact.py --tiny --out /tmp/tiny.json   # seconds: what the tests run
 """
@@ -91,6 +101,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -131,7 +142,14 @@ class Args:
     tuning_seeds: ranges.Seeds = field(default_factory=lambda: [1000, 1001])
     """seeds of the learning-rate sweep (must not be reported seeds)"""
     iterations: ranges.PositiveInt = 30
-    """iterations per run: one rollout and that script's update each, then the exact J and KL"""
+    """iterations per run: one rollout and that script's update each, then the exact J and KL (with --token-budget:
+    the most a run may take)"""
+    token_budget: ranges.NonNegativeInt = 0
+    """B > 0: every run stops once it has sampled B tokens per prompt (cumulative), the learning rate is chosen by the
+    area under J against cumulative tokens from 0 to B (not final J), and J is reported at B / 4, B / 2 and B,
+    interpolated per seed; 0: iterations are the axis (the run's fractions, final J)"""
+    common_lr: ranges.NonNegativeFloat = 0.0
+    """> 0: every setting also runs at this one learning rate on the reported seeds (no tuning), reported beside"""
     budget: ranges.PositiveInt = 128
     """sampled tokens per prompt per iteration (responses, MC continuations, tree nodes): each setting gets the size
     whose cost on the start policy is closest"""
@@ -157,8 +175,14 @@ class Args:
     """processes running the (setting, learning rate, seed) runs side by side, one torch thread each"""
 
     # The task and the policy (credit_exact's)
+    task: Literal["sum", "critical"] = "sum"
+    """sum: digits that add up to the prompt's (the default); critical: a key bit then --filler free bits, the reward
+    decided by the first token (credit_exact.CRITICAL)"""
+    filler: ranges.PositiveInt = 4
+    """--task critical: free bits after the key bit (--horizon must be --filler + 2)"""
     prompts: list[str] = field(default_factory=lambda: ["11", "12", "22", "13", "23", "33"])
-    """prompts as two digits a b (0-3); the response's digits must add up to a + b"""
+    """prompts as two digits a b (0-3); the response's digits must add up to a + b (--task critical: three bits;
+    the default there: all eight)"""
     horizon: ranges.PositiveInt = 6
     """response token budget (max new tokens); a response without EOS by then is unfinished and scores 0"""
     temperature: ranges.PositiveFloat = 0.6
@@ -217,6 +241,8 @@ TINY = dict(
 )
 
 POLICY_FIELDS = (
+    "task",
+    "filler",
     "prompts",
     "horizon",
     "temperature",
@@ -254,7 +280,15 @@ def enumerate_policy(model, args: Args) -> list[ce.Exact]:
     """credit_exact.enumerate_exact for every prompt: the current policy's exact tables and values."""
     model.eval()
     return [
-        ce.enumerate_exact(model, *ce.parse_prompt(text), args.horizon, args.temperature, args.micro_batch_size)
+        ce.enumerate_exact(
+            model,
+            *ce.parse_prompt(text, args.task),
+            args.horizon,
+            args.temperature,
+            args.micro_batch_size,
+            args.task,
+            args.filler,
+        )
         for text in args.prompts
     ]
 
@@ -545,12 +579,16 @@ def train_run(name: str, lr: float, seed: int, world: World, args: Args) -> tupl
         "stats": [],
     }
     for iteration in range(1, args.iterations + 1):
+        if args.token_budget and sum(curve["tokens"]) >= args.token_budget:
+            break  # the budget is spent: J past it is interpolated to B, the last iteration's overshoot unused
         sampler = ce.ExactSampler(exacts, args.temperature, seed=seed * 1_000_003 + iteration)
         rng = reseed(seed, iteration, sampler)  # torch (the update's shuffles) and the iteration's random.Random
         try:
             stats = ITERATIONS[learner.family](learner, sampler, exacts, iteration, rng)
         except UsageError as error:  # the script's own stop (three non-finite losses in a row): the policy stays
             curve["stopped"] = {"iteration": iteration, "reason": str(error)}
+            if args.token_budget:  # on the token axis the curve ends: its last J holds for the rest of the budget
+                break
             pad = args.iterations + 1 - iteration
             curve["J"], curve["kl"] = curve["J"] + [curve["J"][-1]] * pad, curve["kl"] + [curve["kl"][-1]] * pad
             curve["tokens"] += [0.0] * pad
@@ -632,8 +670,50 @@ def plan_sizes(exacts: list[ce.Exact], names: list[str], args: Args) -> tuple[di
     return sizes, costs
 
 
+def cumulative_tokens(run: dict) -> np.ndarray:
+    """[len(J)]: sampled tokens per prompt spent before each J of the run (0 before the first iteration)."""
+    return np.concatenate([[0.0], np.cumsum(run["tokens"])])[: len(run["J"])]
+
+
+def at_tokens(run: dict, tokens, key: str = "J") -> np.ndarray:
+    """The run's J (or `key`: "kl") after `tokens` sampled tokens per prompt: linear between its iterations, its last
+    value after its last iteration.
+
+    >>> at_tokens({"J": [0.2, 0.4, 0.8], "tokens": [10, 30]}, [0, 5, 10, 25, 40, 99]).round(6).tolist()
+    [0.2, 0.3, 0.4, 0.6, 0.8, 0.8]
+    """
+    return np.interp(np.asarray(tokens, dtype=float), cumulative_tokens(run), run[key])
+
+
+def area_under(run: dict, budget: float) -> float:
+    """The area under J against cumulative sampled tokens per prompt from 0 to `budget`, over `budget`: the run's mean
+    J over its first `budget` tokens (J linear between iterations), which rewards early and lasting gains alike.
+
+    >>> area_under({"J": [0.0, 1.0], "tokens": [10]}, 20)  # 0 -> 1 over the first 10 tokens, then 1
+    0.75
+    """
+    grid = cumulative_tokens(run)
+    points = np.concatenate([grid[grid < budget], [budget]])
+    return float(np.trapezoid(at_tokens(run, points), points) / budget)
+
+
+def token_marks(budget: int) -> dict[str, float]:
+    """The token budgets at which J is reported with --token-budget: B / 4, B / 2, B.
+
+    >>> token_marks(400)
+    {'25%': 100.0, '50%': 200.0, '100%': 400.0}
+    """
+    return {f"{p}%": budget * p / 100 for p in (25, 50, 100)}
+
+
+def rate_score(curve: dict, args: Args) -> float:
+    """What the sweep maximises for one run: its area under J to --token-budget, or (without one) its final J."""
+    return area_under(curve, args.token_budget) if args.token_budget else curve["J"][-1]
+
+
 def best_lr(final: dict[float, list[float]]) -> float:
-    """The learning rate with the highest mean final J over the tuning seeds (ties: the smaller).
+    """The learning rate with the highest mean score (final J, or the area under J to the token budget) over the
+    tuning seeds (ties: the smaller).
 
     >>> best_lr({1e-3: [0.5, 0.6], 3e-3: [0.7, 0.6], 1e-2: [0.2, 0.9]})
     0.003
@@ -656,7 +736,8 @@ def extension(grid: list[float], best: float, step: float) -> tuple[str, float] 
 
 
 def sweep(names: list[str], world: World, args: Args) -> dict[str, dict]:
-    """Each setting's learning rate: every value of the grid on every tuning seed, chosen by mean final J; a best value
+    """Each setting's learning rate: every value of the grid on every tuning seed, chosen by the mean rate_score (final
+    J, or with --token-budget the area under J against tokens); a best value
     on the grid's edge extends the grid by one step on that side and the new value is run (at most
     args.max_extensions times). Returns per setting the grid, each value's final J per tuning seed, the choice, the
     extensions made and whether the choice is still on an edge."""
@@ -665,7 +746,7 @@ def sweep(names: list[str], world: World, args: Args) -> dict[str, dict]:
     for round_ in range(args.max_extensions + 1):
         jobs = [(name, lr, seed) for name, lr in pending for seed in args.tuning_seeds]
         for (name, lr, _), curve in zip(jobs, run_all(jobs, world, args)):
-            results[name]["final_J"].setdefault(lr, []).append(curve["J"][-1])
+            results[name]["final_J"].setdefault(lr, []).append(rate_score(curve, args))
             results[name]["curves"].append(curve)
         pending = []
         for name in names:
@@ -678,10 +759,12 @@ def sweep(names: list[str], world: World, args: Args) -> dict[str, dict]:
                 pending.append((name, grow[1]))
         if not pending:
             break
+    score = "auc" if args.token_budget else "final_J"  # what the choice maximised, in the JSON
     for entry in results.values():
         entry["grid"] = sorted(entry["final_J"])
-        entry["final_J"] = {f"{lr:g}": entry["final_J"][lr] for lr in entry["grid"]}
-        entry["mean_final_J"] = {lr: float(np.mean(js)) for lr, js in entry["final_J"].items()}
+        by_lr = entry.pop("final_J")
+        entry[score] = {f"{lr:g}": by_lr[lr] for lr in entry["grid"]}
+        entry[f"mean_{score}"] = {lr: float(np.mean(values)) for lr, values in entry[score].items()}
     return results
 
 
@@ -727,27 +810,38 @@ def summarise(curves: dict[str, list[dict]], args: Args) -> tuple[dict, dict]:
     iterations to +gain (mean with the censored rule, median, runs that reached it). Differences, paired by seed
     ([mean, low, high], credit_exact.paired_interval): every setting minus grpo and spo_tree_depth minus
     spo_tree_uniform, of J at 25 / 50 / 100 % and of the iterations to +gain."""
-    marks, summary, columns = checkpoints_of(args.iterations), {}, {}
+    summary, columns = {}, {}
     for name, runs in curves.items():
-        J = np.array([run["J"] for run in runs])  # [seeds, iterations + 1]
+        if args.token_budget:  # J at B / 4, B / 2, B sampled tokens per prompt, each run interpolated
+            at = {
+                mark: np.array([float(at_tokens(r, t)) for r in runs])
+                for mark, t in token_marks(args.token_budget).items()
+            }
+            at["auc"] = np.array([area_under(r, args.token_budget) for r in runs])
+        else:
+            J = np.array([run["J"] for run in runs])  # [seeds, iterations + 1]
+            at = {mark: J[:, t] for mark, t in checkpoints_of(args.iterations).items()}
         reach = np.array([iterations_to_gain(run["J"], args.gain) for run in runs], dtype=float)
-        columns[name] = {mark: J[:, t] for mark, t in marks.items()} | {"iterations_to_gain": reach}
+        columns[name] = at | {"iterations_to_gain": reach}
         summary[name] = {
-            "tokens_per_iteration": float(np.mean([run["tokens"] for run in runs])),
+            "tokens_per_iteration": float(np.mean(np.concatenate([run["tokens"] for run in runs]))),
+            "iterations": float(np.mean([len(run["J"]) - 1 for run in runs])),
             "tokens_first_last_iteration": [
                 float(np.mean([r["tokens"][0] for r in runs])),
                 float(np.mean([r["tokens"][-1] for r in runs])),
             ],
-            "J0": float(J[:, 0].mean()),
+            "J0": float(np.mean([run["J"][0] for run in runs])),
             **{
-                f"J_{mark}": ce.paired_interval(J[:, t], np.zeros(len(J)), args.bootstrap, seed=0)
-                for mark, t in marks.items()
+                f"J_{mark}" if mark != "auc" else "auc": ce.paired_interval(
+                    values, np.zeros(len(values)), args.bootstrap, seed=0
+                )
+                for mark, values in at.items()
             },
             "kl_final": float(np.mean([run["kl"][-1] for run in runs])),
             "iterations_to_gain": {
                 "mean_censored": float(reach.mean()),
                 "median": float(np.median(reach)),
-                "reached": int((reach <= args.iterations).sum()),
+                "reached": int((reach < np.array([len(run["J"]) for run in runs])).sum()),
                 "runs": len(reach),
             },
         }
@@ -779,7 +873,7 @@ def run_estimate(timing: dict[str, float], args: Args) -> tuple[float, float]:
     (3.0, 4.0)
     """
     per_run = sum(timing.values()) * args.iterations / args.workers
-    runs = len(args.lrs) * len(args.tuning_seeds) + len(args.seeds)
+    runs = len(args.lrs) * len(args.tuning_seeds) + len(args.seeds) * (2 if args.common_lr else 1)
     return per_run * runs, per_run * (runs + args.max_extensions * len(args.tuning_seeds))
 
 
@@ -808,25 +902,37 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6), layout="constrained")
+    budget = results["settings"].get("token_budget")
     for name, runs in results["curves"].items():
         color, style = PALETTE.get(name, (None, "-"))
-        J = np.array([run["J"] for run in runs])  # [seeds, iterations + 1]
-        tokens = np.concatenate([[0.0], np.cumsum(np.mean([run["tokens"] for run in runs], axis=0))])
+        if budget:  # every run on one token grid from 0 to B (runs end at different iterations)
+            tokens = np.linspace(0, budget, 65)
+            J = np.array([at_tokens(run, tokens) for run in runs])  # [seeds, grid]
+            kl = np.array([at_tokens(run, tokens, "kl") for run in runs]).mean(axis=0)
+        else:
+            J = np.array([run["J"] for run in runs])  # [seeds, iterations + 1]
+            tokens = np.concatenate([[0.0], np.cumsum(np.mean([run["tokens"] for run in runs], axis=0))])
+            kl = np.mean([run["kl"] for run in runs], axis=0)
         mean, low, high = bootstrap_band(J, results["settings"]["bootstrap"])
         row = results["summary"][name]
         size = f"{'b' if SETTINGS[name][0] == 'spo_tree' else 'G'} {row['size']}"
         label = f"{name} ({size}, lr {row['lr']:g}, {row['tokens_per_iteration']:.0f} tokens/iteration)"
         left.plot(tokens, mean, color=color, linestyle=style, label=label)
         left.fill_between(tokens, low, high, color=color, alpha=0.12)
-        right.plot(np.mean([run["kl"] for run in runs], axis=0), color=color, linestyle=style, label=name)
+        right.plot(tokens if budget else np.arange(len(kl)), kl, color=color, linestyle=style, label=name)
     left.set(xlabel="sampled tokens per prompt (cumulative)", ylabel="exact expected reward J", title="J")
-    right.set(xlabel="iteration", ylabel="exact KL(pi || pi_start) per response", title="KL to the start policy")
+    right.set(
+        xlabel="sampled tokens per prompt (cumulative)" if budget else "iteration",
+        ylabel="exact KL(pi || pi_start) per response",
+        title="KL to the start policy",
+    )
     left.legend(fontsize=8)
     for axis in (left, right):
         axis.grid(alpha=0.3)
     settings = results["settings"]
     fig.suptitle(
-        f"Learning on the exact expected reward: tiny Llama, horizon {settings['horizon']}, "
+        f"Learning on the exact expected reward ({settings.get('task', 'sum')} task): tiny Llama, horizon "
+        f"{settings['horizon']}, "
         f"{len(settings['prompts'])} prompts, ~{settings['budget']} sampled tokens per prompt per iteration, "
         f"{len(settings['seeds'])} seeds (mean, 95% bootstrap band over seeds)",
         fontsize=11,
@@ -835,16 +941,19 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def print_table(results: dict) -> None:
-    """One line per setting: size, spend, learning rate, J at 0 / 25 / 50 / 100 %, final - grpo, iterations to gain."""
-    summary, differences = results["summary"], results["differences"]
+def print_table(results: dict, summary: dict | None = None, differences: dict | None = None) -> None:
+    """One line per setting: size, spend, learning rate, J at 0 / 25 / 50 / 100 % (of the iterations, or with
+    --token-budget of B tokens), final - grpo, iterations to gain. `summary` and `differences`: another set's (the
+    common rate's); default the results' own."""
+    summary = summary or results["summary"]
+    differences = differences or results["differences"]
     gain = results["settings"]["gain"]
     print(
         f"\n{'setting':<18}{'size':>6}{'tok/it':>8}{'lr':>9}{'J0':>7}{'J25%':>7}{'J50%':>7}{'J100%':>7}"
         f"{'  final - grpo [95% CI]':<30}{f'iters to +{gain:g} (reached)':>24}"
     )
     for name, row in summary.items():
-        edge = "!" if results["sweep"][name]["at_edge"] else ""
+        edge = "!" if row["lr"] == results["sweep"][name]["chosen"] and results["sweep"][name]["at_edge"] else ""
         diff = differences.get(f"{name} - grpo", {}).get("100%")
         interval = f"  {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]" if diff else ""
         reach = row["iterations_to_gain"]
@@ -858,6 +967,11 @@ def print_table(results: dict) -> None:
         print(f"spo_tree_depth - spo_tree_uniform, final J: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]")
     if any(entry["at_edge"] for entry in results["sweep"].values()):
         print("(! the chosen learning rate is still at the edge of the widened grid)")
+    if results["settings"].get("token_budget"):
+        print(
+            f"(J25% / J50% / J100%: J after 1/4, 1/2 and all of {results['settings']['token_budget']} sampled tokens "
+            "per prompt; final - grpo: at the budget)"
+        )
 
 
 IMPORTED = [
@@ -888,15 +1002,7 @@ def machine() -> dict:
 
 def validate(args: Args) -> None:
     """Every problem with the settings in one UsageError line, before anything is built."""
-    problems = ranges.problems(args)  # every number against the range its field declares
-    try:
-        [ce.parse_prompt(text) for text in args.prompts]
-    except ValueError as error:
-        problems.append(f"--prompts: {error}")
-    if not args.prompts:
-        problems.append("--prompts needs at least one value")
-    if not 2 <= args.horizon <= 9:
-        problems.append(f"--horizon {args.horizon}: 2 to 9 (the enumeration holds 4^horizon responses per prompt)")
+    problems = ranges.problems(args) + ce.task_problems(args)  # every number against its field's range; the task
     if (args.tree_depth - 1) * args.segment_tokens >= args.horizon:
         problems.append(
             "the levels above SPO-tree's last ((--tree-depth - 1) x --segment-tokens) must be shorter than --horizon"
@@ -919,6 +1025,7 @@ def validate(args: Args) -> None:
 def main(args: Args) -> dict:
     if args.tiny:
         args = dataclasses.replace(args, **TINY)
+    args = ce.task_defaults(args)
     validate(args)
     torch.set_num_threads(args.threads)
     started, seconds = time.time(), {}
@@ -957,6 +1064,19 @@ def main(args: Args) -> dict:
         curves[name].append(curve)
     seconds["runs"] = time.time() - step
 
+    # 4b. With --common-lr: every setting at that one rate on the same seeds (no tuning).
+    common = {}
+    if args.common_lr:
+        jobs = [(name, args.common_lr, seed) for name in names for seed in args.seeds]
+        common_curves: dict[str, list[dict]] = {name: [] for name in names}
+        for (name, _, _), curve in zip(jobs, run_all(jobs, world, args)):
+            common_curves[name].append(curve)
+        common_summary, common_differences = summarise(common_curves, args)
+        for name in names:
+            common_summary[name] = {"size": sizes[name], "lr": args.common_lr, **common_summary[name]}
+        common = {"lr": args.common_lr, "summary": common_summary, "differences": common_differences}
+        common["curves"] = common_curves
+
     # 5. Summaries, intervals, JSON and PNG.
     summary, differences = summarise(curves, args)
     for name in names:
@@ -982,12 +1102,13 @@ def main(args: Args) -> dict:
                 for name, cost in costs.items()
             },
             "sizes": sizes,
-            "checkpoints": checkpoints_of(args.iterations),
+            "checkpoints": token_marks(args.token_budget) if args.token_budget else checkpoints_of(args.iterations),
             "sweep": {name: {k: v for k, v in entry.items() if k != "curves"} for name, entry in swept.items()},
             "summary": summary,
             "differences": differences,
             "curves": curves,
             "sweep_curves": {name: entry["curves"] for name, entry in swept.items()},
+            "common_rate": common,
         }
     )
     output = Path(args.out)
@@ -995,6 +1116,9 @@ def main(args: Args) -> dict:
     output.write_text(json.dumps(results, indent=1))
     plot(results, output.with_suffix(".png"))
     print_table(results)
+    if common:
+        print(f"\nevery setting at the common learning rate {args.common_lr:g} (no tuning):")
+        print_table(results, results["common_rate"]["summary"], results["common_rate"]["differences"])
     print(f"{seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}")
     return results
 

@@ -384,3 +384,101 @@ def test_tiny_run_writes_every_estimator_per_budget_with_paired_intervals(tmp_pa
         if name != top["best"]["gradient_cosine"]:
             assert len(row["gradient_cosine"]["minus_best_ci"]) == 2
     assert results["policy"]["prompts"][0]["responses_enumerated"] == 4**4 + sum(4**k for k in range(4))
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) The critical-token task: one key bit decides the reward, --filler free bits follow (the same checks as (a))
+
+CRITICAL = dataclasses.replace(
+    ce.Args(), task="critical", filler=4, horizon=6, prompts=["011", "110", "000"], pretrain_steps=300
+)
+
+
+@pytest.fixture(scope="module")
+def critical():
+    torch.manual_seed(0)
+    model, _ = ce.make_policy(CRITICAL)
+    exacts = [
+        ce.enumerate_exact(model, *ce.parse_prompt(text, "critical"), 6, CRITICAL.temperature, 64, "critical", 4)
+        for text in CRITICAL.prompts
+    ]
+    return model, exacts
+
+
+def test_critical_reward_is_the_key_bit_then_the_filler_then_eos():
+    exact = ce.Exact(
+        [1, 2, 2], 0, [], [], [], digits=2, finish=[ce.finish_rewards("critical", 0, k, 4) for k in range(6)]
+    )
+    assert ce.reward(exact, [1, 2, 1, 2, 2, ce.EOS], "stop") == 1.0  # key 0, four filler bits of any value
+    assert ce.reward(exact, [1, 1, 1, 1, 1, ce.EOS], "stop") == 1.0
+    assert ce.reward(exact, [2, 1, 1, 1, 1, ce.EOS], "stop") == 0.0  # the wrong key
+    assert ce.reward(exact, [1, 1, 1, 1, ce.EOS], "stop") == 0.0  # one filler bit short
+    assert ce.reward(exact, [1, 1, 1, 1, 1, 1], "length") == 0.0  # unfinished
+    assert ce.parse_prompt("110", "critical") == ([2, 2, 1], 0) and ce.parse_prompt("100", "critical")[1] == 1
+
+
+def test_critical_policy_has_a_key_to_learn_and_free_filler(critical):
+    _, exacts = critical
+    for exact in exacts:
+        assert exact.digits == 2 and exact.probs[0].shape == (1, 3)
+        assert 0.1 < exact.values[0][0] < 0.95  # the key bit is not yet learned
+        assert exact.low_probability_share(0.9) > 0.4  # the filler bits: near a coin flip each
+        finished = sum((reach * probs[:, ce.EOS]).sum() for reach, probs in zip(exact.reach, exact.probs))
+        unfinished = (exact.reach[-1][:, None] * exact.probs[-1][:, 1:]).sum()
+        assert finished + unfinished == pytest.approx(1.0, abs=1e-9)
+
+
+def test_critical_values_agree_with_brute_force_sampling(critical):
+    model, exacts = critical
+    n = 3000
+    for exact in exacts[:2]:
+        for prefix in ([], [exact.target + 1], [2 - exact.target, 1]):  # the prompt, the right key, the wrong key
+            value, mean = exact.value(prefix), sample_mean_reward(model, exact, prefix, n)
+            assert abs(mean - value) < 4 * math.sqrt(value * (1 - value) / n) + 1e-9, (exact.prompt, prefix, mean)
+    responses = [[1, 2, 1, 2, 2, ce.EOS], [2, ce.EOS], [1, 1, 1, 1, 1, 1]]
+    for exact in exacts:
+        samples = [{"prompt_ids": exact.prompt, "response_ids": r} for r in responses]
+        for s, logps in zip(samples, sample_logprobs(model, samples, 8, CRITICAL.temperature, ce.EOS)):
+            assert logps.exp().tolist() == pytest.approx(exact.token_probs(s["response_ids"]), abs=2e-6)
+
+
+def test_critical_exact_gradient_is_the_finite_difference_of_j(critical):
+    model64 = copy.deepcopy(critical[0]).double()
+
+    def j() -> float:
+        return ce.expected_reward(
+            [
+                ce.enumerate_exact(model64, e.prompt, e.target, 6, CRITICAL.temperature, 64, "critical", 4)
+                for e in critical[1]
+            ]
+        )
+
+    exacts = [
+        ce.enumerate_exact(model64, e.prompt, e.target, 6, CRITICAL.temperature, 64, "critical", 4) for e in critical[1]
+    ]
+    gradient = ce.exact_gradient(model64, exacts, CRITICAL.temperature, 64)
+    unit, eps = gradient / gradient.norm(), 5e-4
+    start = torch.nn.utils.parameters_to_vector(model64.parameters()).detach().clone()
+    values = {}
+    for sign in (1.0, -1.0, 2.0, -2.0):
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(start + sign * eps * unit, model64.parameters())
+        values[sign] = j()
+    central = lambda h: (values[h] - values[-h]) / (2 * h * eps)  # noqa: E731
+    extrapolated = (4 * central(1.0) - central(2.0)) / 3  # Richardson: the eps^2 term cancels
+    assert extrapolated == pytest.approx(float(gradient.norm()), rel=1e-4)
+
+
+def test_the_exact_sampler_draws_bits(critical):
+    _, exacts = critical
+    exact, n = exacts[0], 20000
+    sampler = ce.ExactSampler(exacts, CRITICAL.temperature, seed=0)
+    (group,) = sampler.sample([exact.prompt], n, temperature=CRITICAL.temperature, top_p=1.0, max_new_tokens=6)
+    first = np.bincount([c.ids[0] for c in group], minlength=3) / n
+    assert np.all(
+        np.abs(first - exact.probs[0][0]) < 4 * np.sqrt(exact.probs[0][0] * (1 - exact.probs[0][0]) / n) + 1e-9
+    )
+    assert all(set(c.ids) <= {0, 1, 2} for c in group)
+    assert np.mean([ce.reward(exact, c.ids, c.finish_reason) for c in group]) == pytest.approx(
+        exact.values[0][0], abs=4 * math.sqrt(0.25 / n)
+    )

@@ -196,3 +196,47 @@ def test_runs_do_not_depend_on_the_number_of_workers(world):
     alone = le.run_all(jobs, world, args)
     side_by_side = le.run_all(jobs, world, dataclasses.replace(args, workers=2))
     assert [c["J"] for c in alone] == [c["J"] for c in side_by_side]
+
+
+def test_the_token_axis_interpolates_and_scores_by_area():
+    run = {"J": [0.2, 0.4, 0.8], "tokens": [10.0, 30.0]}
+    assert le.at_tokens(run, [20.0]).tolist() == pytest.approx([0.4 + 0.4 / 3])  # spent: 10, then 40 (10 + 30)
+    # mean J over 0-40 tokens: 0.2 -> 0.4 over 10 (area 3), 0.4 -> 0.8 over 30 (area 18), 0.8 over the last 0
+    assert le.area_under(run, 40) == pytest.approx(21 / 40)
+    assert le.area_under(run, 50) == pytest.approx((21 + 0.8 * 10) / 50)  # the last J holds past the last iteration
+    faster = {"J": [0.2, 0.8, 0.8], "tokens": [10.0, 30.0]}  # the same end, reached sooner
+    assert le.area_under(faster, 40) > le.area_under(run, 40)
+    assert le.rate_score(run, dataclasses.replace(le.Args(), token_budget=40)) == le.area_under(run, 40)
+    assert le.rate_score(run, le.Args()) == 0.8  # without a token budget: final J
+
+
+@pytest.mark.slow
+def test_a_token_budget_run_stops_at_the_budget_and_reports_the_common_rate(tmp_path):
+    settings = {**le.TINY, "token_budget": 60, "iterations": 40, "common_lr": 1e-3}
+    args = dataclasses.replace(
+        le.Args(), **settings, out=str(tmp_path / "tokens.json"), settings=["grpo", "spo_chain_int1"]
+    )
+    saved = le.main(args)
+    assert saved["checkpoints"] == {"25%": 15.0, "50%": 30.0, "100%": 60.0}
+    for name, runs in saved["curves"].items():
+        for run in runs:
+            spent = np.cumsum(run["tokens"])
+            assert spent[-1] >= 60 and (len(spent) == 1 or spent[-2] < 60), name  # stopped once B was reached
+        assert "auc" in saved["sweep"][name] and "final_J" not in saved["sweep"][name]
+        assert saved["summary"][name]["J_100%"][0] == pytest.approx(
+            np.mean([le.at_tokens(run, 60.0) for run in runs]), abs=1e-4
+        )
+    common = saved["common_rate"]
+    assert common["lr"] == 1e-3 and set(common["summary"]) == {"grpo", "spo_chain_int1"}
+    assert all(run["lr"] == 1e-3 for runs in common["curves"].values() for run in runs)
+    assert (tmp_path / "tokens.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_critical_task_learns_through_every_setting(tmp_path):
+    args = dataclasses.replace(
+        le.Args(), **{**le.TINY, "prompts": ["011", "100"]}, task="critical", filler=2, out=str(tmp_path / "c.json")
+    )
+    saved = le.main(args)
+    assert saved["settings"]["task"] == "critical" and set(saved["curves"]) == set(le.SETTINGS)
+    assert all(0 <= j <= 1 for runs in saved["curves"].values() for run in runs for j in run["J"])
