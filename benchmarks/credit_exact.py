@@ -197,6 +197,7 @@ VOCAB = DIGITS + 1
 CRITICAL = dict(digits=2, prompts=["000", "001", "010", "011", "100", "101", "110", "111"])
 CRITICAL_LENGTH_MISTAKES = 0.1  # share of the critical corpus with one filler bit too many or too few
 TASK_DIGITS = {"sum": DIGITS, "critical": CRITICAL["digits"]}
+PROMPT_LENGTH = {"sum": 2, "critical": 3}  # tokens of a prompt (the context of a response: this + --horizon)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def corpus_row(args: Args, rng: random.Random) -> list[int]:
 def make_policy(args: Args) -> tuple[LlamaForCausalLM, float]:
     """The tiny Llama (built from a config: no download), pre-trained on the corpus of every prompt of the task;
     returns it in eval mode and its last pre-training loss."""
-    prompt_length = 3 if args.task == "critical" else 2
+    prompt_length = PROMPT_LENGTH[args.task]
     config = LlamaConfig(
         vocab_size=TASK_DIGITS[args.task] + 1,
         hidden_size=args.hidden_size,
@@ -780,7 +781,7 @@ def run_tree(model, sampler, exacts, branch: int, args: Args, wide: bool = False
         branches,
         segment_tokens=args.segment_tokens,
         max_new_tokens=args.horizon,
-        context=2 + args.horizon,
+        context=PROMPT_LENGTH[args.task] + args.horizon,
         temperature=args.temperature,
         top_p=1.0,
         stop=[],
@@ -1054,7 +1055,7 @@ def pilot_costs(exacts: list[Exact], args: Args, seed: int = 10**6, repeats: int
                 tree_branches(branch, args, wide),
                 segment_tokens=args.segment_tokens,
                 max_new_tokens=args.horizon,
-                context=2 + args.horizon,
+                context=PROMPT_LENGTH[args.task] + args.horizon,
                 temperature=args.temperature,
                 top_p=1.0,
                 stop=[],

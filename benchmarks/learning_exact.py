@@ -381,7 +381,7 @@ def script_args(family: str, options: dict, size: int, lr: float, args: Args):
             edges_per_question=sum(size**d for d in range(1, args.tree_depth + 1)),  # every edge of a full tree
             samples_per_iteration=0,  # every edge once
             max_new_tokens=args.horizon,
-            context=2 + args.horizon,
+            context=ce.PROMPT_LENGTH[args.task] + args.horizon,
             **options,
         )
     return ppo_baseline.Args(

@@ -240,3 +240,6 @@ def test_the_critical_task_learns_through_every_setting(tmp_path):
     saved = le.main(args)
     assert saved["settings"]["task"] == "critical" and set(saved["curves"]) == set(le.SETTINGS)
     assert all(0 <= j <= 1 for runs in saved["curves"].values() for run in runs for j in run["J"])
+    for name, runs in saved["curves"].items():  # every setting's updates move the policy (a response can finish)
+        assert any(j != run["J"][0] for run in runs for j in run["J"]), name
+    assert any(stat["edges"] > 0 for run in saved["curves"]["spo_tree_depth"] for stat in run["stats"])
