@@ -532,9 +532,8 @@ class ExactSampler:
         for step in range(limit):
             rows = np.flatnonzero(alive)
             cdf = exact.probs[len(prefix) + step][index[rows]].cumsum(-1)  # [alive, VOCAB]
-            drawn = np.minimum(
-                (cdf < self.rng.random(len(rows))[:, None] * cdf[:, -1:]).sum(-1), exact.digits
-            )  # [alive]
+            # [alive]: the first token whose cumulative probability passes a uniform draw
+            drawn = np.minimum((cdf < self.rng.random(len(rows))[:, None] * cdf[:, -1:]).sum(-1), exact.digits)
             tokens[rows, step], lengths[rows] = drawn, step + 1
             finished[rows[drawn == EOS]] = True
             alive[rows[drawn == EOS]] = False
