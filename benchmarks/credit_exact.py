@@ -433,6 +433,23 @@ def enumerate_exact(
     return Exact(list(prompt), target, probs, reach[:-1], values, digits=base, finish=finish)
 
 
+def enumerate_prompts(model, args) -> list[Exact]:
+    """enumerate_exact for every prompt of `args` (this module's Args or learning_exact's): its task, --filler,
+    --horizon, --temperature."""
+    return [
+        enumerate_exact(
+            model,
+            *parse_prompt(text, args.task),
+            args.horizon,
+            args.temperature,
+            args.micro_batch_size,
+            args.task,
+            args.filler,
+        )
+        for text in args.prompts
+    ]
+
+
 def rewarded_responses(exact: Exact) -> tuple[list[list[int]], list[float]]:
     """Every response with reward 1 (its digits, then EOS) and its probability P(y)."""
     responses, weights = [], []
@@ -1361,18 +1378,7 @@ def main(args: Args) -> dict:
     model, pretrain_loss = make_policy(args)
     seconds["pretrain"] = time.time() - started
     step = time.time()
-    exacts = [
-        enumerate_exact(
-            model,
-            *parse_prompt(text, args.task),
-            args.horizon,
-            args.temperature,
-            args.micro_batch_size,
-            args.task,
-            args.filler,
-        )
-        for text in args.prompts
-    ]
+    exacts = enumerate_prompts(model, args)
     exact_grad = exact_gradient(model, exacts, args.temperature, args.micro_batch_size)
     seconds["exact"] = time.time() - step
 

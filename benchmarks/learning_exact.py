@@ -277,20 +277,9 @@ def credit_args(args: Args) -> ce.Args:
 
 
 def enumerate_policy(model, args: Args) -> list[ce.Exact]:
-    """credit_exact.enumerate_exact for every prompt: the current policy's exact tables and values."""
+    """credit_exact.enumerate_prompts: the current policy's exact tables and values for every prompt."""
     model.eval()
-    return [
-        ce.enumerate_exact(
-            model,
-            *ce.parse_prompt(text, args.task),
-            args.horizon,
-            args.temperature,
-            args.micro_batch_size,
-            args.task,
-            args.filler,
-        )
-        for text in args.prompts
-    ]
+    return ce.enumerate_prompts(model, args)
 
 
 def exact_kl(exacts: list[ce.Exact], starts: list[ce.Exact]) -> float:
