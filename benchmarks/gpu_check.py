@@ -369,6 +369,21 @@ def random_rows(rows: int, prompt: int, response: int, vocab: int) -> list[dict]
     ]
 
 
+def measured_backward(model, rows: int, checkpointing: bool, lengths: tuple[int, int], precision, device: str) -> dict:
+    """One micro-batch's forward and backward pass as the update runs it (`rows` rows of (prompt, response) `lengths`
+    random tokens, with or without checkpointing): its seconds and its peak memory (None on a CPU)."""
+    model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
+    batch = collate(random_rows(rows, *lengths, model.config.vocab_size), 0, device)
+    synchronize(device)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.time()
+    response_logprobs(model, batch, 0.6, precision=precision).sum().backward()
+    synchronize(device)
+    return {"seconds": round(time.time() - started, 2), "peak_gib": peak_gib(device)}
+
+
 def real_shape_update(args: Args) -> dict:
     """Forward and backward of one micro-batch at the policy's real shape, as the update runs it, with what the update
     holds resident: fp32 weights, their gradients (accumulating over a step's micro-batches), AdamW's two moments, the
@@ -409,22 +424,11 @@ def real_shape_update(args: Args) -> dict:
                 "reference_on_device": chosen.reference_on_device,
             },
         )
-        model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
-        batch = collate(random_rows(rows, prompt, response, vocab), 0, device)
-        synchronize(device)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        started = time.time()
-        response_logprobs(model, batch, 0.6, precision=precision).sum().backward()
-        synchronize(device)
         results[f"mb{rows}{'_ckpt' if checkpointing else ''}"] = {
-            "seconds": round(time.time() - started, 2),
-            "peak_gib": peak_gib(device),
+            **measured_backward(model, rows, checkpointing, (prompt, response), precision, device),
             "estimated_gib": estimate.peak_gb,
             "plan_picked_it": (rows, checkpointing) == (chosen.micro_batch_size, chosen.gradient_checkpointing),
         }
-        batch = None
     model.activation_checkpointing_disable()
     model.zero_grad(set_to_none=True)
     model.eval()
@@ -470,22 +474,11 @@ def lora_update(args: Args) -> dict:
     for rows, checkpointing in dict.fromkeys([(chosen.micro_batch_size, chosen.gradient_checkpointing), (8, False)]):
         requested = {"micro_batch_size": rows, "gradient_checkpointing": checkpointing}
         estimate = update_plan(device, context, free, total, requested, lora_rank=rank)
-        model.activation_checkpointing_enable() if checkpointing else model.activation_checkpointing_disable()
-        batch = collate(random_rows(rows, prompt, response, vocab), 0, device)
-        synchronize(device)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        started = time.time()
-        response_logprobs(model, batch, 0.6, precision=precision).sum().backward()
-        synchronize(device)
         results[f"mb{rows}{'_ckpt' if checkpointing else ''}"] = {
-            "seconds": round(time.time() - started, 2),
-            "peak_gib": peak_gib(device),
+            **measured_backward(model, rows, checkpointing, (prompt, response), precision, device),
             "estimated_gib": estimate.peak_gb,
             "plan_picked_it": (rows, checkpointing) == (chosen.micro_batch_size, chosen.gradient_checkpointing),
         }
-        batch = None
     model.activation_checkpointing_disable()
     model.zero_grad(set_to_none=True)
     synchronize(device)
