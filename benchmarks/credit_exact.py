@@ -58,7 +58,7 @@ final accuracy (benchmarks/learning.py), long responses (here 2-5 tokens, so int
 SPO-tree's segments are M = 2 tokens), real language, or a critic trained over a whole run (here it sees a few
 batches of a frozen policy, with --critic-lr chosen for this small model, not the paper's 1e-6).
 
---task critical swaps the task: digits 0 and 1, a prompt of three bits, reward 1 for the key bit (their parity), then
+--task critical swaps the task: digits 0 and 1, a prompt of three bits, reward 1 for the key bit (the first), then
 exactly --filler bits of any value, then EOS (--horizon --filler + 2; CRITICAL): one early token decides the reward.
 The same enumeration, sampler and estimators run on it.
 
@@ -120,7 +120,7 @@ class Args:
     """--task critical: the free bits after the key bit (--horizon must be --filler + 2)"""
     prompts: list[str] = field(default_factory=lambda: ["11", "12", "22", "13", "23", "33"])
     """prompts as two digits a b (0-3); the response's digits must add up to a + b (--task critical: three bits,
-    e.g. 011, whose parity is the key)"""
+    e.g. 011, whose first bit is the key)"""
     horizon: ranges.PositiveInt = 8
     """response token budget (max new tokens); a response without EOS by then is unfinished and scores 0"""
     temperature: ranges.PositiveFloat = 0.6
@@ -192,7 +192,7 @@ TINY = dict(
 EOS, DIGITS = 0, 4  # token 0 ends a response; token d + 1 is the digit d
 VOCAB = DIGITS + 1
 # The critical-token task: digits 0 and 1 (tokens 1, 2) and EOS; a prompt of three bits; reward 1 for the key bit (the
-# prompt's parity), then exactly --filler bits of any value, then EOS. Only the first token and where EOS falls decide
+# prompt's first bit), then exactly --filler bits of any value, then EOS. Only the first token and where EOS falls decide
 # the reward; the filler bits do not, so credit given to the whole response spreads over --filler irrelevant tokens.
 CRITICAL = dict(digits=2, prompts=["000", "001", "010", "011", "100", "101", "110", "111"])
 CRITICAL_LENGTH_MISTAKES = 0.1  # share of the critical corpus with one filler bit too many or too few
@@ -206,17 +206,17 @@ PROMPT_LENGTH = {"sum": 2, "critical": 3}  # tokens of a prompt (the context of 
 
 def parse_prompt(text: str, task: str = "sum") -> tuple[list[int], int]:
     """Prompt ids and target of a prompt written as two digits (--task critical: three bits; the target is the key
-    bit, their parity).
+    bit, the first of them).
 
     >>> parse_prompt("23")
     ([3, 4], 5)
-    >>> parse_prompt("011", "critical")
-    ([1, 2, 2], 0)
+    >>> parse_prompt("101", "critical")
+    ([2, 1, 2], 1)
     """
     if task == "critical":
         if len(text) != 3 or not all(c in "01" for c in text):
             raise ValueError(f"prompt {text!r}: write three bits, e.g. 011")
-        return [int(c) + 1 for c in text], sum(int(c) for c in text) % 2
+        return [int(c) + 1 for c in text], int(text[0])
     if len(text) != 2 or not all(c in "0123" for c in text):
         raise ValueError(f"prompt {text!r}: write two digits 0-3, e.g. 23")
     return [int(c) + 1 for c in text], sum(int(c) for c in text)

@@ -74,7 +74,7 @@ the exact V falls from 0.42 to 0.004-0.03 over a run). Two tuning seeds make a n
 apart. Spend per iteration is equal only at the start (see above).
 
 The critical-token task and the token axis (not yet run at full size). --task
-critical (credit_exact.CRITICAL): three-bit prompts, and the reward is 1 for the key bit (the prompt's parity) followed
+critical (credit_exact.CRITICAL): three-bit prompts, and the reward is 1 for the key bit (the prompt's first bit) followed
 by exactly --filler bits of any value and EOS, so one early token decides the reward and credit given to the whole
 response spreads over --filler irrelevant tokens; the prediction it tests: if segment credit helps, SPO's lead over
 GRPO grows with --filler. --token-budget B stops every run at B sampled tokens per prompt, chooses each setting's
@@ -855,13 +855,16 @@ def time_iteration(name: str, world: World, args: Args) -> float:
 
 def run_estimate(timing: dict[str, float], args: Args) -> tuple[float, float]:
     """Seconds the sweep and the reported runs will take on args.workers processes: without any extension of the
-    grid, and with args.max_extensions for every setting.
+    grid, and with args.max_extensions for every setting (with --token-budget: B / --budget iterations a run).
 
     >>> run_estimate({"grpo": 0.2}, replace(Args(), seeds=[0, 1], tuning_seeds=[5], lrs=[1e-3], max_extensions=1,
     ...                                     iterations=10, workers=2))
     (3.0, 4.0)
     """
-    per_run = sum(timing.values()) * args.iterations / args.workers
+    iterations = (
+        min(args.iterations, math.ceil(args.token_budget / args.budget)) if args.token_budget else args.iterations
+    )
+    per_run = sum(timing.values()) * iterations / args.workers
     runs = len(args.lrs) * len(args.tuning_seeds) + len(args.seeds) * (2 if args.common_lr else 1)
     return per_run * runs, per_run * (runs + args.max_extensions * len(args.tuning_seeds))
 
@@ -1053,11 +1056,17 @@ def main(args: Args) -> dict:
         curves[name].append(curve)
     seconds["runs"] = time.time() - step
 
-    # 4b. With --common-lr: every setting at that one rate on the same seeds (no tuning).
+    # 4b. With --common-lr: every setting at that one rate on the same seeds (no tuning); a setting tuned to that rate
+    # has run it already (a run is a function of its setting, rate and seed).
     common = {}
     if args.common_lr:
-        jobs = [(name, args.common_lr, seed) for name in names for seed in args.seeds]
-        common_curves: dict[str, list[dict]] = {name: [] for name in names}
+        jobs = [
+            (name, args.common_lr, seed)
+            for name in names
+            for seed in args.seeds
+            if swept[name]["chosen"] != args.common_lr
+        ]
+        common_curves = {name: list(curves[name]) if swept[name]["chosen"] == args.common_lr else [] for name in names}
         for (name, _, _), curve in zip(jobs, run_all(jobs, world, args)):
             common_curves[name].append(curve)
         common_summary, common_differences = summarise(common_curves, args)

@@ -414,7 +414,7 @@ def test_critical_reward_is_the_key_bit_then_the_filler_then_eos():
     assert ce.reward(exact, [2, 1, 1, 1, 1, ce.EOS], "stop") == 0.0  # the wrong key
     assert ce.reward(exact, [1, 1, 1, 1, ce.EOS], "stop") == 0.0  # one filler bit short
     assert ce.reward(exact, [1, 1, 1, 1, 1, 1], "length") == 0.0  # unfinished
-    assert ce.parse_prompt("110", "critical") == ([2, 2, 1], 0) and ce.parse_prompt("100", "critical")[1] == 1
+    assert ce.parse_prompt("110", "critical") == ([2, 2, 1], 1) and ce.parse_prompt("011", "critical")[1] == 0
 
 
 def test_critical_policy_has_a_key_to_learn_and_free_filler(critical):

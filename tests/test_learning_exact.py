@@ -229,7 +229,32 @@ def test_a_token_budget_run_stops_at_the_budget_and_reports_the_common_rate(tmp_
     common = saved["common_rate"]
     assert common["lr"] == 1e-3 and set(common["summary"]) == {"grpo", "spo_chain_int1"}
     assert all(run["lr"] == 1e-3 for runs in common["curves"].values() for run in runs)
+    for name in common["curves"]:  # a setting tuned to the common rate: its runs are reused, and equal a fresh run
+        if saved["summary"][name]["lr"] == 1e-3:
+            assert [r["J"] for r in common["curves"][name]] == [r["J"] for r in saved["curves"][name]]
+    model = ce.make_policy(le.credit_args(args))[0]
+    exacts = le.enumerate_policy(model, args)
+    world = le.World(model, exacts, le.plan_sizes(exacts, ["grpo", "spo_chain_int1"], args)[0])
+    fresh = le.train_run("grpo", 1e-3, args.seeds[0], world, args)[0]
+    assert le.rounded({"J": fresh["J"]})["J"] == common["curves"]["grpo"][0]["J"]
     assert (tmp_path / "tokens.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_critical_sweep_runs_every_filler_length_and_pairs_against_grpo(tmp_path):
+    import learning_critical as lc
+
+    saved = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=str(tmp_path / "critical.json")))
+    assert set(saved["by_filler"]) == {"1", "2"} and (tmp_path / "critical.png").stat().st_size > 10_000
+    for filler, table in saved["by_filler"].items():
+        run = json.loads((tmp_path / f"critical_L{filler}.json").read_text())
+        length = int(filler) + 2
+        assert run["settings"]["task"] == "critical" and run["settings"]["horizon"] == length
+        assert run["settings"]["token_budget"] == 20 * length and run["settings"]["budget"] == 4 * length
+        assert table["spo_chain_int5"]["tuned"]["auc_minus_grpo"] == run["differences"]["spo_chain_int5 - grpo"]["auc"]
+        common = run["common_rate"]["differences"]["ppo_lam1 - grpo"]["100%"]
+        assert table["ppo_lam1"]["common"]["J_B_minus_grpo"] == common
+        assert table["grpo"]["tuned"]["auc_minus_grpo"] is None  # the reference has no difference
 
 
 @pytest.mark.slow
