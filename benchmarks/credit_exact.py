@@ -192,8 +192,9 @@ TINY = dict(
 EOS, DIGITS = 0, 4  # token 0 ends a response; token d + 1 is the digit d
 VOCAB = DIGITS + 1
 # The critical-token task: digits 0 and 1 (tokens 1, 2) and EOS; a prompt of three bits; reward 1 for the key bit (the
-# prompt's first bit), then exactly --filler bits of any value, then EOS. Only the first token and where EOS falls decide
-# the reward; the filler bits do not, so credit given to the whole response spreads over --filler irrelevant tokens.
+# prompt's first bit), then exactly --filler bits of any value, then EOS. Only the first token and where EOS falls
+# decide the reward; the filler bits do not, so credit given to the whole response spreads over --filler irrelevant
+# tokens.
 CRITICAL = dict(digits=2, prompts=["000", "001", "010", "011", "100", "101", "110", "111"])
 CRITICAL_LENGTH_MISTAKES = 0.1  # share of the critical corpus with one filler bit too many or too few
 TASK_DIGITS = {"sum": DIGITS, "critical": CRITICAL["digits"]}

@@ -14,9 +14,9 @@ iteration) on the token axis: every run stops at B = --responses x (L + 2) sampl
 of full-length responses' worth at every L), each setting's rate is the best area under J against tokens on
 --tuning-seeds, J is reported at B / 4, B / 2, B interpolated per seed, paired by seed against GRPO; and every
 setting again at --common-lr, untuned. The per-iteration size is --per-iteration x (L + 2) tokens per prompt (GRPO:
---per-iteration responses a group). SPO-tree has 3 levels where they fit the horizon (2 at L = 2). Writes one learning_exact JSON + PNG per L (out_L{L}.json) and a summary JSON +
-PNG (--out): per L and setting, the area and J at B minus GRPO's with paired 95 % intervals, at the tuned rates and at
-the common rate.
+--per-iteration responses a group). SPO-tree has 3 levels where they fit the horizon (2 at L = 2). Writes one
+learning_exact JSON + PNG per L (out_L{L}.json) and a summary JSON + PNG (--out): per L and setting, the area and J at
+B minus GRPO's with paired 95 % intervals, at the tuned rates and at the common rate.
 
   python benchmarks/learning_critical.py                    # benchmarks/results/learning_critical{,_L*}.{json,png}
   python benchmarks/learning_critical.py --tiny --out /tmp/critical.json   # seconds: what the tests run

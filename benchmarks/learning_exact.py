@@ -73,13 +73,13 @@ final J mostly measures stability. The critic's learning rate (--critic-lr) is f
 the exact V falls from 0.42 to 0.004-0.03 over a run). Two tuning seeds make a noisy choice among learning rates 3x
 apart. Spend per iteration is equal only at the start (see above).
 
-The critical-token task and the token axis (not yet run at full size). --task
-critical (credit_exact.CRITICAL): three-bit prompts, and the reward is 1 for the key bit (the prompt's first bit) followed
-by exactly --filler bits of any value and EOS, so one early token decides the reward and credit given to the whole
-response spreads over --filler irrelevant tokens; the prediction it tests: if segment credit helps, SPO's lead over
-GRPO grows with --filler. --token-budget B stops every run at B sampled tokens per prompt, chooses each setting's
-rate by the area under J against cumulative tokens to B (final J measures stability more than speed), and reports J
-at B / 4, B / 2 and B interpolated per seed; --common-lr adds every setting at one rate, untuned.
+The critical-token task and the token axis (not yet run at full size). --task critical (credit_exact.CRITICAL):
+three-bit prompts, and the reward is 1 for the key bit (the prompt's first bit) followed by exactly --filler bits of
+any value and EOS, so one early token decides the reward and credit given to the whole response spreads over --filler
+irrelevant tokens; the prediction it tests: if segment credit helps, SPO's lead over GRPO grows with --filler.
+--token-budget B stops every run at B sampled tokens per prompt, chooses each setting's rate by the area under J
+against cumulative tokens to B (final J measures stability more than speed), and reports J at B / 4, B / 2 and B
+interpolated per seed; --common-lr adds every setting at one rate, untuned.
 
   python benchmarks/learning_exact.py                      # writes benchmarks/results/learning_exact.{json,png}
   python benchmarks/learning_exact.py --task critical --filler 6 --horizon 8 --token-budget 1000 --iterations 200 \
