@@ -16,7 +16,8 @@ of full-length responses' worth at every L), each setting's rate is the best are
 setting again at --common-lr, untuned. The per-iteration size is --per-iteration x (L + 2) tokens per prompt (GRPO:
 --per-iteration responses a group). SPO-tree has 3 levels where they fit the horizon (2 at L = 2). Writes one
 learning_exact JSON + PNG per L (out_L{L}.json) and a summary JSON + PNG (--out): per L and setting, the area and J at
-B minus GRPO's with paired 95 % intervals, at the tuned rates and at the common rate.
+B minus GRPO's with paired 95 % intervals, at the tuned rates and at the common rate. An L whose JSON already holds
+exactly its settings is read, not run again.
 
   python benchmarks/learning_critical.py                    # benchmarks/results/learning_critical{,_L*}.{json,png}
   python benchmarks/learning_critical.py --tiny --out /tmp/critical.json   # seconds: what the tests run
@@ -100,6 +101,20 @@ def run_args(filler: int, args: Args) -> le.Args:
     return dataclasses.replace(run, prompts=["011", "100"], **TINY_RUN) if args.tiny else run
 
 
+def earlier_run(run: le.Args) -> dict | None:
+    """The results this L's run wrote before, when its JSON holds exactly these settings (an interrupted sweep goes on
+    from the next L, and a longer list of L reuses the shorter one's runs); else None."""
+    path = Path(run.out)
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if results.get("settings") != json.loads(json.dumps(rounded(asdict(run)))):
+        return None
+    print(f"(reusing {path}: the same settings)", flush=True)
+    return results
+
+
 def leads(results: dict) -> dict:
     """Per setting of one L's results: its rate, area and J at B, and those minus GRPO's (paired by seed) at the
     tuned rates and at the common rate."""
@@ -173,7 +188,7 @@ def main(args: Args) -> dict:
         print(
             f"--- L = {filler}: horizon {filler + 2}, B = {args.responses * (filler + 2)} tokens per prompt", flush=True
         )
-        results = le.main(run_args(filler, args))
+        results = earlier_run(run_args(filler, args)) or le.main(run_args(filler, args))
         by_filler[str(filler)] = leads(results)
         files[str(filler)] = run_args(filler, args).out
     summary = rounded(

@@ -255,6 +255,14 @@ def test_the_critical_sweep_runs_every_filler_length_and_pairs_against_grpo(tmp_
         common = run["common_rate"]["differences"]["ppo_lam1 - grpo"]["100%"]
         assert table["ppo_lam1"]["common"]["J_B_minus_grpo"] == common
         assert table["grpo"]["tuned"]["auc_minus_grpo"] is None  # the reference has no difference
+    (tmp_path / "critical_L2.json").write_text("{")  # an interrupted write: run again; L 1 is read back
+    again = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=str(tmp_path / "critical.json")))
+    assert again["by_filler"] == saved["by_filler"]
+    tiny = dataclasses.replace(lc.Args(), **lc.TINY, tiny=True, out=str(tmp_path / "critical.json"))
+    assert (
+        lc.earlier_run(lc.run_args(1, tiny))["summary"] == json.loads(Path(saved["files"]["1"]).read_text())["summary"]
+    )
+    assert lc.earlier_run(lc.run_args(1, dataclasses.replace(tiny, seeds=[5]))) is None  # other settings: run again
 
 
 @pytest.mark.slow
