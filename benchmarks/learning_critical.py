@@ -12,9 +12,11 @@ segment credit helps, SPO's lead over GRPO grows with L.
 Each L is one learning_exact.py run (every setting through its script's own functions, the exact J after every
 iteration) on the token axis: every run stops at B = --responses x (L + 2) sampled tokens per prompt (the same number
 of full-length responses' worth at every L), each setting's rate is the best area under J against tokens on
---tuning-seeds, J is reported at B / 4, B / 2, B interpolated per seed, paired by seed against GRPO; and every
-setting again at --common-lr, untuned. The per-iteration size is --per-iteration x (L + 2) tokens per prompt (GRPO:
---per-iteration responses a group). SPO-tree has 3 levels where they fit the horizon (2 at L = 2). Writes one
+--tuning-seeds, J is reported at B / 4, B / 2, B interpolated per seed, paired by seed against GRPO; and every setting
+again at --common-lr, untuned. The per-iteration size is --per-iteration x (L + 2) tokens per prompt (GRPO:
+--per-iteration responses a group). A run whose policy collapses to short responses would need hundreds of iterations
+to spend B: every run stops at 4 x the nominal --responses / --per-iteration iterations, and its last J holds for the
+rest of B (recorded per run: its tokens). SPO-tree has 3 levels where they fit the horizon (2 at L <= 2). Writes one
 learning_exact JSON + PNG per L (out_L{L}.json) and a summary JSON + PNG (--out): per L and setting, the area and J at
 B minus GRPO's with paired 95 % intervals, at the tuned rates and at the common rate. An L whose JSON already holds
 exactly its settings is read, not run again.
@@ -44,7 +46,7 @@ from plumbing import cli, ranges  # noqa: E402
 
 @dataclass
 class Args:
-    fillers: ranges.PositiveInts = field(default_factory=lambda: [2, 5, 8])
+    fillers: ranges.PositiveInts = field(default_factory=lambda: [1, 2, 5, 7])
     """filler lengths L (horizon L + 2; the exact enumeration costs 2^(L + 2) prefixes a prompt)"""
     responses: ranges.PositiveInt = 375
     """B = this x (L + 2) sampled tokens per prompt: where every run stops"""
@@ -56,9 +58,9 @@ class Args:
     """seeds of the rate sweep (not reported)"""
     lrs: le.PositiveFloats = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
     """the rate grid (extended by 3x at an edge, --max-extensions times)"""
-    max_extensions: ranges.NonNegativeInt = 1
+    max_extensions: ranges.NonNegativeInt = 2
     """grid extensions per setting"""
-    common_lr: ranges.PositiveFloat = 3e-3
+    common_lr: ranges.PositiveFloat = 1e-3
     """every setting also runs at this rate, untuned"""
     mistake_rate: ranges.Fraction = 0.9
     """share of corpus rows with a mistake (half of them a wrong key bit): the start policy's P(key) is about 0.5"""
@@ -88,7 +90,7 @@ def run_args(filler: int, args: Args) -> le.Args:
         mistake_rate=args.mistake_rate,
         token_budget=args.responses * length,
         budget=args.per_iteration * length,
-        iterations=10 * args.responses,  # a cap never reached: the token budget ends every run
+        iterations=4 * -(-args.responses // args.per_iteration),  # 4 x the nominal count: see the docstring
         seeds=args.seeds,
         tuning_seeds=args.tuning_seeds,
         lrs=args.lrs,
@@ -183,12 +185,17 @@ def plot(summary: dict, path: Path) -> None:
 def main(args: Args) -> dict:
     if args.tiny:
         args = dataclasses.replace(args, **TINY)
-    started, by_filler, files = time.time(), {}, {}
+    started, by_filler, files, code = (
+        time.time(),
+        {},
+        {},
+        le.machine(),
+    )  # the code as it starts: each L's JSON records it
     for filler in args.fillers:
         print(
             f"--- L = {filler}: horizon {filler + 2}, B = {args.responses * (filler + 2)} tokens per prompt", flush=True
         )
-        results = earlier_run(run_args(filler, args)) or le.main(run_args(filler, args))
+        results = earlier_run(run_args(filler, args)) or le.main(run_args(filler, args), code)
         by_filler[str(filler)] = leads(results)
         files[str(filler)] = run_args(filler, args).out
     summary = rounded(
@@ -198,6 +205,7 @@ def main(args: Args) -> dict:
             "common_lr": args.common_lr,
             "files": files,
             "seconds": time.time() - started,
+            "machine": code,
             "by_filler": by_filler,
         }
     )

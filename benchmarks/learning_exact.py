@@ -1014,7 +1014,10 @@ def validate(args: Args) -> None:
 # Main
 
 
-def main(args: Args) -> dict:
+def main(args: Args, code: dict | None = None) -> dict:
+    """`code`: machine() as a caller took it when it started (learning_critical runs several of these and writes
+    results between them); else taken here, before anything runs: the code that ran, not the checkout at the end."""
+    code = code or machine()
     if args.tiny:
         args = dataclasses.replace(args, **TINY)
     args = ce.task_defaults(args)
@@ -1084,7 +1087,7 @@ def main(args: Args) -> dict:
         {
             "command": " ".join(["python"] + sys.argv),
             "settings": asdict(args),
-            "machine": machine(),
+            "machine": code,
             "seconds": seconds,
             "seconds_per_iteration": timing,
             "estimate_seconds": estimate,
