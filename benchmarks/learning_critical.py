@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -144,6 +146,43 @@ def leads(results: dict) -> dict:
     return table
 
 
+def seed_leads(results: dict, kind: str) -> dict[str, np.ndarray]:
+    """[seeds] per setting: its area under J to B minus GRPO's on the same seed, from one L's saved curves ("tuned"
+    rates or the "common" rate)."""
+    curves = results["curves"] if kind == "tuned" else results["common_rate"]["curves"]
+    budget = results["settings"]["token_budget"]
+    reference = np.array([le.area_under(run, budget) for run in curves["grpo"]])
+    return {
+        name: np.array([le.area_under(run, budget) for run in runs]) - reference
+        for name, runs in curves.items()
+        if name != "grpo"
+    }
+
+
+def trend(first: dict, last: dict, resamples: int = 2000, seed: int = 0) -> dict:
+    """Whether a setting's lead over GRPO grows with L: per setting and kind, [mean, low, high] of (its lead at the
+    longest L) - (its lead at the shortest), the 95 % interval from resampling each L's seeds on their own (the two
+    L's runs start from different policies: unpaired).
+
+    >>> run = lambda areas: {"settings": {"token_budget": 1}, "curves": {n: [{"J": [a, a], "tokens": [1.0]} for a in v]
+    ...     for n, v in areas.items()}, "common_rate": {}}
+    >>> trend(run({"grpo": [0.5, 0.5], "spo": [0.4, 0.6]}), run({"grpo": [0.5, 0.5], "spo": [0.7, 0.7]}))["tuned"]
+    {'spo': [0.2, 0.1, 0.3]}
+    """
+    rng, result = np.random.default_rng(seed), {}
+    for kind in ("tuned", "common"):
+        if kind == "common" and not first["common_rate"]:
+            continue
+        low_leads, high_leads = seed_leads(first, kind), seed_leads(last, kind)
+        result[kind] = {}
+        for name in low_leads:
+            a, b = high_leads[name], low_leads[name]
+            draws = rng.choice(a, (resamples, len(a))).mean(1) - rng.choice(b, (resamples, len(b))).mean(1)
+            low, high = np.percentile(draws, [2.5, 97.5])
+            result[kind][name] = [round(float(a.mean() - b.mean()), 6), round(float(low), 6), round(float(high), 6)]
+    return result
+
+
 def plot(summary: dict, path: Path) -> None:
     """Each setting's area under J minus GRPO's against L, with paired 95 % intervals: tuned rates, common rate."""
     import matplotlib
@@ -185,19 +224,15 @@ def plot(summary: dict, path: Path) -> None:
 def main(args: Args) -> dict:
     if args.tiny:
         args = dataclasses.replace(args, **TINY)
-    started, by_filler, files, code = (
-        time.time(),
-        {},
-        {},
-        le.machine(),
-    )  # the code as it starts: each L's JSON records it
+    started, code = time.time(), le.machine()  # the code as it starts: each L's JSON records it
+    by_filler, files, ends = {}, {}, []  # ends: the shortest and the longest L's results
     for filler in args.fillers:
-        print(
-            f"--- L = {filler}: horizon {filler + 2}, B = {args.responses * (filler + 2)} tokens per prompt", flush=True
-        )
+        length = filler + 2
+        print(f"--- L = {filler}: horizon {length}, B = {args.responses * length} tokens per prompt", flush=True)
         results = earlier_run(run_args(filler, args)) or le.main(run_args(filler, args), code)
         by_filler[str(filler)] = leads(results)
         files[str(filler)] = run_args(filler, args).out
+        ends = [ends[0] if ends else results, results]
     summary = rounded(
         {
             "command": " ".join(["python"] + sys.argv),
@@ -207,6 +242,7 @@ def main(args: Args) -> dict:
             "seconds": time.time() - started,
             "machine": code,
             "by_filler": by_filler,
+            "trend": {"from_filler": args.fillers[0], "to_filler": args.fillers[-1], **trend(*ends)},
         }
     )
     output = Path(args.out)
@@ -219,6 +255,10 @@ def main(args: Args) -> dict:
                 continue
             cells = [row[k]["auc_minus_grpo"] for k in ("tuned", "common")]
             print(f"L {filler:>2}  {name:<18}" + " | ".join(f"{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]" for c in cells))
+    print(f"\nlead at L {args.fillers[-1]} minus lead at L {args.fillers[0]} (area, unpaired 95 % CI), tuned | common:")
+    for name, change in summary["trend"]["tuned"].items():
+        cells = [change] + [summary["trend"]["common"][name]] if "common" in summary["trend"] else [change]
+        print(f"{name:<18}" + " | ".join(f"{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]" for c in cells))
     print(f"{summary['seconds']:.0f}s -> {output} and {output.with_suffix('.png')}")
     return summary
 

@@ -73,17 +73,17 @@ final J mostly measures stability. The critic's learning rate (--critic-lr) is f
 the exact V falls from 0.42 to 0.004-0.03 over a run). Two tuning seeds make a noisy choice among learning rates 3x
 apart. Spend per iteration is equal only at the start (see above).
 
-The critical-token task and the token axis (not yet run at full size). --task critical (credit_exact.CRITICAL):
-three-bit prompts, and the reward is 1 for the key bit (the prompt's first bit) followed by exactly --filler bits of
-any value and EOS, so one early token decides the reward and credit given to the whole response spreads over --filler
-irrelevant tokens; the prediction it tests: if segment credit helps, SPO's lead over GRPO grows with --filler.
---token-budget B stops every run at B sampled tokens per prompt, chooses each setting's rate by the area under J
-against cumulative tokens to B (final J measures stability more than speed), and reports J at B / 4, B / 2 and B
-interpolated per seed; --common-lr adds every setting at one rate, untuned.
+The critical-token task and the token axis. --task critical (credit_exact.CRITICAL): three-bit prompts, and the
+reward is 1 for the key bit (the prompt's first bit) followed by exactly --filler bits of any value and EOS, so one
+early token decides the reward and credit given to the whole response spreads over --filler irrelevant tokens
+(learning_critical.py sweeps --filler). --token-budget B stops every run at B sampled tokens per prompt, chooses each
+setting's rate by the area under J against cumulative tokens to B (final J measures stability more than speed), and
+reports J at B / 4, B / 2 and B interpolated per seed and the area; --common-lr adds every setting at one rate,
+untuned (a setting tuned to it reuses its runs).
 
   python benchmarks/learning_exact.py                      # writes benchmarks/results/learning_exact.{json,png}
-  python benchmarks/learning_exact.py --task critical --filler 6 --horizon 8 --token-budget 1000 --iterations 200 \
-      --common-lr 1e-3 --tuning-seeds 1000 1001 1002 1003 --out /tmp/critical6.json
+  python benchmarks/learning_exact.py --token-budget 2000 --iterations 64 --tuning-seeds 1000 1001 1002 1003 \
+      --common-lr 1e-3 --out benchmarks/results/learning_exact_tokens.json   # the token axis
   python benchmarks/learning_exact.py --settings grpo spo_tree_uniform spo_tree_depth --seeds 0 1 2 --out /tmp/le.json
   python benchmarks/learning_exact.py --tiny --out /tmp/tiny.json   # seconds: what the tests run
 """

@@ -155,7 +155,9 @@ def test_sizes_are_the_closest_to_the_budget():
 
 
 def test_docstring_examples():
-    assert doctest.testmod(le).failed == 0
+    import learning_critical as lc
+
+    assert doctest.testmod(le).failed == 0 and doctest.testmod(lc).failed == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +257,14 @@ def test_the_critical_sweep_runs_every_filler_length_and_pairs_against_grpo(tmp_
         common = run["common_rate"]["differences"]["ppo_lam1 - grpo"]["100%"]
         assert table["ppo_lam1"]["common"]["J_B_minus_grpo"] == common
         assert table["grpo"]["tuned"]["auc_minus_grpo"] is None  # the reference has no difference
+    assert saved["trend"]["from_filler"] == 1 and saved["trend"]["to_filler"] == 2
+    first, last = (json.loads(Path(saved["files"][f]).read_text()) for f in ("1", "2"))
+    for kind in ("tuned", "common"):  # the lead's change, L 1 to 2: the per-seed means' difference (3 digits kept)
+        change = (
+            lc.seed_leads(last, kind)["spo_tree_depth"].mean() - lc.seed_leads(first, kind)["spo_tree_depth"].mean()
+        )
+        low, high = saved["trend"][kind]["spo_tree_depth"][1:]
+        assert saved["trend"][kind]["spo_tree_depth"][0] == pytest.approx(change, rel=5e-3) and low <= change <= high
     (tmp_path / "critical_L2.json").write_text("{")  # an interrupted write: run again; L 1 is read back
     again = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=str(tmp_path / "critical.json")))
     assert again["by_filler"] == saved["by_filler"]
