@@ -231,6 +231,7 @@ def _command_lines():
         "trl_side_by_side": ["Args"],
         "credit_exact": ["Args"],
         "learning_exact": ["Args"],
+        "learning_critical": ["Args"],
         "learning_paired": ["Args"],
         "bad_input_probe": ["Args"],
         "gpu_check": ["Args"],
