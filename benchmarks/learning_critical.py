@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -92,7 +93,7 @@ def run_args(filler: int, args: Args) -> le.Args:
         mistake_rate=args.mistake_rate,
         token_budget=args.responses * length,
         budget=args.per_iteration * length,
-        iterations=4 * -(-args.responses // args.per_iteration),  # 4 x the nominal count: see the docstring
+        iterations=4 * math.ceil(args.responses / args.per_iteration),  # 4 x the nominal count: see the docstring
         seeds=args.seeds,
         tuning_seeds=args.tuning_seeds,
         lrs=args.lrs,
@@ -165,14 +166,13 @@ def trend(first: dict, last: dict, resamples: int = 2000, seed: int = 0) -> dict
     L's runs start from different policies: unpaired).
 
     >>> run = lambda areas: {"settings": {"token_budget": 1}, "curves": {n: [{"J": [a, a], "tokens": [1.0]} for a in v]
-    ...     for n, v in areas.items()}, "common_rate": {}}
+    ...     for n, v in areas.items()}, "common_rate": {"curves": {"grpo": [{"J": [0.5, 0.5], "tokens": [1.0]}] * 2,
+    ...     "spo": [{"J": [0.5, 0.5], "tokens": [1.0]}] * 2}}}
     >>> trend(run({"grpo": [0.5, 0.5], "spo": [0.4, 0.6]}), run({"grpo": [0.5, 0.5], "spo": [0.7, 0.7]}))["tuned"]
     {'spo': [0.2, 0.1, 0.3]}
     """
     rng, result = np.random.default_rng(seed), {}
     for kind in ("tuned", "common"):
-        if kind == "common" and not first["common_rate"]:
-            continue
         low_leads, high_leads = seed_leads(first, kind), seed_leads(last, kind)
         result[kind] = {}
         for name in low_leads:
@@ -192,8 +192,8 @@ def plot(summary: dict, path: Path) -> None:
 
     fillers = [int(f) for f in summary["by_filler"]]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    names = [n for n in summary["by_filler"][str(fillers[0])] if n != "grpo" and " - " not in n]
     for axis, kind in zip(axes, ("tuned", "common")):
-        names = [n for n in next(iter(summary["by_filler"].values())) if n not in ("grpo",) and " - " not in n]
         for offset, name in enumerate(names):
             rows = [summary["by_filler"][str(f)][name][kind]["auc_minus_grpo"] for f in fillers]
             x = [f + 0.08 * (offset - len(names) / 2) for f in fillers]
@@ -229,9 +229,10 @@ def main(args: Args) -> dict:
     for filler in args.fillers:
         length = filler + 2
         print(f"--- L = {filler}: horizon {length}, B = {args.responses * length} tokens per prompt", flush=True)
-        results = earlier_run(run_args(filler, args)) or le.main(run_args(filler, args), code)
+        run = run_args(filler, args)
+        results = earlier_run(run) or le.main(run, code)
         by_filler[str(filler)] = leads(results)
-        files[str(filler)] = run_args(filler, args).out
+        files[str(filler)] = run.out
         ends = [ends[0] if ends else results, results]
     summary = rounded(
         {
@@ -257,7 +258,7 @@ def main(args: Args) -> dict:
             print(f"L {filler:>2}  {name:<18}" + " | ".join(f"{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]" for c in cells))
     print(f"\nlead at L {args.fillers[-1]} minus lead at L {args.fillers[0]} (area, unpaired 95 % CI), tuned | common:")
     for name, change in summary["trend"]["tuned"].items():
-        cells = [change] + [summary["trend"]["common"][name]] if "common" in summary["trend"] else [change]
+        cells = [change, summary["trend"]["common"][name]]
         print(f"{name:<18}" + " | ".join(f"{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]" for c in cells))
     print(f"{summary['seconds']:.0f}s -> {output} and {output.with_suffix('.png')}")
     return summary

@@ -1063,13 +1063,9 @@ def main(args: Args, code: dict | None = None) -> dict:
     # has run it already (a run is a function of its setting, rate and seed).
     common = {}
     if args.common_lr:
-        jobs = [
-            (name, args.common_lr, seed)
-            for name in names
-            for seed in args.seeds
-            if swept[name]["chosen"] != args.common_lr
-        ]
-        common_curves = {name: list(curves[name]) if swept[name]["chosen"] == args.common_lr else [] for name in names}
+        tuned_there = {name for name in names if swept[name]["chosen"] == args.common_lr}
+        jobs = [(name, args.common_lr, seed) for name in names if name not in tuned_there for seed in args.seeds]
+        common_curves = {name: list(curves[name]) if name in tuned_there else [] for name in names}
         for (name, _, _), curve in zip(jobs, run_all(jobs, world, args)):
             common_curves[name].append(curve)
         common_summary, common_differences = summarise(common_curves, args)
