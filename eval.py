@@ -22,7 +22,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,7 +30,7 @@ from typing import Literal
 import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, distributed, files, ranges, templates
+from plumbing import UsageError, chat_templates, distributed, files, ranges
 from plumbing.cli import run_cli
 from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
@@ -46,12 +46,6 @@ RHO_STOP = "\n\n\nProblem:"  # the SFT model may start a new problem instead of 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 RG_TEST_SEED_OFFSET = 1_000_003  # reasoning-gym: neighbouring seeds give shifted copies of the same items
 RG_TEST_SIZE = 200  # reasoning-gym test draws (fewer after deduplication)
-# A task file's row whose question or answer is longer than this is dropped while the file is read, before anything
-# tokenises it (one 30 MB question used to take 12.5 GB and 193 s of tokenising, train and held-out, before the
-# context check dropped it). GSM8K questions are under 1,000 characters and MATH problems a few thousand; 100,000
-# characters is some 25,000 tokens of English, far past the paper's 2,048-token contexts, so no real question is lost.
-MAX_QUESTION_CHARS = 100_000
-MAX_ANSWER_CHARS = 100_000  # the answer field is a whole solution ("... #### 42"): GSM8K's and MATH's are far shorter
 
 
 @dataclass
@@ -73,17 +67,18 @@ def format_prompt(question: str, tokenizer: PreTrainedTokenizerBase | None) -> s
 
 def format_prompts(questions: list[str], tokenizer: PreTrainedTokenizerBase | None) -> list[str]:
     """format_prompt of each question. A chat template is the model directory's code: all the questions go to one
-    bounded worker process (plumbing/templates.py), so that a template that loops, balloons or raises is one error
+    bounded worker process (plumbing/chat_templates.py), so that a template that loops, balloons or raises is one error
     line naming the model, not a hung or crashed run."""
     if not uses_chat_template(tokenizer):
         return [RHO_PROMPT.format(question=question) for question in questions]
-    return templates.render_user_prompts(tokenizer, [f"{question}\n{BOXED_INSTRUCTION}" for question in questions])
+    return chat_templates.render_user_prompts(tokenizer, [f"{question}\n{BOXED_INSTRUCTION}" for question in questions])
 
 
 def add_prompts(examples: list[Example], tokenizer: PreTrainedTokenizerBase) -> list[Example]:
     """Fill in each example's prompt and prompt_ids (the chat template, if any, rendered once for them all)."""
     for example, prompt in zip(examples, format_prompts([e.question for e in examples], tokenizer)):
-        example.prompt, example.prompt_ids = prompt, encode_prompt(prompt, tokenizer)
+        example.prompt = prompt
+        example.prompt_ids = encode_prompt(prompt, tokenizer)
     return examples
 
 
@@ -121,7 +116,9 @@ def _last_boxed(solution: str) -> str:
     start = solution.rfind("\\boxed")
     if start < 0:
         return ""
-    i, depth, out = solution.find("{", start), 0, []
+    i = solution.find("{", start)
+    depth = 0
+    out = []
     for ch in solution[i:] if i >= 0 else "":
         depth += ch == "{"
         depth -= ch == "}"
@@ -166,54 +163,6 @@ def _rg_rows(name: str, split: str, size: int, seed: int) -> list[dict]:
         return test
     held_out = {row["question"] for row in test}
     return [row for row in generate(seed, size) if row["question"] not in held_out]
-
-
-def _jsonl_rows(path: str) -> Iterator[dict]:
-    """The rows of a GSM8K-format file, read one line at a time (load_task stops reading once it has its --limit).
-    A row whose question or answer is longer than MAX_QUESTION_CHARS / MAX_ANSWER_CHARS is dropped here, before
-    anything tokenises it, with one warning for the file; a file of nothing but such rows is a UsageError."""
-
-    def bad_line(message: str) -> UsageError:
-        files.read_text(path, "task file")  # a file that is not UTF-8 text says that first, as when it was read whole
-        return UsageError(message)
-
-    kept, dropped, first_dropped = 0, 0, None
-    try:
-        for number, line in files.read_lines(path, "task file"):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as error:  # ValueError: also an integer of over 4,300 digits
-                reason = getattr(error, "msg", None) or str(error).split(":")[0]
-                raise bad_line(
-                    f'{path} line {number} is not valid JSON ({reason}); expected {{"question": ..., "answer": ...}}'
-                ) from None
-            if (
-                not isinstance(row, dict)
-                or not isinstance(row.get("question"), str)
-                or not isinstance(row.get("answer"), (str, int, float))
-            ):
-                raise bad_line(f'{path} line {number} needs a string "question" and an "answer" (GSM8K format)')
-            answer = str(row["answer"])
-            if len(row["question"]) > MAX_QUESTION_CHARS or len(answer) > MAX_ANSWER_CHARS:
-                dropped, first_dropped = dropped + 1, first_dropped or number
-                continue
-            kept += 1
-            yield {"question": row["question"], "answer": _gsm8k_answer(answer), "line": number}
-        if dropped and not kept:
-            raise UsageError(
-                f"{path} has no row within the limits of a task row: {dropped} with a question over "
-                f"{MAX_QUESTION_CHARS:,} characters or an answer over {MAX_ANSWER_CHARS:,}; give a file of "
-                "GSM8K-format questions"
-            )
-    finally:  # also when load_task stops reading early: the rows read so far are counted
-        if dropped and kept:
-            warnings.warn(
-                f"{path}: dropped {dropped} row{'s' * (dropped != 1)} whose question is over {MAX_QUESTION_CHARS:,} "
-                f"characters or whose answer is over {MAX_ANSWER_CHARS:,} (first: line {first_dropped}), before "
-                "tokenising them"
-            )
 
 
 HUB_TASKS = ("gsm8k", "math", "math500", "aime24")
@@ -281,7 +230,10 @@ def _checked_examples(rows: Iterable[dict], name: str, split: str, limit: int | 
     examples are found: `--limit 2` of a million-row file reads a few rows. The examples are those of checking every
     row first and keeping the first `limit`; what is left unread is not checked (a bad row after them is not
     reported, and a public dataset's skipped count covers the rows read)."""
-    rows, examples, skipped, seen = iter(rows), [], [], set()
+    rows = iter(rows)
+    examples = []
+    skipped = []
+    seen = set()
     try:
         while limit is None or len(examples) < limit:
             batch = []  # (position among the unique rows, row)
@@ -365,7 +317,7 @@ def load_task(
     elif name.startswith("rg:"):
         rows = _rg_rows(name, split, size=max(limit or 0, 10_000), seed=seed)
     elif name.endswith(".jsonl"):
-        rows = _jsonl_rows(name)
+        rows = ({**row, "answer": _gsm8k_answer(row["answer"])} for row in files.read_task_rows(name))
     else:
         raise UsageError(task_problems(name)[0])
 

@@ -25,9 +25,21 @@ from dataclasses import dataclass, replace
 import torch
 
 import eval as ev
-from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing import (
+    UsageError,
+    bookkeeping,
+    checkpoints,
+    cli,
+    distributed,
+    engines,
+    models,
+    paper,
+    ranges,
+    runs,
+    settings,
+)
 from plumbing.precision import FP32, Precision
-from plumbing.sampler_check import correct_rollouts, rollout_metrics
+from plumbing.rollout_correction import correct_rollouts, rollout_metrics
 from plumbing.training import (
     attach_old_logprobs,
     collate,
@@ -37,7 +49,6 @@ from plumbing.training import (
     reseed,
     response_logprobs,
     sample_logprobs,
-    skipped_non_finite,
 )
 
 
@@ -64,7 +75,7 @@ class Args(settings.TrainArgs, GrpoSettings):
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
 # setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
 # algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
-# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# and the README's settings table is generated from these (python tools/paper_settings.py --write).
 # fmt: off
 PAPER_SETTINGS = {
     "gsm8k": dict(paper.GSM8K_RUN, questions=64, group_size=8, epochs=2, batch_size=64, prob_mask=False),
@@ -198,31 +209,24 @@ def accumulate_gradients(
     clip_eps: float,
     beta: float,
     pad_id: int,
-    on_policy: bool = False,
     all_sum: Callable = lambda x: x,
     precision: Precision = FP32,
-) -> tuple[dict, list[torch.Tensor]]:
+) -> dict:
     """Forward/backward one optimizer batch in micro-batches; gradients add up to the full-batch gradient.
     Under torchrun each rank passes its share of the batch and `all_sum=distributed.all_sum`: the loss is normalised by
     the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch.
 
-    Each sample holds prompt_ids, response_ids, advantages, loss_mask, and old_logps and ref_logps (both
-    optional: without ref_logps the KL term is 0; with on_policy=True pi_old is this forward pass's own
-    log-probs, detached, which is exact when the policy has not moved since the rollout, and each sample's "entropy"
-    is set from the same pass). Returns the summed stats and, when on_policy, every sample's pi_old log-probs (1-D,
-    CPU; an empty list otherwise).
+    Each sample holds prompt_ids, response_ids, advantages, loss_mask, old_logps and, optionally, ref_logps (without
+    them the KL term is 0). Returns the summed stats.
     """
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
-    batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
-    stats, sample_logps = (
-        {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "kl_per_token": 0.0, "clip_count": 0.0},
-        [None] * len(batch_samples),
-    )
+    batch_tokens = max(1, int(counts[0]))
+    batch_sequences = int(counts[1])
+    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "kl_per_token": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
-        logps = response_logprobs(model, batch, temperature, precision=precision, entropy=on_policy)  # [rows, R]
-        logps, entropy = logps if on_policy else (logps, None)  # entropy [rows, R]: on-policy, of pi_old
-        old_logps = logps.detach() if on_policy else batch["old_logps"]  # [rows, R]
+        logps = response_logprobs(model, batch, temperature, precision=precision)  # [rows, R]
+        old_logps = batch["old_logps"]  # [rows, R]
         ref_logps = batch.get("ref_logps", old_logps)  # without a reference model (beta 0) the KL term is 0
         loss, micro = policy_loss(
             logps,
@@ -239,11 +243,8 @@ def accumulate_gradients(
         stats["loss"] += loss.item()
         for key in micro:
             stats[key] += micro[key]
-        for i, row, row_entropy in zip(indices, logps, entropy) if on_policy else ():
-            sample_logps[i] = row[: len(batch_samples[i]["response_ids"])].detach().cpu()
-            batch_samples[i]["entropy"] = row_entropy[: len(sample_logps[i])].cpu()
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
-    return stats, sample_logps if on_policy else []
+    return stats
 
 
 def attach_targets(
@@ -253,19 +254,17 @@ def attach_targets(
     reference,
     args: Args,
     pad_id: int,
-    on_policy: bool,
     precision: Precision = FP32,
 ) -> torch.Tensor:
-    """Set what the loss needs on every sample: "old_logps" (one no-grad pass, which sets "entropy" too; skipped
-    on-policy, where the update's own forward pass provides both), "ref_logps" (the frozen reference model's, when
-    beta > 0), "loss_mask" and "advantages" (the response's group advantage on each token, whitened over the masked
-    tokens of the whole iteration batch, all ranks included). Returns the flat loss mask over all response tokens."""
+    """Set what the loss needs on every sample: "old_logps" (one no-grad pass, which sets "entropy" too),
+    "ref_logps" (the frozen reference model's, when beta > 0), "loss_mask" and "advantages" (the response's group
+    advantage on each token, whitened over the masked tokens of the whole iteration batch, all ranks included).
+    Returns the flat loss mask over all response tokens."""
     lengths = [len(s["response_ids"]) for s in samples]
-    flat_mask = torch.ones(sum(lengths), dtype=torch.bool)  # on-policy: every response token
-    if not on_policy:  # each sample's old_logps and entropy
-        attach_old_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)
-        flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
-        flat_mask = loss_mask(flat_mask, flat_probs, args.prob_threshold, args.prob_mask, all_sum=distributed.all_sum)
+    attach_old_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)
+    flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
+    every_token = torch.ones(sum(lengths), dtype=torch.bool)
+    flat_mask = loss_mask(every_token, flat_probs, args.prob_threshold, args.prob_mask, all_sum=distributed.all_sum)
     if reference is not None:
         # Parked in pinned CPU memory (--reference-on-device False): copied in for this pass
         with models.on_device(reference):
@@ -277,7 +276,8 @@ def attach_targets(
         torch.repeat_interleave(advantages, torch.tensor(lengths)), flat_mask, all_sum=distributed.all_sum
     )
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
-        s["loss_mask"], s["advantages"] = mask, advantage
+        s["loss_mask"] = mask
+        s["advantages"] = advantage
     return flat_mask
 
 
@@ -288,16 +288,14 @@ def update_policy(
     samples: list[dict],
     args: Args,
     pad_id: int,
-    on_policy: bool,
     iteration: int,
-    streak: list[int],
+    guard: bookkeeping.NonFiniteGuard,
     precision: Precision = FP32,
-) -> tuple[list[dict], list[torch.Tensor | None]]:
+) -> list[dict]:
     """--epochs passes over the samples in shuffled batches of --batch-size, one optimizer step per batch (under
     torchrun each rank takes --batch-size / world size of its own samples, and the gradients are summed). Returns the
-    stats of every step taken and, when on_policy (one step per iteration), each sample's pi_old
-    log-probs from that step's forward pass (None otherwise)."""
-    steps, forward_logps = [], [None] * len(samples)
+    stats of every step taken."""
+    steps = []
     model.train()
     batch_size = args.batch_size // distributed.world_size()  # this rank's share of each batch
     for _ in range(args.epochs):
@@ -305,7 +303,7 @@ def update_policy(
         for start in range(0, len(order), batch_size):
             batch = order[start : start + batch_size]
             optimizer.zero_grad(set_to_none=True)
-            stats, logps = accumulate_gradients(
+            stats = accumulate_gradients(
                 model,
                 [samples[i] for i in batch],
                 micro_batch_size=args.micro_batch_size,
@@ -313,23 +311,20 @@ def update_policy(
                 clip_eps=args.clip_eps,
                 beta=args.beta,
                 pad_id=pad_id,
-                on_policy=on_policy,
                 all_sum=distributed.all_sum,
                 precision=precision,
             )
-            for i, sample_logps in zip(batch, logps):
-                forward_logps[i] = sample_logps
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
             distributed.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-            if skipped_non_finite(stats, iteration, streak, keys=("loss", "grad_norm"), temperature=args.temperature):
+            if guard.skips(stats, iteration, keys=("loss", "grad_norm"), temperature=args.temperature):
                 scheduler.step()  # the schedule counts optimizer steps planned, taken or skipped
                 continue
             optimizer.step()
             scheduler.step()
             steps.append(stats)
     optimizer.zero_grad(set_to_none=True)
-    return steps, forward_logps
+    return steps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,11 +347,9 @@ def main(args: Args) -> dict:
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
-    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
+    sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
+    pad_id = tokenizer.pad_token_id
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
-    # One optimizer step per iteration and no probability mask: pi_old is the policy of that step's own forward
-    # pass, so the separate no-grad pass over the batch for old log-probs is skipped (same loss and gradient).
-    on_policy = steps_per_iteration == 1 and not args.prob_mask and args.rollout_correction == "none"
     optimizer, scheduler = make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations * steps_per_iteration, run.state
     )
@@ -380,25 +373,21 @@ def main(args: Args) -> dict:
 
         # 3. Advantages: group-normalised, broadcast to every token, whitened over the iteration's masked tokens
         #    (of all ranks: distributed.all_sum).
-        #    pi_old and the reference model's log-probs come from one no-grad pass each; on-policy, pi_old comes
-        #    from the update's own forward pass instead (step 4), and every token is in the loss mask.
+        #    pi_old and the reference model's log-probs come from one no-grad pass each.
         advantages = group_advantages(rewards, args.group_size)
         samples = [new_sample(questions[i // args.group_size].prompt_ids, c) for i, c in enumerate(completions)]
-        flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, on_policy, run.precision)
+        flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, run.precision)
         correct_rollouts(samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
         # 4. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
         sampler.sleep()
         with book.timed("update"):
-            update_stats, forward_logps = update_policy(
-                model, optimizer, scheduler, samples, args, pad_id, on_policy, iteration, book.streak, run.precision
+            update_stats = update_policy(
+                model, optimizer, scheduler, samples, args, pad_id, iteration, book.guard, run.precision
             )
-        if on_policy:  # pi_old is what the update's forward pass computed: keep it for the samples file
-            for s, logps in zip(samples, forward_logps):
-                s["old_logps"] = logps
         sampler.wake_up()
         sampler.load_weights(model)
-        seconds = book.iteration_seconds()  # rollout, update, iteration (without evaluation and checkpoint), train
+        seconds, last = book.end_iteration()  # rollout, update, iteration (without evaluation and checkpoint), train
 
         # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
         lr = scheduler.get_last_lr()[0]
@@ -409,9 +398,9 @@ def main(args: Args) -> dict:
         if book.saves_samples(iteration):  # rank 0's questions
             records = sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args)
             book.write_samples(iteration, records)
-        if book.due(iteration, args.eval_every):
+        if book.due(iteration, args.eval_every, last):
             book.evaluate(iteration)
-        if book.due(iteration, args.save_every):
+        if book.due(iteration, args.save_every, last):
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
             checkpoints.save_checkpoint(run.dir, model, tokenizer, trainer_state)
     return book.finish()
@@ -443,11 +432,9 @@ def iteration_metrics(
     """One iteration's metrics.jsonl entry, over all ranks' responses (`samples`: what the update trained on, for the
     entropy and sampler metrics; `update_stats`: the optimizer steps taken; `seconds`: rollout, update, iteration and
     train timings)."""
-    rewards, completions, flat_mask = (
-        distributed.gather(rewards),
-        distributed.gather(completions),
-        distributed.gather(flat_mask),
-    )
+    rewards = distributed.gather(rewards)
+    completions = distributed.gather(completions)
+    flat_mask = distributed.gather(flat_mask)
     generated = sum(len(completion.ids) for completion in completions)
     metrics = {
         "charts/reward": rewards.mean().item(),
@@ -460,7 +447,7 @@ def iteration_metrics(
         "charts/generated_tokens": generated,
         "charts/loss_mask_fraction": flat_mask.float().mean().item(),
         # iteration: without evaluation and checkpoint
-        **{f"time/{name}_seconds": value for name, value in seconds.items()},
+        **{f"time/{name}_seconds": value for name, value in seconds.items()},  # iteration: without eval, checkpoint
     }
     metrics |= rollout_metrics(samples)  # entropy; the sampler against the trainer
     return metrics | bookkeeping.loss_metrics(update_stats)
@@ -486,31 +473,21 @@ def sample_records(
     args: Args,
 ) -> list[dict]:
     """The first --save-questions groups as viewer.py records: tokens, p_t, advantage (before whitening), loss mask."""
-    records = []
-    for i in range(min(args.save_questions, len(questions)) * args.group_size):
-        question = questions[i // args.group_size]
-        records.append(
-            {
-                "algorithm": "grpo",
-                "iteration": iteration,
-                "question_index": i // args.group_size,
-                "question": question.question,
-                "reference": question.answer,
-                "prompt": question.prompt,
-                "reward": rewards[i].item(),
-                "finish_reason": completions[i].finish_reason,
-                "token_ids": completions[i].ids,
-                "tokens": engines.token_pieces(tokenizer, completions[i].ids),
-                "probs": samples[i]["old_logps"].exp().tolist(),
-                "advantages": [advantages[i].item()] * len(completions[i].ids),
-                "loss_mask": samples[i]["loss_mask"].tolist(),
-                "prob_threshold": args.prob_threshold,
-                "cutpoints": None,
-                "cutpoint_values": None,
-                "values": None,
-            }
+    return [
+        runs.response_record(
+            "grpo",
+            iteration,
+            i // args.group_size,
+            questions[i // args.group_size],
+            completions[i],
+            rewards[i].item(),
+            samples[i],
+            [advantages[i].item()] * len(completions[i].ids),
+            args.prob_threshold,
+            tokenizer,
         )
-    return records
+        for i in range(min(args.save_questions, len(questions)) * args.group_size)
+    ]
 
 
 if __name__ == "__main__":

@@ -30,24 +30,36 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import Cache
 
 import eval as ev
-from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing import (
+    UsageError,
+    bookkeeping,
+    checkpoints,
+    cli,
+    distributed,
+    engines,
+    models,
+    paper,
+    ranges,
+    runs,
+    settings,
+)
 from plumbing.lora import plain_copy
 from plumbing.precision import FP32, Precision
-from plumbing.sampler_check import correct_rollouts, rollout_metrics
+from plumbing.rollout_correction import correct_rollouts, rollout_metrics
 from plumbing.training import (
+    ValueModel,
     attach_old_logprobs,
     collate,
     make_optimizer,
     micro_batches,
     new_sample,
-    no_grad_batches,
     reseed,
     response_logprobs,
+    response_values,
     sample_logprobs,
-    skipped_non_finite,
+    sample_values,
 )
 
 
@@ -83,7 +95,7 @@ class Args(settings.TrainArgs, PpoSettings):
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
 # setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
 # algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
-# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# and the README's settings table is generated from these (python tools/paper_settings.py --write).
 # fmt: off
 PAPER_SETTINGS = {
     "gsm8k": dict(paper.GSM8K_RUN, questions=64, group_size=8, epochs=2, batch_size=64, gamma=1.0, lam=1.0,
@@ -120,7 +132,9 @@ def gae_advantages(
     (tensor([[0.2171, 0.2460, 0.3000]]), tensor([[0.7171, 0.8460, 1.0000]]))
     """
     mask = mask.to(values.dtype)
-    values, rewards = values * mask, rewards * mask  # [batch, T]; padding values are 0: the value after the end
+    # [batch, T]; padding values are 0: the value after the end
+    values = values * mask
+    rewards = rewards * mask
     advantages = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0]) if values.shape[1] else None  # [batch], A_{t+1}
     for t in reversed(range(values.shape[1])):
@@ -268,56 +282,22 @@ def value_loss(
 # The critic: the policy's backbone with a scalar value head
 
 
-class Critic(torch.nn.Module):
-    """V(s) for every position of a sequence: a transformer backbone (no LM head) and a linear value head.
-
-    The head starts at zero, so the untrained critic predicts 0 for every state: a neutral baseline
-    (with gamma = lambda = 1 the first advantages are the rewards themselves) instead of random values
-    that would add noise; the backbone gets gradients from the second step on, once the head is non-zero.
-    """
-
-    def __init__(self, backbone: torch.nn.Module, hidden_size: int, precision: Precision = FP32):
-        super().__init__()
-        self.backbone, self.precision = backbone, precision
-        self.value_head = torch.nn.Linear(
-            hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device
-        )
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
-
-    def forward(
-        self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        cache: Cache | None = None,
-        use_cache: bool = False,
-    ) -> tuple[torch.Tensor, Cache | None]:
-        """Values [rows, positions] of the positions given, value i = V(tokens up to i), and with use_cache=True the
-        KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the
-        sequence)."""
-        device = input_ids.device.type
-        with self.precision.autocast(device):  # fp32 weights; bf16 compute where `precision` chose it
-            out = self.backbone(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-            )
-        return self.value_head(out.last_hidden_state.float()).squeeze(-1), out.cache  # [rows, positions]
-
-
-def make_critic(policy, precision: Precision = FP32) -> Critic:
-    """A critic initialised from the policy's weights: a separate copy of its backbone (the LM head is dropped).
+def make_critic(policy, precision: Precision = FP32) -> ValueModel:
+    """A critic initialised from the policy's weights: a separate copy of its backbone (the LM head is dropped) and a
+    linear value head that starts at zero, so the untrained critic predicts 0 for every state: a neutral baseline
+    (with gamma = lambda = 1 the first advantages are the rewards themselves) instead of random values that would
+    add noise; the backbone gets gradients from the second step on, once the head is non-zero.
 
     Paper: PPO's advantage (baseline).
     """
     # plain_copy: with --lora-rank, without the policy's adapters (the critic trains its own weights in full)
-    return Critic(plain_copy(policy.base_model), policy.config.hidden_size, precision)
+    critic = ValueModel(plain_copy(policy.base_model), policy.config.hidden_size, precision)
+    torch.nn.init.zeros_(critic.value_head.weight)
+    torch.nn.init.zeros_(critic.value_head.bias)
+    return critic
 
 
-def load_critic(args: Args, model, checkpoint: Path | None, device: str, precision: Precision = FP32) -> Critic:
+def load_critic(args: Args, model, checkpoint: Path | None, device: str, precision: Precision = FP32) -> ValueModel:
     """The critic from the policy's weights, or the checkpoint's critic.pt; then --gradient-checkpointing and
     --fsdp for policy and critic (after make_critic copied the policy's backbone)."""
     critic = make_critic(model, precision)
@@ -336,44 +316,11 @@ def load_critic(args: Args, model, checkpoint: Path | None, device: str, precisi
 # The update: what the loss needs, gradients, optimizer steps
 
 
-def response_values(critic: Critic, batch: dict) -> torch.Tensor:
-    """V(s_{t-1}) for every response token y_t: the value at the position of the token before it
-    (the prompt's last token for y_0), the same positions whose logits give log pi(y_t). As in
-    response_logprobs, each distinct prompt runs once and its rows' responses continue its KV cache."""
-    prompt_len = batch["prompt_ids"].shape[1]
-    # As in response_logprobs
-    if critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled():
-        values, _ = critic(batch["input_ids"], batch["attention_mask"], batch["positions"])  # [rows, P + R]
-        return values[:, prompt_len - 1 : -1]  # [rows, R]; the value after the last column belongs to no token
-    # [prompts, P]
-    prompt_values, cache = critic(batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True)
-    cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]
-    response_ids, positions = batch["input_ids"][:, prompt_len:], batch["positions"][:, prompt_len:]
-    values, _ = critic(response_ids, batch["attention_mask"], positions, cache, use_cache=True)  # [rows, R]
-    return torch.cat([prompt_values[batch["prompt_of_row"], -1:], values[:, :-1]], dim=1)  # [rows, R]
-
-
-@torch.no_grad()
-def sample_values(critic: Critic, samples: list[dict], micro_batch_size: int, pad_id: int) -> list[torch.Tensor]:
-    """Per-sample values of the states before each response token (1-D CPU tensors), in passes sized to the GPU's
-    free memory as sample_logprobs' (micro-batches of `micro_batch_size` where nothing is sized: a CPU, --fsdp)."""
-    was_training = critic.training
-    critic.eval()
-    device = next(critic.parameters()).device
-    out: list[torch.Tensor] = [None] * len(samples)
-    for indices in no_grad_batches(critic, samples, micro_batch_size, critic.precision, config=critic.backbone.config):
-        values = response_values(critic, collate([samples[i] for i in indices], pad_id, device)).cpu()
-        for i, row in zip(indices, values):
-            out[i] = row[: len(samples[i]["response_ids"])]
-    critic.train(was_training)
-    return out
-
-
 def add_old_logprobs_and_values(
     samples: list[dict],
     model,
     reference,
-    critic: Critic,
+    critic: ValueModel,
     micro_batch_size: int,
     temperature: float,
     pad_id: int,
@@ -425,13 +372,15 @@ def add_advantages_and_returns(
     for s, mask, whitened, targets in zip(
         samples, flat_mask.split(split), flat_advantages.split(split), flat_returns.split(split)
     ):
-        s["loss_mask"], s["advantages"], s["returns"] = mask, whitened, targets
+        s["loss_mask"] = mask
+        s["advantages"] = whitened
+        s["returns"] = targets
     return advantages
 
 
 def accumulate_gradients(
     model,
-    critic: Critic,
+    critic: ValueModel,
     batch_samples: list[dict],
     *,
     micro_batch_size: int,
@@ -451,7 +400,9 @@ def accumulate_gradients(
     masked_tokens = sum(int(s["loss_mask"].sum()) for s in batch_samples)
     response_tokens = sum(len(s["response_ids"]) for s in batch_samples)
     counts = all_sum(torch.tensor([masked_tokens, response_tokens, len(batch_samples)]))
-    batch_tokens, value_tokens, batch_sequences = max(1, int(counts[0])), max(1, int(counts[1])), int(counts[2])
+    batch_tokens = max(1, int(counts[0]))
+    value_tokens = max(1, int(counts[1]))
+    batch_sequences = int(counts[2])
     stats = dict.fromkeys(
         ("loss", "pg_loss", "kl", "kl_per_token", "clip_count", "value_loss", "value_clip_count"), 0.0
     )
@@ -485,7 +436,7 @@ def accumulate_gradients(
 
 def update_policy(
     model,
-    critic: Critic,
+    critic: ValueModel,
     optimizer,
     scheduler,
     critic_optimizer,
@@ -494,7 +445,7 @@ def update_policy(
     args: Args,
     pad_id: int,
     iteration: int,
-    streak: list[int],
+    guard: bookkeeping.NonFiniteGuard,
     precision: Precision = FP32,
 ) -> list[dict]:
     """--epochs passes over the iteration's samples in shuffled batches of --batch-size, policy and critic on the
@@ -526,10 +477,9 @@ def update_policy(
             distributed.all_reduce_gradients(model, critic)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
             stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm).item()
-            if not skipped_non_finite(
+            if not guard.skips(
                 stats,
                 iteration,
-                streak,
                 keys=("loss", "value_loss", "grad_norm", "critic_grad_norm"),
                 fix="lower --lr / --critic-lr",
                 temperature=args.temperature,
@@ -566,7 +516,8 @@ def main(args: Args) -> dict:
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
-    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
+    sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
+    pad_id = tokenizer.pad_token_id
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     # The policy's and the critic's AdamW, each with its schedule, restored from the checkpoint when resuming.
     optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, run.state)
@@ -618,23 +569,25 @@ def main(args: Args) -> dict:
                 args,
                 pad_id,
                 iteration,
-                book.streak,
+                book.guard,
                 run.precision,
             )
         sampler.wake_up()
         sampler.load_weights(model)
-        seconds = book.iteration_seconds()  # rollout, update, iteration (without evaluation and checkpoint), train
+        seconds, last = book.end_iteration()  # rollout, update, iteration (without evaluation and checkpoint), train
 
         # 5. Log (over all ranks' responses), save samples, evaluate, checkpoint.
-        lr, critic_lr = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]
+        lr = scheduler.get_last_lr()[0]
+        critic_lr = critic_scheduler.get_last_lr()[0]
         metrics = iteration_metrics(rewards, completions, samples, update_stats, lr, critic_lr, seconds)
         book.log(iteration, metrics, progress_line(iteration, metrics))
         if book.saves_samples(iteration):  # rank 0's questions
             records = sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args)
             book.write_samples(iteration, records)
-        if book.due(iteration, args.eval_every):
+        if book.due(iteration, args.eval_every, last):
             book.evaluate(iteration)
-        if book.due(iteration, args.save_every):  # every rank: with --fsdp the states are gathered from the shards
+        # every rank: with --fsdp the states are gathered from the shards
+        if book.due(iteration, args.save_every, last):
             trainer_state = {
                 **checkpoints.optimizer_checkpoint(model, optimizer, scheduler),
                 **checkpoints.optimizer_checkpoint(critic, critic_optimizer, critic_scheduler, prefix="critic_"),
@@ -668,15 +621,15 @@ def iteration_metrics(
 ) -> dict:
     """One iteration's metrics.jsonl entry, over all ranks' responses (losses/ averaged over `update_stats`, the
     optimizer steps taken; `seconds`: rollout, update, iteration and train timings)."""
-    rewards, completions, rank_samples = distributed.gather(rewards), distributed.gather(completions), samples
+    rewards = distributed.gather(rewards)
+    completions = distributed.gather(completions)
+    rank_samples = samples
     # What the metrics read of each sample, from every rank
     samples = distributed.gather([{key: s[key] for key in ("loss_mask", "old_values", "returns")} for s in samples])
     generated = sum(len(c.ids) for c in completions)
     flat_mask = torch.cat([s["loss_mask"] for s in samples])  # every response token of the iteration
-    flat_values, flat_returns = (
-        torch.cat([s["old_values"] for s in samples]),
-        torch.cat([s["returns"] for s in samples]),
-    )
+    flat_values = torch.cat([s["old_values"] for s in samples])
+    flat_returns = torch.cat([s["returns"] for s in samples])
     metrics = {
         "charts/reward": rewards.mean().item(),
         "charts/response_tokens": generated / len(completions),
@@ -687,10 +640,7 @@ def iteration_metrics(
         "charts/loss_mask_fraction": flat_mask.float().mean().item(),
         "charts/mean_value": flat_values.mean().item() if len(flat_values) else 0.0,
         "charts/generated_tokens": generated,
-        "time/rollout_seconds": seconds["rollout"],
-        "time/update_seconds": seconds["update"],
-        "time/iteration_seconds": seconds["iteration"],  # without evaluation and checkpoint
-        "time/train_seconds": seconds["train"],
+        **{f"time/{name}_seconds": value for name, value in seconds.items()},  # iteration: without eval, checkpoint
     }
     # Explained variance of the rollout's values against the returns: 1 = perfect critic, 0 = no better
     # than a constant, undefined (not logged) when every return is the same.
@@ -721,25 +671,19 @@ def sample_records(
 ) -> list[dict]:
     """The --save-samples records (viewer.py's format) of the first --save-questions questions' responses."""
     return [
-        {
-            "algorithm": "ppo",
-            "iteration": iteration,
-            "question_index": i // args.group_size,
-            "question": questions[i // args.group_size].question,
-            "reference": questions[i // args.group_size].answer,
-            "prompt": questions[i // args.group_size].prompt,
-            "reward": rewards[i].item(),
-            "finish_reason": completions[i].finish_reason,
-            "token_ids": completions[i].ids,
-            "tokens": engines.token_pieces(tokenizer, completions[i].ids),
-            "probs": samples[i]["old_logps"].exp().tolist(),
-            "advantages": advantages[i, : len(completions[i].ids)].tolist(),  # GAE, before whitening
-            "loss_mask": samples[i]["loss_mask"].tolist(),
-            "prob_threshold": args.prob_threshold,
-            "cutpoints": None,
-            "cutpoint_values": None,
-            "values": samples[i]["old_values"].tolist(),
-        }
+        runs.response_record(
+            "ppo",
+            iteration,
+            i // args.group_size,
+            questions[i // args.group_size],
+            completions[i],
+            rewards[i].item(),
+            samples[i],
+            advantages[i, : len(completions[i].ids)].tolist(),  # GAE, before whitening
+            args.prob_threshold,
+            tokenizer,
+            values=samples[i]["old_values"].tolist(),
+        )
         for i in range(min(args.save_questions, len(questions)) * args.group_size)
     ]
 

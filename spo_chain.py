@@ -30,9 +30,21 @@ from dataclasses import dataclass, replace
 import torch
 
 import eval as ev
-from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing import (
+    UsageError,
+    bookkeeping,
+    checkpoints,
+    cli,
+    distributed,
+    engines,
+    models,
+    paper,
+    ranges,
+    runs,
+    settings,
+)
 from plumbing.precision import FP32, Precision
-from plumbing.sampler_check import correct_rollouts, rollout_metrics
+from plumbing.rollout_correction import correct_rollouts, rollout_metrics
 from plumbing.training import (
     attach_old_logprobs,
     collate,
@@ -42,7 +54,6 @@ from plumbing.training import (
     reseed,
     response_logprobs,
     sample_logprobs,
-    skipped_non_finite,
 )
 
 
@@ -73,7 +84,7 @@ class Args(settings.TrainArgs, SpoChainSettings):
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
 # setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
 # algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
-# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# and the README's settings table is generated from these (python tools/paper_settings.py --write).
 # fmt: off
 PAPER_SETTINGS = {
     "gsm8k": dict(paper.GSM8K_RUN, questions=64, group_size=8, epochs=2, batch_size=64, mc_samples=9, interval=5,
@@ -134,7 +145,9 @@ def chain_advantages(
     >>> chain_advantages([.5, .95, .3], [-1, 1], [.5, .75], reward=0.0, prob_mask=False)  # V(prompt) is the baseline
     [0.25, 0.25, -0.75]
     """
-    T, cutpoints, values = len(probs), [int(c) for c in cutpoints], [float(v) for v in values]
+    T = len(probs)
+    cutpoints = [int(c) for c in cutpoints]
+    values = [float(v) for v in values]
     if len(values) != len(cutpoints):
         raise ValueError(f"{len(cutpoints)} cutpoints but {len(values)} values")
     if any(b <= a for a, b in zip(cutpoints, cutpoints[1:])) or (
@@ -296,7 +309,9 @@ def mc_values(
         progress="mc",
         generated=[len(prefix) for _, prefix, _ in unique],  # a stop string may begin in the response prefix
     )
-    texts, answers, finished = [], [], []
+    texts = []
+    answers = []
+    finished = []
     for (_, prefix, answer), group in zip(unique, groups):
         for continuation in group:
             texts.append(tokenizer.decode(list(prefix) + continuation.ids, skip_special_tokens=True))
@@ -353,7 +368,8 @@ def accumulate_gradients(
     Under torchrun each rank passes its share of the batch and `all_sum=distributed.all_sum`: the loss is normalised by
     the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
-    batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
+    batch_tokens = max(1, int(counts[0]))
+    batch_sequences = int(counts[1])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "kl_per_token": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
@@ -394,7 +410,8 @@ def attach_advantages(
     )
     flat_advantages = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum)
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
-        s["loss_mask"], s["advantages"] = mask, advantage
+        s["loss_mask"] = mask
+        s["advantages"] = advantage
     return flat_mask
 
 
@@ -406,14 +423,15 @@ def update_policy(
     args: Args,
     pad_id: int,
     iteration: int,
-    streak: list[int],
+    guard: bookkeeping.NonFiniteGuard,
     precision: Precision = FP32,
 ) -> list[dict]:
     """--epochs passes over the iteration's samples in shuffled batches of --batch-size: one clipped optimizer step
     per batch (under torchrun each rank takes --batch-size / world size of its own samples, and the gradients are
     summed). A skipped (non-finite) batch still steps the scheduler. Returns the stats of the steps taken."""
     model.train()
-    steps, batch_size = [], args.batch_size // distributed.world_size()  # this rank's share of each batch
+    steps = []
+    batch_size = args.batch_size // distributed.world_size()  # this rank's share of each batch
     for _ in range(args.epochs):
         order = torch.randperm(len(samples)).tolist()
         for start in range(0, len(order), batch_size):
@@ -432,9 +450,7 @@ def update_policy(
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
             distributed.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-            if not skipped_non_finite(
-                stats, iteration, streak, keys=("loss", "grad_norm"), temperature=args.temperature
-            ):
+            if not guard.skips(stats, iteration, keys=("loss", "grad_norm"), temperature=args.temperature):
                 optimizer.step()
                 steps.append(stats)
             scheduler.step()
@@ -462,7 +478,8 @@ def main(args: Args) -> dict:
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
-    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
+    sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
+    pad_id = tokenizer.pad_token_id
     total_steps = args.iterations * args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     optimizer, scheduler = make_optimizer(model, args.lr, args.weight_decay, args.warmup_ratio, total_steps, run.state)
     evaluate = lambda: ev.evaluate_policy(model, tokenizer, sampler, eval_task, eval_examples, args)  # noqa: E731
@@ -489,7 +506,8 @@ def main(args: Args) -> dict:
             model, reference, samples, args.micro_batch_size, args.temperature, pad_id, run.precision
         )
         for s, old, ref in zip(samples, old_logps, ref_logps):
-            s["old_logps"], s["ref_logps"] = old, ref
+            s["old_logps"] = old
+            s["ref_logps"] = ref
         flat_probs = torch.cat(old_logps).exp()  # [all response tokens], p_t
         probs = [p.tolist() for p in flat_probs.split([len(s["response_ids"]) for s in samples])]
 
@@ -521,11 +539,11 @@ def main(args: Args) -> dict:
         sampler.sleep()
         with book.timed("update"):
             update_stats = update_policy(
-                model, optimizer, scheduler, samples, args, pad_id, iteration, book.streak, run.precision
+                model, optimizer, scheduler, samples, args, pad_id, iteration, book.guard, run.precision
             )
         sampler.wake_up()
         sampler.load_weights(model)
-        seconds = book.iteration_seconds()  # rollout, mc, update, iteration (without evaluation, checkpoint), train
+        seconds, last = book.end_iteration()  # rollout, mc, update, iteration (without evaluation, checkpoint), train
 
         # 8. Log (over all ranks' responses), save samples, evaluate, checkpoint.
         lr = scheduler.get_last_lr()[0]
@@ -538,9 +556,9 @@ def main(args: Args) -> dict:
                 iteration, questions, completions, rewards, advantages, samples, cutpoints, values, tokenizer, args
             )
             book.write_samples(iteration, records)
-        if book.due(iteration, args.eval_every):
+        if book.due(iteration, args.eval_every, last):
             book.evaluate(iteration)
-        if book.due(iteration, args.save_every):
+        if book.due(iteration, args.save_every, last):
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
             checkpoints.save_checkpoint(run.dir, model, tokenizer, trainer_state)
     return book.finish()
@@ -574,12 +592,11 @@ def iteration_metrics(
     """One iteration's metrics.jsonl entry, over all ranks' responses (`samples`: what the update trained on, for the
     entropy and sampler metrics; `update_stats`: the optimizer steps taken; `seconds`: rollout, mc, update,
     iteration and train timings)."""
-    rewards, completions, flat_mask = (
-        distributed.gather(rewards),
-        distributed.gather(completions),
-        distributed.gather(flat_mask),
-    )
-    cutpoints, flat_values = distributed.gather(cutpoints), distributed.gather(flat_values)
+    rewards = distributed.gather(rewards)
+    completions = distributed.gather(completions)
+    flat_mask = distributed.gather(flat_mask)
+    cutpoints = distributed.gather(cutpoints)
+    flat_values = distributed.gather(flat_values)
     mc_stats = distributed.sum_over_ranks(mc_stats)
     generated = sum(len(completion.ids) for completion in completions)
     # A response's segments: the runs of tokens between value positions (one segment if it has no cutpoint).
@@ -599,11 +616,7 @@ def iteration_metrics(
         "charts/mc_rollouts": mc_stats["mc_rollouts"],
         "charts/mc_tokens": mc_stats["mc_tokens"],
         "charts/generated_tokens": generated + mc_stats["mc_tokens"],  # responses and MC continuations
-        "time/rollout_seconds": seconds["rollout"],
-        "time/mc_seconds": seconds["mc"],
-        "time/update_seconds": seconds["update"],
-        "time/iteration_seconds": seconds["iteration"],  # without evaluation and checkpoint
-        "time/train_seconds": seconds["train"],
+        **{f"time/{name}_seconds": value for name, value in seconds.items()},  # iteration: without eval, checkpoint
     }
     if flat_values:
         metrics["charts/mc_value_mean"] = torch.tensor(flat_values).mean().item()
@@ -637,25 +650,20 @@ def sample_records(
 ) -> list[dict]:
     """The --save-samples records (viewer.py's format) of the first --save-questions questions' responses."""
     return [
-        {
-            "algorithm": "spo_chain",
-            "iteration": iteration,
-            "question_index": i // args.group_size,
-            "question": questions[i // args.group_size].question,
-            "reference": questions[i // args.group_size].answer,
-            "prompt": questions[i // args.group_size].prompt,
-            "reward": rewards[i],
-            "finish_reason": completions[i].finish_reason,
-            "token_ids": completions[i].ids,
-            "tokens": engines.token_pieces(tokenizer, completions[i].ids),
-            "probs": samples[i]["old_logps"].exp().tolist(),
-            "advantages": advantages[i],  # before whitening, prob mask applied
-            "loss_mask": samples[i]["loss_mask"].tolist(),
-            "prob_threshold": args.prob_threshold,
-            "cutpoints": cutpoints[i],
-            "cutpoint_values": cutpoint_values[i],
-            "values": None,
-        }
+        runs.response_record(
+            "spo_chain",
+            iteration,
+            i // args.group_size,
+            questions[i // args.group_size],
+            completions[i],
+            rewards[i],
+            samples[i],
+            advantages[i],  # before whitening, prob mask applied
+            args.prob_threshold,
+            tokenizer,
+            cutpoints=cutpoints[i],
+            cutpoint_values=cutpoint_values[i],
+        )
         for i in range(min(args.save_questions, len(questions)) * args.group_size)
     ]
 

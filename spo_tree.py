@@ -12,20 +12,11 @@ see README.md for the paper's settings and results.
 
 Deliberate differences from the paper's released code: README.md, "Deliberate fixes over the paper's released
 code" (here: a child continues from its parent's exact token ids; unfinished leaves score 0).
-Choices the paper leaves open, made here:
-- a stop string that straddles a segment boundary ends the response there (the sampler is told how many
-  of its prompt tokens the policy generated, and looks for stop strings across them);
-- edges wait in the replay buffer for at most --buffer-max-age iterations; an edge taken for training
-  leaves the buffer (as in the paper's code), so each edge is trained on in one iteration only, with the
-  old log-probs of the policy that generated it;
-- every iteration trains on exactly --samples-per-iteration segment samples, as the authors' episode
-  generator does (512 MATH, 1024 GSM8K): a random subset of the edges the buffer offers when it offers
-  more (the others go back to the buffer, keeping their age), edges repeated at random when it offers
-  fewer (a repeat counts once per copy in the whitening and the loss normalisation); 0 trains every
-  offered edge once;
-- the learning rate schedule advances once per iteration, not per optimizer step: with
-  --samples-per-iteration 0 the number of edges, and so of steps, per iteration varies, and an iteration
-  without edges still moves the schedule on; with a fixed count the two differ only within an iteration.
+Choices the paper leaves open, each stated where it is made: a stop string that straddles a segment boundary ends
+the response there (grow_trees); an edge waits at most --buffer-max-age iterations and leaves the buffer once taken,
+so it is trained on in one iteration, with the old log-probs of the policy that grew it (sample_buffer); every
+iteration trains exactly --samples-per-iteration samples, a random subset or random repeats of the buffer's offer
+(fill_samples); the learning rate schedule steps once per iteration, since the number of steps may vary (main).
 
   python spo_tree.py                       # paper long-CoT run: R1-Distill-Qwen-1.5B on MATH, 6-6-6, M=600, 2K context
   python spo_tree.py --model rho-1b-sft-gsm8k --task gsm8k --segment-tokens 30 --questions 16 \\
@@ -52,9 +43,21 @@ from typing import Literal
 import torch
 
 import eval as ev
-from plumbing import UsageError, bookkeeping, checkpoints, cli, distributed, engines, models, paper, ranges, settings
+from plumbing import (
+    UsageError,
+    bookkeeping,
+    checkpoints,
+    cli,
+    distributed,
+    engines,
+    models,
+    paper,
+    ranges,
+    runs,
+    settings,
+)
 from plumbing.precision import FP32, Precision
-from plumbing.sampler_check import correct_rollouts, rollout_metrics
+from plumbing.rollout_correction import correct_rollouts, rollout_metrics
 from plumbing.training import (
     attach_old_logprobs,
     collate,
@@ -64,7 +67,6 @@ from plumbing.training import (
     reseed,
     response_logprobs,
     sample_logprobs,
-    skipped_non_finite,
 )
 
 
@@ -136,7 +138,7 @@ class Args(settings.TrainArgs, SpoTreeSettings):
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
 # setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
 # algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
-# and the README's settings table is generated from these (python benchmarks/paper_settings.py --write).
+# and the README's settings table is generated from these (python tools/paper_settings.py --write).
 # fmt: off
 TREE_RUN = dict(tree="6,6,6", advantage="rloo", edge_weight="uniform", epochs=1, batch_size=128, prob_mask=True,
                 prob_threshold=0.9, buffer_max_age=8, edges_per_question=32)
@@ -151,8 +153,6 @@ PAPER_SETTINGS = {
 # Algorithm: the tree, values, segment advantages, loss (pure functions)
 
 ADVANTAGES = ("rloo", "grpo")
-WARN_LEAVES, MAX_LEAVES = 50_000, 1_000_000  # leaves per iteration (stated in --tree's help)
-MAX_DEPTH = 100  # levels of --tree (viewer.py reads saved trees up to about 495 levels deep)
 
 
 def parse_tree(spec: str) -> list[int]:
@@ -198,7 +198,8 @@ def backup_values(root: Node) -> float:
     >>> backup_values(Node([0], [Node([1], reward=1.0), Node([2], [Node([3], reward=0.0), Node([4], reward=1.0)])]))
     0.75
     """
-    order, stack = [], [root]
+    order = []
+    stack = [root]
     while stack:  # pre-order; reversed, every child comes before its parent
         node = stack.pop()
         order.append(node)
@@ -286,7 +287,8 @@ def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advan
     >>> nonzero
     2
     """
-    edges, nonzero = [], 0
+    edges = []
+    nonzero = 0
     for question_id, tree in zip(question_ids, trees):
         segments = tree_segments(tree, advantage, with_nodes=True)
         nonzero += len(segments)
@@ -377,7 +379,9 @@ def depth_weights(branches: list[int]) -> list[float]:
     >>> depth_weights([2, 3])  # 1/1 and 1/(2*2), times 8 / (2 + 1.5)
     [2.2857142857142856, 0.5714285714285714]
     """
-    raw, nodes, width = [], [], 1
+    raw = []
+    nodes = []
+    width = 1
     for branch in branches:
         raw.append(1.0 / (width * (branch - 1)) if branch > 1 else 0.0)
         width *= branch
@@ -398,7 +402,8 @@ def edge_weights(taken: list[dict], remaining: list[dict], by_depth: list[float]
     >>> edge_weights(taken, [{"question": 0, "depth": 2}] * 2, [1.0, 0.5])  # question 0: 2 of 4 kept
     [2.0, 1.0, 0.5]
     """
-    offered, kept = collections.Counter(), collections.Counter(edge["question"] for edge in taken)
+    offered = collections.Counter()
+    kept = collections.Counter(edge["question"] for edge in taken)
     offered.update(edge["question"] for edge in taken + remaining)
     return [by_depth[edge["depth"] - 1] * offered[edge["question"]] / kept[edge["question"]] for edge in taken]
 
@@ -528,7 +533,8 @@ def grow_trees(
     frontier = [(root, root.tokens, []) for root in roots]  # (open node, prompt ids, ids generated on its path)
     seconds = []
     for depth, branch in enumerate(branches):
-        started, last = time.time(), depth == len(branches) - 1
+        started = time.time()
+        last = depth == len(branches) - 1
         generated = depth * segment_tokens  # every open node's path holds exactly `depth` full segments
         groups = sampler.sample(
             [prompt + path for _, prompt, path in frontier],
@@ -544,7 +550,9 @@ def grow_trees(
         next_frontier = []
         for (parent, prompt, path), completions in zip(frontier, groups):
             for completion in completions:
-                ids, finish = completion.ids, completion.finish_reason  # empty when a stop string began in the path
+                # empty when a stop string began in the path
+                ids = completion.ids
+                finish = completion.finish_reason
                 child = Node(list(ids), finish_reason=finish, depth=depth + 1, logprobs=completion.logprobs)
                 parent.children.append(child)
                 room = context - len(prompt) - len(path) - len(ids)
@@ -616,7 +624,8 @@ def attach_targets(
     )
     flat_advantages = flat_advantages * flat_weights
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
-        s["loss_mask"], s["advantages"] = mask, advantage
+        s["loss_mask"] = mask
+        s["advantages"] = advantage
 
 
 def accumulate_gradients(
@@ -635,7 +644,8 @@ def accumulate_gradients(
     Under torchrun each rank passes its share of the batch (possibly none) and `all_sum=distributed.all_sum`: the loss
     is normalised by the whole batch's counts, so the ranks' gradients (and stats) sum to those of the whole batch."""
     counts = all_sum(torch.tensor([sum(int(s["loss_mask"].sum()) for s in batch_samples), len(batch_samples)]))
-    batch_tokens, batch_sequences = max(1, int(counts[0])), int(counts[1])
+    batch_tokens = max(1, int(counts[0]))
+    batch_sequences = int(counts[1])
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "kl_per_token": 0.0, "clip_count": 0.0}
     for indices in micro_batches(batch_samples, micro_batch_size):
         batch = collate([batch_samples[i] for i in indices], pad_id, model.device)
@@ -667,7 +677,7 @@ def update_policy(
     args: Args,
     pad_id: int,
     iteration: int,
-    streak: list[int],
+    guard: bookkeeping.NonFiniteGuard,
     precision: Precision = FP32,
 ) -> list[dict]:
     """--epochs passes over the samples in shuffled batches of --batch-size, each accumulated in micro-batches
@@ -675,7 +685,8 @@ def update_policy(
     Under torchrun `samples` is this rank's share: every rank takes the steps the whole iteration's samples make,
     each with --batch-size / world size of its own (the last ones possibly none), and the gradients are summed."""
     model.train()
-    model_stats, batch_size = [], args.batch_size // distributed.world_size()  # this rank's share of each batch
+    model_stats = []
+    batch_size = args.batch_size // distributed.world_size()  # this rank's share of each batch
     # Optimizer steps per epoch, the same on every rank
     steps = math.ceil(int(distributed.all_sum(torch.tensor(len(samples)))) / args.batch_size)
     for _ in range(args.epochs):
@@ -696,7 +707,7 @@ def update_policy(
             stats = distributed.sum_over_ranks(stats)  # every rank takes the same decision below
             distributed.all_reduce_gradients(model)
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-            if skipped_non_finite(stats, iteration, streak, keys=("loss", "grad_norm"), temperature=args.temperature):
+            if guard.skips(stats, iteration, keys=("loss", "grad_norm"), temperature=args.temperature):
                 continue
             optimizer.step()
             model_stats.append(stats)
@@ -718,7 +729,7 @@ def main(args: Args) -> dict:
     branches = validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return paper.dry_run(args, PAPER_SETTINGS, eval_task, **tree_shape(branches))
+        return paper.dry_run(args, PAPER_SETTINGS, eval_task, **paper.tree_shape(branches))
     run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
     if run.finished:
         return run.finished  # resumed after its last iteration: reported, left as it is
@@ -728,7 +739,8 @@ def main(args: Args) -> dict:
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
-    sampling, pad_id = engines.sampling_settings(args, ev.stop_strings(tokenizer)), tokenizer.pad_token_id
+    sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
+    pad_id = tokenizer.pad_token_id
     # The schedule steps once per iteration (see update_policy).
     optimizer, scheduler = make_optimizer(
         model, args.lr, args.weight_decay, args.warmup_ratio, args.iterations, run.state
@@ -759,7 +771,9 @@ def main(args: Args) -> dict:
         saved_probs = {}
         if book.saves_samples(iteration):  # p_t of the saved trees' nodes, before the update
             saved = trees[: args.save_questions]
-            saved_probs = node_probs(model, saved, args.micro_batch_size, args.temperature, pad_id, run.precision)
+            saved_probs = runs.tree_node_probs(
+                model, saved, walk, args.micro_batch_size, args.temperature, pad_id, run.precision
+            )
 
         # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
         #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
@@ -788,11 +802,11 @@ def main(args: Args) -> dict:
         lr = scheduler.get_last_lr()[0]  # this iteration's: the schedule steps once, at the end of the update
         with book.timed("update"):
             update_stats = update_policy(
-                model, optimizer, scheduler, rank_samples, args, pad_id, iteration, book.streak, run.precision
+                model, optimizer, scheduler, rank_samples, args, pad_id, iteration, book.guard, run.precision
             )
         sampler.wake_up()
         sampler.load_weights(model)
-        seconds = book.iteration_seconds()  # rollout, update, iteration (without evaluation and checkpoint), train
+        seconds, last = book.end_iteration()  # rollout, update, iteration (without evaluation and checkpoint), train
 
         # 6. Log (over all ranks' trees), save samples, evaluate, checkpoint.
         metrics = iteration_metrics(
@@ -801,9 +815,9 @@ def main(args: Args) -> dict:
         book.log(iteration, metrics, progress_line(iteration, metrics, level_seconds))
         if book.saves_samples(iteration):
             book.write_samples(iteration, sample_records(iteration, trees, questions, saved_probs, tokenizer, args))
-        if book.due(iteration, args.eval_every):
+        if book.due(iteration, args.eval_every, last):
             book.evaluate(iteration)
-        if book.due(iteration, args.save_every):  # the buffer too: a resumed run trains on the same edges
+        if book.due(iteration, args.save_every, last):  # the buffer too: a resumed run trains on the same edges
             trainer_state = {**checkpoints.optimizer_checkpoint(model, optimizer, scheduler), "iteration": iteration}
             checkpoints.save_checkpoint(run.dir, model, tokenizer, {**trainer_state, "buffer": buffer})
     return book.finish()
@@ -815,7 +829,8 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> list[int]:
     """Check the configuration; return the branch factors of --tree."""
-    problems, branches = settings.setting_problems(args, ev.task_problems), []  # the settings every script shares first
+    problems = settings.setting_problems(args, ev.task_problems)  # the settings every script shares first
+    branches = []
     try:
         branches = parse_tree(args.tree)
     except ValueError as error:
@@ -825,19 +840,7 @@ def validate(args: Args) -> list[int]:
             f"--tree {args.tree}: depth {single[0]} has one child per node, whose advantage against its parent (its "
             "own value) is always 0, so its edges are never trained: give every depth 2 or more children"
         )
-    if len(branches) > MAX_DEPTH:
-        problems.append(
-            f"--tree has {len(branches)} levels: at most {MAX_DEPTH} (a saved tree nests one JSON level per depth)"
-        )
-    if branches and (size := tree_size_problem(branches, args)):
-        problems.append(size)
-    elif branches and (len(branches) - 1) * args.segment_tokens >= min(args.max_new_tokens, args.context):
-        problems.append(
-            f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates "
-            f"{(len(branches) - 1) * args.segment_tokens} tokens "
-            "before its last level, leaving no room within --max-new-tokens and --context: "
-            "raise them or lower --segment-tokens"
-        )
+    problems += settings.tree_size_problems(args, branches)  # depth, leaves, room for the last level
     if args.advantage not in ADVANTAGES:
         problems.append(f"--advantage must be {' or '.join(ADVANTAGES)}, not {args.advantage!r}")
     # --fsdp: every rank must run as many forward/backward passes as the others (each gathers shards), so each trains
@@ -855,42 +858,6 @@ def validate(args: Args) -> list[int]:
     return branches
 
 
-def tree_shape(branches: list[int]) -> dict:
-    """What --dry-run shows of --tree: the branch factors, and the nodes and leaves of a tree without early leaves."""
-    full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level
-    return {"branches": branches, "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1]}
-
-
-def tree_size_problem(branches: list[int], args: Args) -> str | None:
-    """Refuse a tree too large to grow (a problem line), warn with an estimate about a large one (None)."""
-    nodes_per_level = [args.questions * math.prod(branches[: d + 1]) for d in range(len(branches))]
-    leaves = nodes_per_level[-1]
-    budget = min(args.max_new_tokens, args.context)
-    tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(
-        0, budget - (len(branches) - 1) * args.segment_tokens
-    )
-    estimate = (
-        f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration "
-        f"(--questions {args.questions})"
-    )
-    if leaves > MAX_LEAVES:
-        return f"{estimate}: over the {MAX_LEAVES:,}-leaf limit; use fewer or smaller branches or fewer --questions"
-    if leaves > WARN_LEAVES:
-        warnings.warn(f"{estimate}: far beyond the paper's 6,912 leaves; expect long iterations", stacklevel=2)
-    return None
-
-
-def node_probs(
-    model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32
-) -> dict[int, list[float]]:
-    """p_t of every token of every non-root node of `trees` (zero-advantage nodes too), keyed by id(node): what
-    --save-samples shows, computed before the update."""
-    nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
-    samples = [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes]
-    logps = sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
-    return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
-
-
 def iteration_metrics(
     trees: list[Node],
     samples: list[dict],
@@ -906,7 +873,8 @@ def iteration_metrics(
     """One iteration's metrics.jsonl entry, over all ranks' trees: the trees (rewards, shape), the samples trained on
     (`rank_samples`: this rank's, with loss masks, entropies, sampler log-probs), the buffer, the losses (averaged
     over `update_stats`, the steps taken), times (`seconds`; `level_seconds`: each level of the rollout)."""
-    trees, loss_masks = distributed.gather(trees), distributed.gather([s["loss_mask"] for s in rank_samples])
+    trees = distributed.gather(trees)
+    loss_masks = distributed.gather([s["loss_mask"] for s in rank_samples])
     nonzero_edges = int(distributed.all_sum(torch.tensor(nonzero_edges)))
     nodes = [node for tree in trees for node, _ in walk(tree)]
     leaves = [node for node in nodes if not node.children]
@@ -929,10 +897,7 @@ def iteration_metrics(
         "buffer/size": len(buffer),
         "buffer/mean_age": sum(iteration - edge["born"] for edge in buffer) / max(1, len(buffer)),
         "buffer/taken_mean_age": sum(iteration - s["born"] for s in samples) / max(1, len(samples)),
-        "time/rollout_seconds": seconds["rollout"],
-        "time/update_seconds": seconds["update"],
-        "time/iteration_seconds": seconds["iteration"],  # without evaluation and checkpoint
-        "time/train_seconds": seconds["train"],
+        **{f"time/{name}_seconds": value for name, value in seconds.items()},  # iteration: without eval, checkpoint
     }
     for depth in range(1, len(level_seconds)):  # one entry per tree level
         metrics[f"tree/early_leaves_depth{depth}"] = sum(
@@ -954,27 +919,6 @@ def progress_line(iteration: int, metrics: dict, level_seconds: list[float]) -> 
     )
 
 
-def node_record(
-    node: Node, advantage: float | None, probs: dict[int, list[float]], tokenizer, advantage_kind: str
-) -> dict:
-    """A saved tree node and its subtree, as viewer.py reads them: tokens, p_t (`probs`, by id(node)), value,
-    `advantage` (None for the root; its children's by `advantage_kind`, rloo or grpo), reward and finish reason."""
-    ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
-    return {
-        "token_ids": ids,
-        "tokens": engines.token_pieces(tokenizer, ids),
-        "probs": probs[id(node)] if node.depth else [],
-        "value": node.value,
-        "advantage": advantage,
-        "reward": node.reward,
-        "finish_reason": node.finish_reason,
-        "children": [
-            node_record(child, child_advantage, probs, tokenizer, advantage_kind)
-            for child, child_advantage in zip(node.children, edge_advantages(node, advantage_kind))
-        ],
-    }
-
-
 def sample_records(
     iteration: int, trees: list[Node], questions: list, probs: dict[int, list[float]], tokenizer, args: Args
 ) -> list[dict]:
@@ -988,7 +932,9 @@ def sample_records(
             "reference": questions[i].answer,
             "prompt": questions[i].prompt,
             "prob_threshold": args.prob_threshold,
-            "tree": node_record(tree, None, probs, tokenizer, args.advantage),
+            "tree": runs.tree_node_record(
+                tree, None, probs, tokenizer, lambda node: edge_advantages(node, args.advantage)
+            ),
         }
         for i, tree in enumerate(trees[: args.save_questions])
     ]

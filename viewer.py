@@ -240,8 +240,7 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
 
 
 def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
-    """metrics.jsonl as {key: {iteration: value}} (a later line for the same iteration wins; a key RENAMED since the
-    run was made under its name of today)."""
+    """metrics.jsonl as {key: {iteration: value}} (a later line for the same iteration wins)."""
     if run_dir.is_dir():
         files.refuse_links(run_dir)
     path = run_dir / "metrics.jsonl"
@@ -255,7 +254,7 @@ def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
             raise UsageError(f"{path} line {number} has no integer iteration; {REPAIR}")
         for key, value in row.items():
             if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                series.setdefault(RENAMED.get(key, key), {})[row["iteration"]] = float(value)
+                series.setdefault(key, {})[row["iteration"]] = float(value)
     return series
 
 
@@ -670,7 +669,6 @@ PANELS = {
     "charts/response_tokens": "response tokens",
     "time/iteration_seconds": "seconds per iteration",
 }
-RENAMED = {"losses/kl": "losses/kl_per_sequence"}  # metrics.jsonl of runs from before the rename
 
 
 def x_positions(series: dict[str, dict[int, float]], x: str, run_dir: Path) -> dict[int, float]:

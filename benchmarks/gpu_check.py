@@ -23,8 +23,8 @@ other step. Each step writes its figures, or its error, to one JSON file:
                         prompt, a seeded request repeated, free memory awake / asleep / woken, engine start-up seconds
   vllm_rollout          vLLM's rollout tokens per second at the paper's SPO-tree level-1 size (32 prompts x 6
                         segments of 600 tokens) at the real 1.5B shape
-`--device cpu` runs a step at toy sizes on the CPU (the lease's rehearsal, tests/test_gpu_lease.py), so no step can
-rot between leases.
+`--device cpu` runs a step at toy sizes on the CPU (the lease's rehearsal, tests/benchmarks/test_gpu_lease.py), so no
+step can rot between leases.
 
   python benchmarks/gpu_check.py --step real_shape_update                 # writes runs/gpu_check/real_shape_update.json
   python benchmarks/gpu_check.py --step script_spo_tree --device cpu --work /tmp/check

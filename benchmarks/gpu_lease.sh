@@ -15,7 +15,7 @@
 #                   seconds, rollout tokens per second, spo_tree.py --backend vllm), each engine in its own process:
 #                   vLLM 0.30 allows one sleep-mode engine per process.
 # --device cpu runs every step's real command at toy sizes on the CPU, and --dry-run prints the host's install instead
-# of running it: CI rehearses both machines so (tests/test_gpu_lease.py), so a renamed flag fails there, not here.
+# of running it: CI rehearses both machines so (tests/benchmarks/test_gpu_lease.py), so a renamed flag fails there, not here.
 #
 #   bash benchmarks/gpu_lease.sh                                     # on the lent machine (carry .whl)
 #   bash benchmarks/gpu_lease.sh --host                              # on your own GPU host

@@ -6,8 +6,9 @@ imports it lacks tyro and math-verify, and some of what they require. Its transf
 calls (activation_checkpointing_enable, is_activation_checkpointing, the `cache` keyword and output: gpu_check's
 environment step probes them), so requirements.txt's transformers 5.24.0 travels too: pure Python, and its
 requirements accept the machine's huggingface-hub 1.33.0, tokenizers 0.23.2 and safetensors 0.8.0. Its torch
-2.11.0+cu130 stays: a CUDA build of torch is far larger than the 64 MiB one call carries. tests/test_gpu_lease.py
-checks this list against the project's imports and the machine's list, without downloading anything.
+2.11.0+cu130 stays: a CUDA build of torch is far larger than the 64 MiB one call carries.
+tests/benchmarks/test_gpu_lease.py checks this list against the project's imports and the machine's list, without
+downloading anything.
 
   python benchmarks/gpu_lease_wheels.py          # download into .whl/ (needs PyPI), each wheel's size, the total
   python benchmarks/gpu_lease_wheels.py --list   # the requirements it downloads, one a line

@@ -1,23 +1,32 @@
-"""The machinery the four algorithm scripts share, written once. None of it is an algorithm.
+"""The machinery the four algorithm scripts share, written once. The algorithms' own steps live in the scripts;
+three pieces of the paper live here because every script computes them the same way: the reward (grading.py: the
+final-answer rule), the token probabilities p_t (training.py: response_logprobs, logits / the sampling temperature)
+and, beyond the paper, the rollout correction's weights (rollout_correction.py). Each names its part of the paper in
+its docstring (README, "From the paper to the code").
 
   bookkeeping.py     what every main() does around the algorithm: the run's start, the iterations' bar, clock and
-                     time budget, the metrics log, sample files, evaluation, the closing line
-  settings.py        TrainArgs (the settings every script shares), their checks, what a resume may change
+                     time budget, the metrics log, sample files, evaluation, the non-finite guard, the closing line
+  settings.py        TrainArgs (the settings every script shares), their checks (and --tree's size), what a resume
+                     may change
   ranges.py          each numeric setting's valid range, declared on its field, shown in --help, checked once
   cli.py             the command line: tyro, one-line errors, Ctrl-C and SIGTERM
   paper.py           the paper's two setups, --dry-run against PAPER_SETTINGS, the README's settings table
-  runs.py            the run directory: found or created, locked, args.json and starts.jsonl, metrics, samples
+  runs.py            the run directory: found or created, locked, args.json and starts.jsonl, metrics, samples (the
+                     records the viewer reads)
   checkpoints.py     atomic checkpoints and finding the newest whole one
   files.py           reading files so that damage is one line; atomic writes; append-only logs with torn tails
   models.py          aliases, the offline SmolLM2, loading the policy and the frozen reference model
   model_dirs.py      what a model directory may ask: no custom code, weights for all its config declares
-  templates.py       chat templates rendered in a bounded worker process (time, memory, size)
+  chat_templates.py  chat templates rendered in a bounded worker process (time, memory, size)
   memory.py          the `auto` memory settings, from the device's free memory and the model's shape
   precision.py       the bf16 / fp32 choice, as a value passed to what computes
-  training.py        log-probs of responses, micro-batching and collate, reseeding, the non-finite guard, the optimizer
-  sampler_check.py   entropy, the sampler checked against the trainer per token, the optional rollout correction
+  training.py        log-probs of responses (values under PPO's critic), micro-batching and collate, reseeding, the
+                     optimizer
+  rollout_correction.py  --rollout-correction's weights on the loss; the sampler against the trainer per
+                     token (sampler/*); the policy's entropy
   lora.py            LoRA adapters (peft): frozen base, adapter checkpoints, the base as the reference, the merge
-  engines.py         choosing the rollout engine; completions.py: what every engine returns
+  engines.py         the Sampler protocol every rollout engine keeps, choosing the engine; completions.py: what
+                     every engine returns
   hf_engine.py       the HF rollout engine (transformers, any device)
   vllm_engine.py     the vLLM rollout engine (GPU); vllm_preflight.py: what would stop it, checked before it starts
   distributed.py     torchrun: collectives over ranks, FSDP2

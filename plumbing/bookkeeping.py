@@ -1,6 +1,6 @@
 """What every main() does around the algorithm, written once: the run's start (seed, precision, run directory,
 newest checkpoint, finished-run check, memory plan) and, per iteration, the bar, the clock, the time budget, the
-metrics log and progress line, sample files, evaluation and the closing line.
+metrics log and progress line, sample files, evaluation, the guard against non-finite losses and the closing line.
 
     run = bookkeeping.start_run(args, device)
     args = replace(args, **run.plan.settings())
@@ -8,9 +8,9 @@ metrics log and progress line, sample files, evaluation and the closing line.
     for iteration in book.iterations():
         with book.timed("rollout"):
             ...
-        seconds = book.iteration_seconds()
+        seconds, last = book.end_iteration()
         book.log(iteration, metrics, line)
-        if book.due(iteration, args.eval_every):
+        if book.due(iteration, args.eval_every, last):
             book.evaluate(iteration)
     return book.finish()
 """
@@ -18,7 +18,9 @@ metrics log and progress line, sample files, evaluation and the closing line.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 import tqdm
 
-from plumbing import checkpoints, distributed, memory, runs, sampler_check
+from plumbing import UsageError, checkpoints, distributed, memory, rollout_correction, runs
 from plumbing.precision import Precision, choose_precision
 
 
@@ -114,11 +116,13 @@ class Loop:
         if (line := schedule_line(args, self.first, self.log_file.train_seconds)) is not None:
             distributed.print0(line)
         self.accuracy_before = self.accuracy_after = None
-        self.streak = [0]  # non-finite losses in a row (training.skipped_non_finite)
-        self.sampler_warned = False  # the sampler-vs-trainer warning was printed (sampler_check.sampler_warning)
+        self.guard = NonFiniteGuard()  # skips non-finite steps; three in a row end the run
+        self.sampler_warned = False  # the sampler-vs-trainer warning was printed (rollout_correction.sampler_warning)
         self.seconds: dict[str, float] = {}
         self.started = time.time()
-        self.iteration, self.last, self.progress = 0, False, None
+        self.iteration = 0
+        self.last = False  # set by end_iteration: the loop ends after this iteration
+        self.progress = None
 
     def iterations(self) -> Iterator[int]:
         """The iterations still to train, under a progress bar. Each ends with a barrier (under torchrun no rank
@@ -149,9 +153,10 @@ class Loop:
         yield
         self.seconds[name] = time.time() - started
 
-    def iteration_seconds(self) -> dict[str, float]:
-        """Stop the iteration's clock (evaluation and checkpoint are not counted) and decide whether this iteration
-        is the last, the same on every rank. Returns the timed blocks, "iteration" and the run's "train" total."""
+    def end_iteration(self) -> tuple[dict[str, float], bool]:
+        """End the iteration's training: stop its clock (evaluation and checkpoint are not counted) and decide whether
+        it is the last (--iterations reached or --max-minutes spent), the same on every rank; iterations() ends the
+        loop after it. Returns the timed blocks with "iteration" and the run's "train" total, and `last`."""
         self.seconds["iteration"] = time.time() - self.started
         self.log_file.train_seconds += self.seconds["iteration"]
         self.seconds["train"] = self.log_file.train_seconds
@@ -160,11 +165,12 @@ class Loop:
             self.iteration == self.args.iterations
             or (budget is not None and self.log_file.train_seconds >= 60 * budget)
         )
-        return dict(self.seconds)
+        return dict(self.seconds), self.last
 
-    def due(self, iteration: int, every: int) -> bool:
+    @staticmethod
+    def due(iteration: int, every: int, last: bool) -> bool:
         """Every `every` iterations, and at the last one."""
-        return iteration % every == 0 or self.last
+        return iteration % every == 0 or last
 
     def log(self, iteration: int, metrics: dict, line: str) -> None:
         """Write the iteration's metrics (metrics.jsonl, TensorBoard, W&B), show its reward on the bar and print its
@@ -172,7 +178,7 @@ class Loop:
         self.log_file.write(iteration, metrics)
         self.progress.set_postfix(reward=f"{metrics['charts/reward']:.3f}")
         distributed.print0(line, tqdm.tqdm.write)
-        if not self.sampler_warned and (warning := sampler_check.sampler_warning(iteration, metrics)):
+        if not self.sampler_warned and (warning := rollout_correction.sampler_warning(iteration, metrics)):
             distributed.print0(warning, tqdm.tqdm.write)  # once per run: the metric goes on showing it
             self.sampler_warned = True
 
@@ -210,3 +216,87 @@ def loss_metrics(update_stats: list[dict], also: tuple[str, ...] = ()) -> dict:
         / len(update_stats)
         for key in keys
     }
+
+
+TINY_TEMPERATURE = 0.01  # below it, logits / temperature overflow where a logit is large (named as the likely cause)
+FP32_HINT = "compute in fp32 (--precision fp32) if it ran in bf16"
+
+
+def non_finite_cause(stats: dict, fix: str = "lower --lr", temperature: float | None = None) -> str:
+    """What a non-finite optimizer step points to, from which of its stats are inf or nan, and the setting to change.
+    The scripts' losses are pg_loss + beta * kl (PPO adds the critic's value_loss), with both log-ratios clamped to
+    [-10, 10], so a step size cannot overflow the ratio: a term that is not finite names the input that is not.
+    `fix`: the caller's answer when the stats name nothing; a `temperature` below TINY_TEMPERATURE comes first, since
+    every log-prob divides the logits by it.
+
+    >>> nan = float("nan")
+    >>> cause = non_finite_cause({"loss": nan, "pg_loss": nan, "kl": nan})
+    >>> cause.split(": ")[0], "lower --lr" in cause, "--precision fp32" in cause
+    ('pg_loss = nan and kl = nan', True, True)
+    >>> non_finite_cause({"loss": float("inf"), "pg_loss": 0.5, "kl": 3.0})
+    'loss = pg_loss + beta * kl = inf while pg_loss and kl are finite: lower --beta'
+    >>> non_finite_cause({"loss": 0.5, "pg_loss": 0.5, "kl": 0.1, "value_loss": nan}, "lower --lr / --critic-lr")
+    "value_loss = nan: the critic's values diverged: lower --critic-lr"
+    >>> non_finite_cause({"loss": nan}, "lower --lr")
+    'lower --lr'
+    """
+    if temperature is not None and temperature < TINY_TEMPERATURE:
+        return (
+            f"--temperature {temperature:g} divides the logits by so little that the log-probs overflow: "
+            f"sample at {TINY_TEMPERATURE:g} or above"
+        )
+    bad = {key: value for key, value in stats.items() if isinstance(value, float) and not math.isfinite(value)}
+    if "pg_loss" in bad and "kl" in bad:
+        return (
+            f"pg_loss = {bad['pg_loss']:g} and kl = {bad['kl']:g}: the policy's log-probs are not finite, its weights "
+            f"diverged or its logits overflow: lower --lr, or {FP32_HINT}"
+        )
+    if "kl" in bad:
+        return (
+            f"kl = {bad['kl']:g} while pg_loss is finite: the reference model's log-probs are not finite: "
+            f"{FP32_HINT}, or check the reference model"
+        )
+    if "value_loss" in bad:
+        also = ", and pg_loss with it (the advantages are the critic's)" if "pg_loss" in bad else ""
+        return f"value_loss = {bad['value_loss']:g}{also}: the critic's values diverged: lower --critic-lr"
+    if "pg_loss" in bad:
+        return (
+            f"pg_loss = {bad['pg_loss']:g} while kl is finite: the rollout's log-probs (old_logps) or the advantages "
+            f"are not finite: {FP32_HINT}"
+        )
+    if "loss" in bad and "pg_loss" in stats and "kl" in stats:
+        return f"loss = pg_loss + beta * kl = {bad['loss']:g} while pg_loss and kl are finite: lower --beta"
+    if "grad_norm" in bad or "critic_grad_norm" in bad:
+        which = "the policy's" if "grad_norm" in bad else "the critic's"
+        return f"the losses are finite but {which} gradient norm is not: the backward pass overflowed: {FP32_HINT}"
+    return fix
+
+
+class NonFiniteGuard:
+    """Skips an optimizer step whose losses are inf or nan; three in a row end the run with one line naming what the
+    stats point to and the setting to change (non_finite_cause). The run's loop owns one (bookkeeping.Loop.guard), so
+    the count carries across steps and iterations."""
+
+    def __init__(self):
+        self.in_a_row = 0  # non-finite steps in a row
+
+    def skips(
+        self,
+        stats: dict,
+        iteration: int,
+        keys: tuple[str, ...] = ("loss",),
+        fix: str = "lower --lr",
+        temperature: float | None = None,
+    ) -> bool:
+        """True when one of this optimizer step's `keys` of stats (its losses; a gradient norm, where the caller
+        computed it first) is inf or nan, so the step is skipped; the third in a row raises UsageError (`fix`: the
+        setting to change where the stats name nothing)."""
+        if all(math.isfinite(stats[key]) for key in keys):
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
+        if self.in_a_row >= 3:
+            cause = non_finite_cause(stats, fix, temperature)
+            raise UsageError(f"three non-finite losses in a row: {cause}, or check the model and data")
+        return True

@@ -1,11 +1,16 @@
-"""Rollout engines: token ids in, token ids and finish reasons out (plumbing/completions.py).
+"""Rollout engines: token ids in, token ids and finish reasons out. The contract every engine keeps is the Sampler
+protocol below, written here once; each engine's docstring says only how it differs.
 
 HFSampler    transformers on any device (the tested path): plumbing/hf_engine.py
 VLLMSampler  vLLM in-process on a GPU (optional dependency, pinned version): plumbing/vllm_engine.py
 make_sampler the engine for --backend hf | vllm | auto (this module)
+(experiments/exact_toy.py's ExactSampler keeps the same contract for a policy small enough to enumerate.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -16,7 +21,76 @@ from plumbing.hf_engine import HFSampler
 from plumbing.precision import FP32, Precision
 from plumbing.vllm_engine import VLLMSampler
 
-__all__ = ["Completion", "HFSampler", "VLLMSampler", "cut_at_stop", "make_sampler", "stop_histories", "token_pieces"]
+__all__ = [
+    "Completion",
+    "HFSampler",
+    "Sampler",
+    "VLLMSampler",
+    "cut_at_stop",
+    "make_sampler",
+    "stop_histories",
+    "token_pieces",
+]
+
+
+class Sampler(Protocol):
+    """What a rollout engine is to the scripts.
+
+    The cycle of a training iteration: sample() the rollouts; sleep() before the update (the engine may release its
+    memory for training); wake_up() after it; load_weights(model) to sample from the updated policy (an engine that
+    samples with the training model itself has nothing to copy). sample() is valid when the engine is awake and holds
+    the current weights.
+
+    `generator` (a torch.Generator) is where every draw's randomness comes from: training.reseed seeds it per
+    iteration and rank, so a resumed run samples what the uninterrupted one would, and ranks draw different samples.
+    """
+
+    generator: torch.Generator
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int | list[int],
+        stop: Sequence[str] = (),
+        context: int | None = None,
+        progress: str | None = None,
+        generated: int | list[int] = 0,
+    ) -> list[list[Completion]]:
+        """n completions for each prompt (token ids), in prompt order: result[i] holds prompt i's n Completions.
+
+        temperature, top_p: the sampling distribution, softmax(logits / temperature) cut to the nucleus top_p;
+          temperature 0 is greedy decoding.
+        max_new_tokens: one budget, or one per prompt; each is capped at context - prompt length. A prompt with no
+          room left (or none given) gets n empty completions finished by "length", without sampling.
+        stop: stop strings (plumbing/completions.py's rule): a completion stops at EOS or where a stop string is
+          complete; one cut by a stop string is finished ("stop") and its ids end where the stop string begins.
+        generated: how many of each prompt's last tokens the policy sampled itself (the response so far, one count
+          or one per prompt). A stop string that begins there and ends in the new tokens stops the completion too,
+          which is then cut where it begins: to nothing when it begins before the new tokens.
+        progress: a progress bar's label (None: no bar).
+
+        Each Completion holds the ids, the finish reason ("stop": EOS or a stop string; "length": the token or
+        context limit, which scores 0) and, per id, the log-prob the engine drew it with (log softmax(logits /
+        temperature) over the whole vocabulary, before any top-p cut: what the trainer computes), or None where the
+        engine does not report it.
+        """
+        ...
+
+    def sleep(self) -> None:
+        """Before the update: the engine may release what it holds for sampling."""
+        ...
+
+    def wake_up(self) -> None:
+        """After the update: the engine is ready for load_weights."""
+        ...
+
+    def load_weights(self, model: PreTrainedModel) -> None:
+        """Sample from `model`'s current weights from now on (the training model, after an update)."""
+        ...
 
 
 def backend_problems(backend: str) -> list[str]:

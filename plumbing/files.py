@@ -19,6 +19,13 @@ from pathlib import Path
 
 from plumbing import UsageError, shown
 
+# A task file's row whose question or answer is longer than this is dropped while the file is read, before anything
+# tokenises it (a 30 MB question would take 12.5 GB and 193 s of tokenising, train and held-out, before the context
+# check dropped it). GSM8K questions are under 1,000 characters and MATH problems a few thousand; 100,000
+# characters is some 25,000 tokens of English, far past the paper's 2,048-token contexts, so no real question is lost.
+MAX_QUESTION_CHARS = 100_000
+MAX_ANSWER_CHARS = 100_000  # the answer field is a whole solution ("... #### 42"): GSM8K's and MATH's are far shorter
+
 
 def read_text(path: str | Path, what: str = "file") -> str:
     """The text of a UTF-8 file; any reason it cannot be read is one UsageError naming it."""
@@ -226,3 +233,55 @@ def file_fingerprint(path: str | Path) -> str | None:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def read_task_rows(path: str) -> Iterator[dict]:
+    """The rows of a GSM8K-format task file ({"question", "answer": the whole solution as text, "line"}), read one
+    line at a time (eval.load_task stops reading once it has its --limit).
+    A row whose question or answer is longer than MAX_QUESTION_CHARS / MAX_ANSWER_CHARS is dropped here, before
+    anything tokenises it, with one warning for the file; a file of nothing but such rows is a UsageError."""
+
+    def bad_line(message: str) -> UsageError:
+        read_text(path, "task file")  # a file that is not UTF-8 text says that first, as when it was read whole
+        return UsageError(message)
+
+    kept = 0
+    dropped = 0
+    first_dropped = None
+    try:
+        for number, line in read_lines(path, "task file"):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as error:  # ValueError: also an integer of over 4,300 digits
+                reason = getattr(error, "msg", None) or str(error).split(":")[0]
+                raise bad_line(
+                    f'{path} line {number} is not valid JSON ({reason}); expected {{"question": ..., "answer": ...}}'
+                ) from None
+            if (
+                not isinstance(row, dict)
+                or not isinstance(row.get("question"), str)
+                or not isinstance(row.get("answer"), (str, int, float))
+            ):
+                raise bad_line(f'{path} line {number} needs a string "question" and an "answer" (GSM8K format)')
+            answer = str(row["answer"])
+            if len(row["question"]) > MAX_QUESTION_CHARS or len(answer) > MAX_ANSWER_CHARS:
+                dropped = dropped + 1
+                first_dropped = first_dropped or number
+                continue
+            kept += 1
+            yield {"question": row["question"], "answer": answer, "line": number}
+        if dropped and not kept:
+            raise UsageError(
+                f"{path} has no row within the limits of a task row: {dropped} with a question over "
+                f"{MAX_QUESTION_CHARS:,} characters or an answer over {MAX_ANSWER_CHARS:,}; give a file of "
+                "GSM8K-format questions"
+            )
+    finally:  # also when load_task stops reading early: the rows read so far are counted
+        if dropped and kept:
+            warnings.warn(
+                f"{path}: dropped {dropped} row{'s' * (dropped != 1)} whose question is over {MAX_QUESTION_CHARS:,} "
+                f"characters or whose answer is over {MAX_ANSWER_CHARS:,} (first: line {first_dropped}), before "
+                "tokenising them"
+            )

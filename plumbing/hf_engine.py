@@ -166,16 +166,17 @@ class HFSampler:
         return self._stop_enders[key]
 
     def load_weights(self, model: PreTrainedModel) -> None:
-        self.model = model  # sampling uses the training model itself: nothing to copy
+        """Sampling uses the training model itself: nothing to copy."""
+        self.model = model
 
     def sleep(self) -> None:
-        """The same interface as VLLMSampler's: a replica has nothing to free; a sharded model goes back to its
-        shards for the update."""
+        """A replica has nothing to free; a sharded model goes back to its shards for the update."""
         if distributed.is_sharded(self.model):
             distributed.gather_parameters(self.model, False)
 
     def wake_up(self) -> None:
-        if distributed.is_sharded(self.model):  # the whole model on every rank while it samples (see fully_shard_model)
+        """A sharded model is gathered: the whole model on every rank while it samples (see fully_shard_model)."""
+        if distributed.is_sharded(self.model):
             distributed.gather_parameters(self.model, True)
 
     def chunks(self, prompts: list[list[int]], limits: list[int], n: int) -> list[list[int]]:
@@ -208,14 +209,9 @@ class HFSampler:
         generated: int | list[int] = 0,
         ignore_eos: bool = False,
     ) -> list[list[Completion]]:
-        """n completions for each prompt (token ids).
-
-        max_new_tokens: one budget, or one per prompt; each is capped at context - prompt length.
-        generated: how many of each prompt's last tokens the policy sampled itself (the response so far,
-        one count or one per prompt). A stop string that begins there and ends in the new tokens stops the
-        completion too, which is then cut where it begins: to nothing when it begins before the new tokens.
-        ignore_eos: sample past EOS to the token limit (as vLLM's option; for benchmarks at equal lengths).
-        """
+        """The Sampler contract (plumbing/engines.py). Log-probs: reported except when greedy (temperature 0).
+        ignore_eos (HF only): sample past EOS to the token limit, as vLLM's option of that name; the speed
+        benchmarks use it for equal lengths on both sides."""
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         limits = [max(0, min(b, context - len(p)) if context else b) for p, b in zip(prompts, budgets)]
         histories = stop_histories(prompts, generated, stop)
@@ -399,38 +395,3 @@ class HFSampler:
             logps = token_logps[row, : len(ids)].tolist() if temperature > 0 else None
             completions.append(Completion(ids, "stop" if stopped[row] else "length", logps))
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-
-# vLLM engine (optional, GPU). Every call below was checked against the vllm==0.30.0 source (the pin):
-#   LLM(...), generate, get_tokenizer, collective_rpc, reset_prefix_cache, sleep/wake_up: vllm/entrypoints/llm.py
-#   TokensPrompt: vllm/inputs/llm.py; SamplingParams: vllm/sampling_params.py; outputs: vllm/outputs.py
-#   SamplingParams(n, seed): v1/engine/parallel_sampling.py gives child i seed + i; a seeded request draws its own
-#   noise (v1/worker/gpu/sample/gumbel.py: from (seed, position)), whatever else is in the batch
-#   "reload_weights" RPC: vllm/v1/worker/gpu_worker.py Worker.reload_weights -> gpu_model_runner.py
-#   GPUModelRunner.reload_weights -> model_loader/reload/layerwise.py (in place, HF checkpoint names)
-#   stop strings: vllm/v1/engine/detokenizer.py cuts .text only; token_ids keep the stop tokens, so we cut them.
-# Sleep, level 2 (weights and KV cache discarded, nothing copied to the host):
-#   LLM.sleep/wake_up -> v1/engine/core.py EngineCore.sleep/wake_up -> v1/executor/abstract.py Executor.sleep (tags
-#   {"weights", "kv_cache"}; a second sleep while any tag sleeps is ignored) and wake_up(tags) ->
-#   v1/worker/gpu_worker.py Worker.sleep/wake_up -> device_allocator/sleep_mode_backend.py CuMemBackend.suspend:
-#   level 1 offloads the "weights" pool to the host, level 2 offloads nothing. The engine resumes scheduling once
-#   every tag is awake.
-#   Buffers live in the "weights" pool too: Worker.sleep(level=2) keeps a host copy of model.named_buffers() (the
-#   RoPE cos/sin caches, kilobytes) and Worker.wake_up puts it back when "weights" wakes. reload_weights does not
-#   restore them: model_loader/reload/layerwise.py _copy_and_restore_kernel_tensors skips non-persistent buffers it
-#   did not load. So waking "weights" is what restores them, and every parameter must be sent: one the engine's
-#   model has and the training model lacks would keep whatever the fresh memory held (level 1 kept the old value).
-# torchrun (one engine per rank, on its own GPU): distributed_executor_backend="external_launcher"
-#   v1/executor/abstract.py Executor.get_class -> v1/executor/uniproc_executor.py ExecutorWithExternalLauncher: rank
-#   and local rank from RANK and LOCAL_RANK, init "env://", VLLM_ENABLE_V1_MULTIPROCESSING=0 required;
-#   v1/worker/gpu_worker.py Worker.init_device: cuda:LOCAL_RANK (no data-parallel offset for this backend);
-#   distributed/parallel_state.py init_distributed_environment reuses an initialised torch.distributed world (ours,
-#   from distributed.init_distributed; otherwise it would start a world of size 1 at rank RANK) and
-#   initialize_model_parallel lays the world out as ExternalDP x DP x PP x PCP x TP: with tensor_parallel_size=1 and
-#   data_parallel_size=1 (vllm/config/parallel.py defaults) every rank is an engine of its own that "can generate
-#   independently". data_parallel_size > 1 would make v1/engine/llm_engine.py step the ranks' engines together
-#   (has_unfinished_requests_dp), so every rank would have to call generate as often as the others.
-#   Building the engine is collective (new_group for the world and each 1-rank group; ExecutorWithExternalLauncher.
-#   determine_available_memory takes the minimum over ranks): every rank builds it at the same point of a script.
-# tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures; tests/test_vllm_source.py holds our
-# calls, the fake and the facts above to the wheel's source.

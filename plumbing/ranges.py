@@ -6,7 +6,8 @@
 A field's type carries its range (typing.Annotated), so --help shows it (`--lr FLOAT>0`) and `problems(args)`,
 called by every script's validation, finds it. A float must also be finite: --lr inf or --temperature nan would
 otherwise run and write a checkpoint of NaNs. A list field's range applies to each element, and the list may not
-be empty. tests/test_bad_input.py walks every numeric field of every command line and fails on one without a range.
+be empty. tests/inputs/test_bad_input.py walks every numeric field of every command line and fails on one without a
+range.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ WarmupFraction = bounded(float, 0, 1, high_open=True)  # a warmup of the whole r
 OptionalPositiveInt = bounded(int, 1, optional=True)
 OptionalPositiveFloat = bounded(float, 0, low_open=True, optional=True)
 PositiveInts = bounded(int, 1, many=True)
+PositiveFloats = bounded(float, 0, low_open=True, many=True)  # learning-rate grids
 Seeds = bounded(int, 0, 2**32 - 1, many=True)
 AutoPositiveInt = bounded(int, 1, auto=True)  # memory knobs that plumbing.memory sizes to the device
 AutoProbability = bounded(float, 0, 1, low_open=True, auto=True)

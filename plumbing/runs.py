@@ -19,7 +19,8 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from plumbing import UsageError, checkpoints, distributed, engines, files, memory, models, shown
+from plumbing import UsageError, checkpoints, distributed, engines, files, memory, models, shown, training
+from plumbing.precision import Precision
 from plumbing.settings import check_resume_settings
 
 active_run: dict = {}  # the run directory main() is working in (record_start) and its lock, for cli.run_cli's messages
@@ -328,6 +329,76 @@ def write_samples(path: Path, records: list[dict]) -> None:
         return value
 
     files.write_atomic(path, "".join(json.dumps(rounded(r)) + "\n" for r in records), "samples file")
+
+
+def response_record(
+    algorithm: str,
+    iteration: int,
+    question_index: int,
+    question,
+    completion: engines.Completion,
+    reward: float,
+    sample: dict,
+    advantages: list[float],
+    prob_threshold: float,
+    tokenizer,
+    cutpoints: list[int] | None = None,
+    cutpoint_values: list[float] | None = None,
+    values: list[float] | None = None,
+) -> dict:
+    """One saved response, as viewer.py reads it (grpo_baseline, ppo_baseline, spo_chain): the question (an
+    eval.Example), the response's tokens, p_t (from the sample's old_logps), `advantages` as the script states them,
+    the loss mask, and what the algorithm adds (SPO-chain's cutpoints and their values, PPO's values)."""
+    return {
+        "algorithm": algorithm,
+        "iteration": iteration,
+        "question_index": question_index,
+        "question": question.question,
+        "reference": question.answer,
+        "prompt": question.prompt,
+        "reward": reward,
+        "finish_reason": completion.finish_reason,
+        "token_ids": completion.ids,
+        "tokens": engines.token_pieces(tokenizer, completion.ids),
+        "probs": sample["old_logps"].exp().tolist(),
+        "advantages": advantages,
+        "loss_mask": sample["loss_mask"].tolist(),
+        "prob_threshold": prob_threshold,
+        "cutpoints": cutpoints,
+        "cutpoint_values": cutpoint_values,
+        "values": values,
+    }
+
+
+def tree_node_probs(
+    model, trees: list, walk, micro_batch_size: int, temperature: float, pad_id: int, precision: Precision
+) -> dict[int, list[float]]:
+    """p_t of every token of every non-root node of `trees` (zero-advantage nodes too; `walk(tree)` yields each node
+    with the ids before it, spo_tree.walk), keyed by id(node): what --save-samples shows, computed before the update."""
+    nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
+    samples = [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes]
+    logps = training.sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
+    return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
+
+
+def tree_node_record(node, advantage: float | None, probs: dict[int, list[float]], tokenizer, advantages_of) -> dict:
+    """A saved SPO-tree node and its subtree, as viewer.py reads them: tokens, p_t (`probs`, by id(node)), value,
+    `advantage` (None for the root), reward and finish reason; `advantages_of(node)` gives its children's advantages
+    (spo_tree.edge_advantages)."""
+    ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
+    return {
+        "token_ids": ids,
+        "tokens": engines.token_pieces(tokenizer, ids),
+        "probs": probs[id(node)] if node.depth else [],
+        "value": node.value,
+        "advantage": advantage,
+        "reward": node.reward,
+        "finish_reason": node.finish_reason,
+        "children": [
+            tree_node_record(child, child_advantage, probs, tokenizer, advantages_of)
+            for child, child_advantage in zip(node.children, advantages_of(node))
+        ],
+    }
 
 
 def finish_run(

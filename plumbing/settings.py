@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -54,20 +56,6 @@ RESUMED_CHANGES = {
 }
 
 
-# Settings added after runs were made, with the value such a run ran with: it resumes with that value. The HF sampler
-# sampled in batches of 65,536 positions; SPO-tree weighed every edge equally.
-RUN_BEFORE_THE_SETTING = {
-    "sampler_batch_tokens": 2**16,
-    "edge_weight": "uniform",
-    "rollout_correction": "none",
-    "rollout_cap": 2.0,
-    "lora_rank": 0,
-    "lora_alpha": None,
-    "lora_dropout": 0.0,
-    "lora_target": "all-linear",
-}
-
-
 def saved_settings(args_class, run_dir: str | Path):
     """The settings a run was started with (RUN/args.json), as an instance of the script's Args."""
     path = Path(run_dir) / "args.json"
@@ -85,9 +73,6 @@ def saved_settings(args_class, run_dir: str | Path):
         for f in dataclasses.fields(args_class)
         if f.name not in saved and f.name in RESUMABLE_SETTINGS
     }
-    for name, value in RUN_BEFORE_THE_SETTING.items():  # a run from before a setting ran with this value of it
-        if name in fields and name not in saved:
-            saved[name] = value
     if set(saved) != fields:
         foreign = sorted(set(saved) ^ fields)
         raise UsageError(
@@ -365,3 +350,44 @@ class TrainArgs:
     """positions (rows x (prompt + new tokens)) one batch of the HF sampler caches; auto: 65,536 on a CPU, sized to
     free GPU memory at the run's first start and kept on resume (the batches decide which random draws a row gets,
     so a resumed run repeats only with the same value)"""
+
+
+# spo_tree.py: leaves per iteration (stated in --tree's help)
+WARN_LEAVES = 50_000
+MAX_LEAVES = 1_000_000
+MAX_DEPTH = 100  # levels of --tree (viewer.py reads saved trees up to about 495 levels deep)
+
+
+def tree_size_problems(args, branches: list[int]) -> list[str]:
+    """spo_tree.py's --tree against what a run can hold: at most MAX_DEPTH levels, room for the last level within
+    --max-new-tokens and --context, and a tree too large to grow refused (a problem line) or a large one warned about
+    with an estimate. `args`: spo_tree's Args (--tree, --questions, --segment-tokens, --max-new-tokens, --context)."""
+    if not branches:
+        return []
+    problems = []
+    if len(branches) > MAX_DEPTH:
+        problems.append(
+            f"--tree has {len(branches)} levels: at most {MAX_DEPTH} (a saved tree nests one JSON level per depth)"
+        )
+    nodes_per_level = [args.questions * math.prod(branches[: d + 1]) for d in range(len(branches))]
+    leaves = nodes_per_level[-1]
+    budget = min(args.max_new_tokens, args.context)
+    before_last = (len(branches) - 1) * args.segment_tokens  # tokens on every path before the last level
+    tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(0, budget - before_last)
+    estimate = (
+        f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration "
+        f"(--questions {args.questions})"
+    )
+    if leaves > MAX_LEAVES:
+        problems.append(
+            f"{estimate}: over the {MAX_LEAVES:,}-leaf limit; use fewer or smaller branches or fewer --questions"
+        )
+    elif before_last >= budget:
+        problems.append(
+            f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates {before_last} tokens before "
+            "its last level, leaving no room within --max-new-tokens and --context: raise them or lower "
+            "--segment-tokens"
+        )
+    elif leaves > WARN_LEAVES:
+        warnings.warn(f"{estimate}: far beyond the paper's 6,912 leaves; expect long iterations", stacklevel=2)
+    return problems

@@ -1,6 +1,6 @@
-"""Training mechanics the four scripts share: log-probs of responses under a model, micro-batching and collate (the
-update's micro-batches; the no-grad passes' batches, sized to free GPU memory), seeding an iteration, the guard
-against non-finite losses, and the optimizer with its schedule.
+"""Training mechanics the four scripts share: log-probs of responses under a model (and values under PPO's critic),
+micro-batching and collate (the update's micro-batches; the no-grad passes' batches, sized to free GPU memory),
+seeding an iteration, and the optimizer with its schedule.
 
 A sample is a dict: prompt_ids and response_ids (token ids, exactly as sampled), and what the loss needs per
 response token (old_logps, ref_logps, advantages, loss_mask; PPO adds old_values and returns) as 1-D tensors.
@@ -8,15 +8,13 @@ response token (old_logps, ref_logps, advantages, loss_mask; PPO adds old_values
 
 from __future__ import annotations
 
-import math
 import random
-import warnings
 
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import Cache, get_linear_schedule_with_warmup
 
-from plumbing import UsageError, distributed, lora
+from plumbing import distributed, lora
 from plumbing.memory import KEPT_LOGITS, LOGIT_CHUNK, model_shape, no_grad_pass_bytes
 from plumbing.precision import FP32, Precision
 
@@ -289,11 +287,81 @@ def sample_logprobs(
     return (out, entropies) if entropy else out
 
 
+class ValueModel(torch.nn.Module):
+    """V(s) for every position of a sequence: a transformer backbone (no LM head) and a linear value head (PPO's
+    critic: ppo_baseline.make_critic builds it from the policy and sets the head's start)."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int, precision: Precision = FP32):
+        super().__init__()
+        self.backbone = backbone
+        self.precision = precision
+        self.value_head = torch.nn.Linear(
+            hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device
+        )
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache: Cache | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, Cache | None]:
+        """Values [rows, positions] of the positions given, value i = V(tokens up to i), and with use_cache=True the
+        KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the
+        sequence)."""
+        device = input_ids.device.type
+        with self.precision.autocast(device):  # fp32 weights; bf16 compute where `precision` chose it
+            out = self.backbone(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+            )
+        return self.value_head(out.last_hidden_state.float()).squeeze(-1), out.cache  # [rows, positions]
+
+
+def response_values(critic, batch: dict) -> torch.Tensor:
+    """V(s_{t-1}) for every response token y_t under a critic (a ValueModel): the value at the position of
+    the token before it
+    (the prompt's last token for y_0), the same positions whose logits give log pi(y_t). As in
+    response_logprobs, each distinct prompt runs once and its rows' responses continue its KV cache."""
+    prompt_len = batch["prompt_ids"].shape[1]
+    # As in response_logprobs
+    if critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled():
+        values, _ = critic(batch["input_ids"], batch["attention_mask"], batch["positions"])  # [rows, P + R]
+        return values[:, prompt_len - 1 : -1]  # [rows, R]; the value after the last column belongs to no token
+    # [prompts, P]
+    prompt_values, cache = critic(batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True)
+    cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]
+    response_ids = batch["input_ids"][:, prompt_len:]
+    positions = batch["positions"][:, prompt_len:]
+    values, _ = critic(response_ids, batch["attention_mask"], positions, cache, use_cache=True)  # [rows, R]
+    return torch.cat([prompt_values[batch["prompt_of_row"], -1:], values[:, :-1]], dim=1)  # [rows, R]
+
+
+@torch.no_grad()
+def sample_values(critic, samples: list[dict], micro_batch_size: int, pad_id: int) -> list[torch.Tensor]:
+    """Per-sample values of the states before each response token (1-D CPU tensors), in passes sized to the GPU's
+    free memory as sample_logprobs' (micro-batches of `micro_batch_size` where nothing is sized: a CPU, --fsdp)."""
+    was_training = critic.training
+    critic.eval()
+    device = next(critic.parameters()).device
+    out: list[torch.Tensor] = [None] * len(samples)
+    for indices in no_grad_batches(critic, samples, micro_batch_size, critic.precision, config=critic.backbone.config):
+        values = response_values(critic, collate([samples[i] for i in indices], pad_id, device)).cpu()
+        for i, row in zip(indices, values):
+            out[i] = row[: len(samples[i]["response_ids"])]
+    critic.train(was_training)
+    return out
+
+
 def attach_old_logprobs(
     model, samples: list[dict], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision = FP32
 ) -> list[torch.Tensor]:
     """Set each sample's "old_logps" (pi_old: the policy that sampled it, before the update) and "entropy" (of the
-    sampling distribution at each response token, plumbing/sampler_check.py) from one no-grad pass; returns the
+    sampling distribution at each response token, plumbing/rollout_correction.py) from one no-grad pass; returns the
     old log-probs."""
     old_logps, entropies = sample_logprobs(
         model, samples, micro_batch_size, temperature, pad_id, precision, entropy=True
@@ -305,7 +373,7 @@ def attach_old_logprobs(
 
 def new_sample(prompt_ids: list[int], completion) -> dict:
     """A training sample of a sampled response: its prompt and response ids, and the log-probs the engine sampled
-    them with when it reported them (sampler_logps, plumbing/sampler_check.py)."""
+    them with when it reported them (sampler_logps, plumbing/rollout_correction.py)."""
     sample = {"prompt_ids": prompt_ids, "response_ids": completion.ids}
     if completion.logprobs is not None:
         sample["sampler_logps"] = torch.tensor(completion.logprobs, dtype=torch.float32)
@@ -323,83 +391,6 @@ def reseed(seed: int, iteration: int, sampler) -> random.Random:
     if hasattr(sampler, "generator"):
         sampler.generator.manual_seed(rank_seed)
     return random.Random(iteration_seed)
-
-
-TINY_TEMPERATURE = 0.01  # below it, logits / temperature overflow where a logit is large (named as the likely cause)
-FP32_HINT = "compute in fp32 (--precision fp32) if it ran in bf16"
-
-
-def non_finite_cause(stats: dict, fix: str = "lower --lr", temperature: float | None = None) -> str:
-    """What a non-finite optimizer step points to, from which of its stats are inf or nan, and the setting to change.
-    The scripts' losses are pg_loss + beta * kl (PPO adds the critic's value_loss), with both log-ratios clamped to
-    [-10, 10], so a step size cannot overflow the ratio: a term that is not finite names the input that is not.
-    `fix`: the caller's answer when the stats name nothing; a `temperature` below TINY_TEMPERATURE comes first, since
-    every log-prob divides the logits by it.
-
-    >>> nan = float("nan")
-    >>> cause = non_finite_cause({"loss": nan, "pg_loss": nan, "kl": nan})
-    >>> cause.split(": ")[0], "lower --lr" in cause, "--precision fp32" in cause
-    ('pg_loss = nan and kl = nan', True, True)
-    >>> non_finite_cause({"loss": float("inf"), "pg_loss": 0.5, "kl": 3.0})
-    'loss = pg_loss + beta * kl = inf while pg_loss and kl are finite: lower --beta'
-    >>> non_finite_cause({"loss": 0.5, "pg_loss": 0.5, "kl": 0.1, "value_loss": nan}, "lower --lr / --critic-lr")
-    "value_loss = nan: the critic's values diverged: lower --critic-lr"
-    >>> non_finite_cause({"loss": nan}, "lower --lr")
-    'lower --lr'
-    """
-    if temperature is not None and temperature < TINY_TEMPERATURE:
-        return (
-            f"--temperature {temperature:g} divides the logits by so little that the log-probs overflow: "
-            f"sample at {TINY_TEMPERATURE:g} or above"
-        )
-    bad = {key: value for key, value in stats.items() if isinstance(value, float) and not math.isfinite(value)}
-    if "pg_loss" in bad and "kl" in bad:
-        return (
-            f"pg_loss = {bad['pg_loss']:g} and kl = {bad['kl']:g}: the policy's log-probs are not finite, its weights "
-            f"diverged or its logits overflow: lower --lr, or {FP32_HINT}"
-        )
-    if "kl" in bad:
-        return (
-            f"kl = {bad['kl']:g} while pg_loss is finite: the reference model's log-probs are not finite: "
-            f"{FP32_HINT}, or check the reference model"
-        )
-    if "value_loss" in bad:
-        also = ", and pg_loss with it (the advantages are the critic's)" if "pg_loss" in bad else ""
-        return f"value_loss = {bad['value_loss']:g}{also}: the critic's values diverged: lower --critic-lr"
-    if "pg_loss" in bad:
-        return (
-            f"pg_loss = {bad['pg_loss']:g} while kl is finite: the rollout's log-probs (old_logps) or the advantages "
-            f"are not finite: {FP32_HINT}"
-        )
-    if "loss" in bad and "pg_loss" in stats and "kl" in stats:
-        return f"loss = pg_loss + beta * kl = {bad['loss']:g} while pg_loss and kl are finite: lower --beta"
-    if "grad_norm" in bad or "critic_grad_norm" in bad:
-        which = "the policy's" if "grad_norm" in bad else "the critic's"
-        return f"the losses are finite but {which} gradient norm is not: the backward pass overflowed: {FP32_HINT}"
-    return fix
-
-
-def skipped_non_finite(
-    stats: dict,
-    iteration: int,
-    streak: list[int],
-    keys: tuple[str, ...] = ("loss",),
-    fix: str = "lower --lr",
-    temperature: float | None = None,
-) -> bool:
-    """True when one of this optimizer step's `keys` of stats (its losses; a gradient norm, where the caller computed
-    it first) is inf or nan, so the step is skipped; three in a row end the run with one line naming what the stats
-    point to and the setting to change (non_finite_cause; `fix` where they name nothing). `streak` ([count]) carries
-    the number of non-finite steps in a row across steps and iterations."""
-    if all(math.isfinite(stats[key]) for key in keys):
-        streak[0] = 0
-        return False
-    streak[0] += 1
-    warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
-    if streak[0] >= 3:
-        cause = non_finite_cause(stats, fix, temperature)
-        raise UsageError(f"three non-finite losses in a row: {cause}, or check the model and data")
-    return True
 
 
 def make_optimizer(

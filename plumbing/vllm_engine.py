@@ -14,6 +14,40 @@ from plumbing import distributed, lora, vllm_preflight
 from plumbing.completions import Completion, cut_at_stop, stop_histories
 from plumbing.precision import engine_dtype
 
+# Every vLLM call in this module was checked against the vllm==0.30.0 source (the pin):
+#   LLM(...), generate, get_tokenizer, collective_rpc, reset_prefix_cache, sleep/wake_up: vllm/entrypoints/llm.py
+#   TokensPrompt: vllm/inputs/llm.py; SamplingParams: vllm/sampling_params.py; outputs: vllm/outputs.py
+#   SamplingParams(n, seed): v1/engine/parallel_sampling.py gives child i seed + i; a seeded request draws its own
+#   noise (v1/worker/gpu/sample/gumbel.py: from (seed, position)), whatever else is in the batch
+#   "reload_weights" RPC: vllm/v1/worker/gpu_worker.py Worker.reload_weights -> gpu_model_runner.py
+#   GPUModelRunner.reload_weights -> model_loader/reload/layerwise.py (in place, HF checkpoint names)
+#   stop strings: vllm/v1/engine/detokenizer.py cuts .text only; token_ids keep the stop tokens, so we cut them.
+# Sleep, level 2 (weights and KV cache discarded, nothing copied to the host):
+#   LLM.sleep/wake_up -> v1/engine/core.py EngineCore.sleep/wake_up -> v1/executor/abstract.py Executor.sleep (tags
+#   {"weights", "kv_cache"}; a second sleep while any tag sleeps is ignored) and wake_up(tags) ->
+#   v1/worker/gpu_worker.py Worker.sleep/wake_up -> device_allocator/sleep_mode_backend.py CuMemBackend.suspend:
+#   level 1 offloads the "weights" pool to the host, level 2 offloads nothing. The engine resumes scheduling once
+#   every tag is awake.
+#   Buffers live in the "weights" pool too: Worker.sleep(level=2) keeps a host copy of model.named_buffers() (the
+#   RoPE cos/sin caches, kilobytes) and Worker.wake_up puts it back when "weights" wakes. reload_weights does not
+#   restore them: model_loader/reload/layerwise.py _copy_and_restore_kernel_tensors skips non-persistent buffers it
+#   did not load. So waking "weights" is what restores them, and every parameter must be sent: one the engine's
+#   model has and the training model lacks would keep whatever the fresh memory held (level 1 kept the old value).
+# torchrun (one engine per rank, on its own GPU): distributed_executor_backend="external_launcher"
+#   v1/executor/abstract.py Executor.get_class -> v1/executor/uniproc_executor.py ExecutorWithExternalLauncher: rank
+#   and local rank from RANK and LOCAL_RANK, init "env://", VLLM_ENABLE_V1_MULTIPROCESSING=0 required;
+#   v1/worker/gpu_worker.py Worker.init_device: cuda:LOCAL_RANK (no data-parallel offset for this backend);
+#   distributed/parallel_state.py init_distributed_environment reuses an initialised torch.distributed world (ours,
+#   from distributed.init_distributed; otherwise it would start a world of size 1 at rank RANK) and
+#   initialize_model_parallel lays the world out as ExternalDP x DP x PP x PCP x TP: with tensor_parallel_size=1 and
+#   data_parallel_size=1 (vllm/config/parallel.py defaults) every rank is an engine of its own that "can generate
+#   independently". data_parallel_size > 1 would make v1/engine/llm_engine.py step the ranks' engines together
+#   (has_unfinished_requests_dp), so every rank would have to call generate as often as the others.
+#   Building the engine is collective (new_group for the world and each 1-rank group; ExecutorWithExternalLauncher.
+#   determine_available_memory takes the minimum over ranks): every rank builds it at the same point of a script.
+# tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures; tests/test_vllm_source.py holds our
+# calls, the fake and the facts above to the wheel's source.
+
 
 class VLLMSampler:
     """In-process vLLM engine for rollouts; token ids in, token ids out. Under torchrun, one engine per rank on the
@@ -117,10 +151,9 @@ class VLLMSampler:
         progress: str | None = None,
         generated: int | list[int] = 0,
     ) -> list[list[Completion]]:
-        """n completions per prompt, in prompt order.
-        Max new tokens = min(max_new_tokens (one, or one per prompt), context - len(prompt)).
-        generated: as in HFSampler.sample (vLLM only looks for stop strings in the new text, so a stop string
-        that begins in the response so far is found and cut here, after generation)."""
+        """The Sampler contract (plumbing/engines.py). vLLM looks for stop strings in the new text only: one that
+        begins in the response so far (`generated`) is found and cut here, after generation. Log-probs: reported at
+        top_p 1 and temperature > 0 only (at top_p < 1 vLLM renormalises them over the nucleus)."""
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:
@@ -151,7 +184,7 @@ class VLLMSampler:
         seeds = torch.randint(0, 2**62, (len(live),), generator=self.generator).tolist()
         # Each sampled token's own log-prob (logprobs=0: no alternatives). At top_p < 1 vLLM's processed log-probs
         # are renormalised over the nucleus, no longer the trainer's quantity: not asked for, and the
-        # sampler-vs-trainer metrics are not logged (plumbing/sampler_check.py).
+        # sampler-vs-trainer metrics are not logged (plumbing/rollout_correction.py).
         logprobs = 0 if top_p == 1.0 and temperature > 0 else None
         params = [
             SamplingParams(
@@ -220,7 +253,7 @@ class VLLMSampler:
         # the generator holds a single converted tensor, never a second copy of the
         # model. detach() keeps autograd out of vLLM's copy_. A LoRA model goes over merged (W + alpha / R B A,
         # computed out of place in fp32, under the base's names: lora.merged_parameters), one layer at a time; the
-        # training model itself is never merged (benchmarks/README.md, "LoRA in the vLLM engine").
+        # training model itself is never merged (experiments/README.md, "LoRA in the vLLM engine").
         weights = ((name, whole(p)) for name, p in lora.merged_parameters(model))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.weights_discarded = False

@@ -219,7 +219,7 @@ def read_metrics(run_dir) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # The quick check and the slow set: `python -m pytest tests/` runs the quick check (every algorithm's pure
 # functions, a smoke run of each script, grading, resume); `--slow` adds the slow integration tests (torchrun,
-# kill and resume, reward that rises, the benchmarks' own runs), marked @pytest.mark.slow. CI runs both.
+# kill and resume, reward that rises, the experiments' own runs), marked @pytest.mark.slow. CI runs both.
 
 
 def pytest_addoption(parser):

@@ -20,7 +20,7 @@ from plumbing import models
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "tests" / "distributed_step.py"
+DRIVER = ROOT / "tests" / "helpers" / "distributed_step.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 

@@ -156,7 +156,7 @@ def test_samples_of_one_prompt_beyond_the_row_cap_are_split_into_batches_under_i
         rows.append(len(prompts) * n) or original(prompts, limits, histories, n, *rest)
     )
     [group] = sampler.sample([prompt], 10, temperature=1.0, top_p=1.0, max_new_tokens=3)
-    assert len(group) == 10 and rows == [4, 4, 2]  # one batch of 10 rows used to bypass the cap of 4
+    assert len(group) == 10 and rows == [4, 4, 2]  # 10 rows in batches of at most 4
     sampler.max_batch_tokens = 2 * (len(prompt) + 3)  # the position cap binds too
     rows.clear()
     [group] = sampler.sample([prompt], 5, temperature=0, top_p=1.0, max_new_tokens=3)
@@ -457,7 +457,7 @@ def test_cli_writes_results_json(tiny_model_dir, gsm8k_jsonl, tmp_path):
 
 
 def test_cli_scores_a_question_longer_than_the_model_0_with_one_warning(tiny_model_dir, tmp_path):
-    # The tiny model has 1,024 positions; with no --context a 5,000-token question used to be prefilled anyway.
+    # The tiny model has 1,024 positions; with no --context a 5,000-token question is not prefilled at all.
     task = tmp_path / "long.jsonl"
     task.write_text(
         json.dumps({"question": "1+" * 2500 + "1?", "answer": "#### 2501"})

@@ -206,4 +206,4 @@ def test_the_rollout_engine_is_named_with_the_reason_it_was_chosen(monkeypatch):
         ),
     )
     backend, why = engines.resolve_backend("auto")
-    assert backend == "hf" and "vllm is not installed" in why  # said, where it used to fall back silently
+    assert backend == "hf" and "vllm is not installed" in why  # the fallback is said, not silent

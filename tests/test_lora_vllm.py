@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.vllm_ranks_run import digests
 from safetensors import safe_open
 from test_vllm_glue import calls, engine  # noqa: F401 (the fake-vllm fixture)
-from vllm_ranks_run import digests
 
 from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
 from plumbing import lora, models
@@ -72,10 +72,11 @@ def test_the_engine_receives_peft_s_merge_under_the_base_names_and_the_model_sta
 
 
 def engine_run(out: Path, *flags: str) -> dict:
-    """A script run in one process with the fake vLLM (tests/vllm_ranks_run.py): what its engine was built with and
-    received."""
+    """A script run in one process with the fake vLLM (tests/helpers/vllm_ranks_run.py): what its engine was built
+    with and received."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(ROOT / "tests" / "vllm_ranks_run.py"), str(out), "script", "grpo_baseline.py"]
+    driver = ROOT / "tests" / "helpers" / "vllm_ranks_run.py"
+    command = [sys.executable, str(driver), str(out), "script", "grpo_baseline.py"]
     result = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((out / "rank0.json").read_text())

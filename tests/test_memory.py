@@ -352,18 +352,6 @@ def test_resume_repeats_with_the_sampler_batch_auto_chose_at_the_first_start(
     assert resumed == first and responses(resumed) == responses(full)
 
 
-def test_a_run_from_before_the_sampler_batch_setting_resumes_with_the_batch_it_sampled_in(tmp_path):
-    from dataclasses import asdict
-
-    import grpo_baseline as grpo
-    from plumbing import settings
-
-    saved = asdict(grpo.Args(model="my/model", task="my.jsonl"))
-    del saved["sampler_batch_tokens"]
-    (tmp_path / "args.json").write_text(json.dumps(saved))
-    assert settings.saved_settings(grpo.Args, tmp_path).sampler_batch_tokens == 2**16
-
-
 SMALL_QWEN = transformers.Qwen2Config(
     hidden_size=256,
     intermediate_size=1408,

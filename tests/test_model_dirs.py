@@ -1,6 +1,6 @@
 """Model directories are untrusted input: custom code is refused before anything loads (and nothing asks on stdin),
 weights that do not cover the config are refused, and chat templates render within bounds (plumbing/model_dirs.py,
-plumbing/templates.py)."""
+plumbing/chat_templates.py)."""
 
 import builtins
 import doctest
@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 import eval as ev
 import grpo_baseline
 from conftest import smoke_args, write_jsonl
-from plumbing import UsageError, model_dirs, models, templates
+from plumbing import UsageError, chat_templates, model_dirs, models
 from plumbing.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +228,7 @@ def test_a_bad_chat_template_is_one_line_naming_the_model(case, template, messag
     tokenizer = tokenizer_with_template(tiny_model_dir, tmp_path / "chat", template)
     started = time.monotonic()
     with pytest.raises(UsageError, match=message) as refused:
-        templates.render_user_prompts(tokenizer, ["What is 2 + 3?", "And 4 + 5?"], seconds=1.0)
+        chat_templates.render_user_prompts(tokenizer, ["What is 2 + 3?", "And 4 + 5?"], seconds=1.0)
     assert time.monotonic() - started < 60
     text = str(refused.value)
     assert text.startswith(f"the chat template of {tmp_path / 'chat'} ") and "\n" not in text and "\x1b" not in text
@@ -247,7 +247,7 @@ def test_a_worker_stuck_past_its_wall_clock_deadline_is_killed(tiny_model_dir, t
         "memory": 1 << 30,
     }
     started = time.monotonic()
-    assert templates._run_worker(json.dumps(request).encode(), 1.0) == {
+    assert chat_templates._run_worker(json.dumps(request).encode(), 1.0) == {
         "error": "was still rendering after 1 s and was stopped"
     }
     assert time.monotonic() - started < 60
@@ -286,5 +286,5 @@ def test_a_model_whose_template_renders_trains_as_before(tiny_model_dir, tmp_pat
 def test_a_tokenizer_without_a_chat_template_starts_no_worker(tiny_model_dir, monkeypatch):
     """make_tiny_model's tokenizer has no chat template: its prompts stay the Rho format, rendered here."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, trust_remote_code=False)
-    monkeypatch.setattr(templates, "_run_worker", lambda *a: pytest.fail("a worker was started"))
+    monkeypatch.setattr(chat_templates, "_run_worker", lambda *a: pytest.fail("a worker was started"))
     assert ev.format_prompts(["1+1?"], tokenizer) == [ev.RHO_PROMPT.format(question="1+1?")]

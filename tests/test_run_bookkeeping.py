@@ -148,11 +148,12 @@ def test_a_context_beyond_the_models_positions_is_refused_before_sampling(gsm8k_
 
 
 def test_a_non_finite_loss_names_a_tiny_temperature():
-    from plumbing.training import skipped_non_finite
+    from plumbing.bookkeeping import NonFiniteGuard
 
-    streak = [2]
+    guard = NonFiniteGuard()
+    guard.in_a_row = 2
     with pytest.raises(UsageError, match=r"--temperature 1e-40 divides the logits"):
-        skipped_non_finite({"loss": float("nan")}, 3, streak, temperature=1e-40)
+        guard.skips({"loss": float("nan")}, 3, temperature=1e-40)
 
 
 @pytest.mark.slow
@@ -168,7 +169,7 @@ def test_ranks_given_different_settings_stop_with_one_line_naming_them(flags, ti
 
     settings = {**SMOKE_SETTINGS["grpo_baseline"], "model": str(tiny_model_dir), "task": str(gsm8k_jsonl)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(Path(__file__).parent / "rank_flags_run.py"), "grpo_baseline"]
+    command += [str(Path(__file__).parent / "helpers" / "rank_flags_run.py"), "grpo_baseline"]
     command += cli_flags({**settings, "output_dir": str(tmp_path), "questions": 2, "batch_size": 8})
     environment = {**os.environ, "RANK_FLAGS_RANK": "1", "RANK_FLAGS": flags}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)

@@ -17,7 +17,7 @@ import ppo_baseline
 import spo_chain
 import spo_tree
 from conftest import make_tiny_model, smoke_args, write_jsonl
-from plumbing import UsageError, bookkeeping, engines, models, paper, sampler_check, settings, training
+from plumbing import UsageError, bookkeeping, engines, models, paper, rollout_correction, settings, training
 from plumbing.engines import HFSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_entropy_metrics_over_response_and_loss_masked_tokens():
         {"entropy": torch.tensor([1.0, 2.0, 3.0]), "loss_mask": torch.tensor([True, False, True])},
         {"entropy": torch.tensor([4.0]), "loss_mask": torch.tensor([False])},
     ]
-    metrics = sampler_check.rollout_metrics(samples)
+    metrics = rollout_correction.rollout_metrics(samples)
     assert metrics == {"policy/entropy": 2.5, "policy/entropy_loss_masked": 2.0}
 
 
@@ -135,9 +135,9 @@ def test_hf_sampler_agrees_with_the_trainer_in_fp32(tiny_model_dir, top_p):
     assert all(len(s["sampler_logps"]) == len(s["response_ids"]) > 0 for s in samples)
     gaps = torch.cat([(s["sampler_logps"] - s["old_logps"]).abs() for s in samples])
     assert gaps.max() < 1e-4
-    metrics = sampler_check.rollout_metrics(samples)
+    metrics = rollout_correction.rollout_metrics(samples)
     assert metrics["sampler/logp_gap_max"] < 1e-4 and metrics["sampler/kl_per_token"] < 1e-8
-    assert sampler_check.sampler_warning(1, metrics) is None
+    assert rollout_correction.sampler_warning(1, metrics) is None
 
 
 def test_a_stale_sampler_is_caught_after_an_update(tiny_model_dir):
@@ -146,7 +146,7 @@ def test_a_stale_sampler_is_caught_after_an_update(tiny_model_dir):
     model, tokenizer = models.load_model(str(tiny_model_dir))
     stale = HFSampler(copy.deepcopy(model), tokenizer, seed=0)
     prompts = [tokenizer("3 + 4 =")["input_ids"], tokenizer("Tom has 10")["input_ids"]]
-    before = sampler_check.rollout_metrics(hf_rollout_samples(stale, model, tokenizer, prompts))
+    before = rollout_correction.rollout_metrics(hf_rollout_samples(stale, model, tokenizer, prompts))
     assert before["sampler/kl_per_token"] < 1e-8
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(3):  # make the trained policy prefer "7" everywhere
@@ -158,10 +158,10 @@ def test_a_stale_sampler_is_caught_after_an_update(tiny_model_dir):
         optimizer.zero_grad()
         (-training.response_logprobs(model, batch, 0.8).sum()).backward()
         optimizer.step()
-    after = sampler_check.rollout_metrics(hf_rollout_samples(stale, model, tokenizer, prompts))
-    assert after["sampler/kl_per_token"] > sampler_check.SAMPLER_KL_WARNING
+    after = rollout_correction.rollout_metrics(hf_rollout_samples(stale, model, tokenizer, prompts))
+    assert after["sampler/kl_per_token"] > rollout_correction.SAMPLER_KL_WARNING
     assert after["sampler/logp_gap_max"] > 0.5
-    line = sampler_check.sampler_warning(4, after)
+    line = rollout_correction.sampler_warning(4, after)
     assert line.startswith("warning: iteration 4: the sampler's log-probs differ from the trainer's")
 
 
@@ -175,18 +175,18 @@ def test_tis_weights_worked_example():
     edge = {"old_logps": old, "sampler_logps": sampled, "advantages": torch.tensor([1.0, -2.0, 0.5, 3.0])}
     greedy = {"old_logps": old[:2], "advantages": torch.tensor([1.0, 1.0])}  # no sampler log-probs: weight 1
     samples = [edge, greedy, edge]  # a repeated SPO-tree edge is one dict, weighted once
-    sampler_check.correct_rollouts(samples, "tis", cap=2.0)
+    rollout_correction.correct_rollouts(samples, "tis", cap=2.0)
     # weights min(pi_old / pi_sampler, 2): 1, 2, min(9, 2) = 2, 0.5
     assert edge["rollout_weights"].tolist() == pytest.approx([1.0, 2.0, 2.0, 0.5])
     assert edge["advantages"].tolist() == pytest.approx([1.0, -4.0, 1.0, 1.5])
     assert greedy["advantages"].tolist() == [1.0, 1.0] and "rollout_weights" not in greedy
     edge["loss_mask"] = torch.ones(4, dtype=torch.bool)
-    metrics = sampler_check.rollout_metrics([edge])
+    metrics = rollout_correction.rollout_metrics([edge])
     assert metrics["sampler/tis_weight_mean"] == pytest.approx(5.5 / 4)
     assert metrics["sampler/tis_capped_fraction"] == pytest.approx(2 / 4)
     # none: nothing is touched
     plain = {"old_logps": old, "sampler_logps": sampled, "advantages": torch.ones(4)}
-    sampler_check.correct_rollouts([plain], "none", cap=2.0)
+    rollout_correction.correct_rollouts([plain], "none", cap=2.0)
     assert plain["advantages"].tolist() == [1.0] * 4 and "rollout_weights" not in plain
 
 

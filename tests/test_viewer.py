@@ -475,15 +475,6 @@ def test_curves_of_two_runs_write_a_png(tmp_path):
     assert plotted == list(viewer.PANELS)
 
 
-def test_a_run_from_before_the_kl_was_named_by_its_unit_plots_its_kl_per_sequence(tmp_path):
-    run = tmp_path / "old"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "losses/kl": 0.5, "charts/reward": 0.2}) + "\n")
-    assert viewer.load_metrics(run) == {"losses/kl_per_sequence": {1: 0.5}, "charts/reward": {1: 0.2}}
-    plotted = viewer.plot_curves([run], tmp_path / "old.png")
-    assert plotted == ["charts/reward", "losses/kl_per_sequence"]
-
-
 def test_curves_x_axis_is_cumulative_and_starts_eval_at_zero(tmp_path):
     series = viewer.load_metrics(make_run(tmp_path / "a", "grpo", iterations=(1,)))
     assert viewer.x_positions(series, "seconds", tmp_path)[0] == 0.0  # the eval before training

@@ -48,7 +48,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from plumbing import distributed, engines, precision, sampler_check, training, vllm_preflight
+from plumbing import distributed, engines, precision, rollout_correction, training, vllm_preflight
 from plumbing.engines import Completion, VLLMSampler, cut_at_stop
 from plumbing.training import reseed
 
@@ -491,7 +491,7 @@ def test_sampled_log_probs_travel_through_the_sampler_to_the_metric(engine):
     # The trainer puts the first token 0.25 higher, the second 0.05 lower, the third where the sampler did.
     sample["old_logps"] = sample["sampler_logps"] + torch.tensor([0.25, -0.05, 0.0])
     sample["loss_mask"], sample["entropy"] = torch.ones(3, dtype=torch.bool), torch.tensor([1.0, 2.0, 3.0])
-    metrics = sampler_check.rollout_metrics([sample])
+    metrics = rollout_correction.rollout_metrics([sample])
     assert metrics["sampler/logp_gap_mean"] == pytest.approx(0.1)
     assert metrics["sampler/logp_gap_max"] == pytest.approx(0.25)
     k3 = lambda d: math.exp(d) - d - 1  # noqa: E731
@@ -505,7 +505,7 @@ def test_sampled_log_probs_travel_through_the_sampler_to_the_metric(engine):
     sample = training.new_sample([T["Q"]] * 3, c)
     assert "sampler_logps" not in sample
     sample |= {"old_logps": torch.zeros(4), "loss_mask": torch.ones(4, dtype=torch.bool), "entropy": torch.ones(4)}
-    assert not any(key.startswith("sampler/") for key in sampler_check.rollout_metrics([sample]))
+    assert not any(key.startswith("sampler/") for key in rollout_correction.rollout_metrics([sample]))
 
 
 def test_prompts_without_room_get_empty_length_completions(engine):
@@ -782,7 +782,7 @@ def test_each_rank_draws_its_own_request_seeds(engine, monkeypatch):
 
 
 def test_auto_chooses_vllm_under_torchrun(engine, monkeypatch):
-    # One engine per rank (the external launcher, tests/test_vllm_ranks.py): --backend auto no longer falls back to
+    # One engine per rank (the external launcher, tests/test_vllm_ranks.py): --backend auto does not fall back to
     # the HF sampler under torchrun, and --backend vllm is not refused there.
     monkeypatch.setattr(engines.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(distributed, "world_size", lambda: 2)

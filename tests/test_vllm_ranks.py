@@ -1,4 +1,4 @@
-"""vLLM under torchrun (2 gloo processes, the fake vllm of test_vllm_glue.py, driven by tests/vllm_ranks_run.py):
+"""vLLM under torchrun (2 gloo processes, the fake vllm of test_vllm_glue.py, run by tests/helpers/vllm_ranks_run.py):
 every rank builds its own engine as vLLM 0.30's external launcher needs (tests/test_vllm_source.py holds those facts
 to the wheel), samples its own share of the questions, and after every update holds the trained weights, with the
 model replicated or sharded by FSDP2."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_ranks_run import digests
+from helpers.vllm_ranks_run import digests
 
 from conftest import SMOKE_SETTINGS, cli_flags, read_metrics
 from plumbing import models
@@ -26,7 +26,7 @@ TORCHRUN = [
     "--standalone",
     "--nproc_per_node",
     "2",
-    str(ROOT / "tests" / "vllm_ranks_run.py"),
+    str(ROOT / "tests" / "helpers" / "vllm_ranks_run.py"),
 ]
 
 

@@ -320,7 +320,7 @@ def test_fields_the_glue_sets_and_reads(src):
 
 def test_processed_logprobs_are_after_temperature_and_top_p(src):
     # The glue asks for logprobs_mode="processed_logprobs" and holds them against the trainer's log softmax(logits /
-    # temperature) (plumbing/sampler_check.py); each sampled token's comes back as a Logprob with a .logprob.
+    # temperature) (plumbing/rollout_correction.py); each sampled token's comes back as a Logprob with a .logprob.
     modes = next(
         node.value
         for node in src.tree("vllm/config/model.py").body

@@ -1,0 +1,1040 @@
+"""Learning curves on the exact expected reward: which algorithm raises J fastest per sampled token.
+
+What is measured. Advantage accuracy and gradient cosine on one frozen policy (credit_exact.py) do not say which
+algorithm raises the reward fastest per sampled token, which is the paper's claim. Here every algorithm trains, and
+after every iteration (one rollout + that script's update) the policy is enumerated exactly: the expected reward
+J(theta) (mean over prompts of V(prompt)) and the KL to the start policy, KL(pi_theta || pi_start) over whole
+responses (the sum over prefixes of their probability times the KL of the next-token distributions), mean over
+prompts. No evaluation sample, so no evaluation noise: a curve's only randomness is its training draws.
+
+How. The policy, the task and the enumeration are exact_toy.py's, as in credit_exact.py: a tiny Llama over five
+tokens (EOS and the digits 0-3) pre-trained briefly on a synthetic corpus, answering a two-digit prompt a b with digits
+that add up to a + b, then EOS. ExactSampler draws from the current policy's enumerated tables (the same enumeration
+that gives J; no forward pass), through the HF sampler's interface. Each setting trains through its script's own
+functions, as its main() calls them (advantages, attach_*, the loss, update_policy with the script's AdamW, grad
+clipping and whitening; beta 0, fp32):
+  grpo, grpo_mask             G responses per prompt; group_advantages, attach_targets, update_policy (mask off / on)
+  spo_chain_int1, _int5       G responses; old_and_reference_logprobs, find_cutpoints, K = 9 MC continuations per
+                              distinct cutpoint state, chain_advantages (mask on), attach_advantages, update_policy
+  spo_tree_uniform, _depth    grow_trees (tree_depth 3 levels of b children, M = 2), tree_edges, sample_buffer (buffer
+                              age 1, every edge taken), edge_weights(depth_weights) for --edge-weight depth as main
+                              applies it, fill_samples (0: every edge once), attach_targets, update_policy
+  ppo_lam1, ppo_lam0.96       G responses; make_critic (at the start), add_old_logprobs_and_values,
+                              add_advantages_and_returns (GAE, gamma 1), update_policy (policy and critic on the same
+                              batches: the critic trains online on the rollouts, so it samples nothing of its own)
+Where a script's function cannot be driven as it is, the toy's equivalent stands in: SPO-chain's mc_values and
+SPO-tree's grade_trees grade decoded text through eval.py's tasks, so the MC values are exact_toy.mc_state_values
+(the same rule: identical states once, the rollout's remaining budget, an unfinished continuation 0) and the leaves
+are rewarded by exact_toy.reward (unfinished: 0). Every iteration trains on every prompt once (the scripts draw
+questions with replacement).
+Equal budget: each setting gets the size (G, or SPO-tree's branch factor b) whose sampled tokens per prompt per
+iteration (responses, MC continuations, tree nodes) on the start policy are closest to --budget
+(exact_toy.pilot_costs); what each run actually spends is recorded per iteration. It changes as the policy
+learns (SPO-chain makes fewer cutpoints and SPO-tree grows smaller trees as the policy sharpens), so the plot's
+x axis is the cumulative measured spend, and J at a fraction of the iterations favours a setting that spends more.
+Fairness: each setting's learning rate is the best mean final J over --tuning-seeds (never reported) on a grid of
+--lrs 3x apart; a best value on the grid's edge extends the grid by one step on that side and that value is run
+(at most --max-extensions times; recorded, as is a choice still on an edge). Then every setting runs on the same
+--seeds at its learning rate; differences are paired by seed.
+Reported (JSON): per setting the size, the measured tokens per iteration, J at 0, 25, 50 and 100 % of the
+iterations (iteration ceil(25 %), ...) with 95 % bootstrap intervals over seeds, the final KL, the iterations to
+reach J_0 + --gain (a run that never does counts as iterations + 1, so the mean is a lower bound; how many did is
+reported); paired 95 % bootstrap intervals (seeds resampled, measures.paired_interval) of every setting minus
+grpo and of spo_tree_depth minus spo_tree_uniform, for J at 25 / 50 / 100 % and the iterations to the gain; the
+sweep; every run's curve (J, KL, tokens, and per iteration the batch's reward, SPO-chain's cutpoints, SPO-tree's
+edges, PPO's critic error against the exact V). The PNG: mean J against cumulative sampled tokens per prompt with
+95 % bootstrap bands over seeds, and the mean KL against iterations.
+
+Defaults, and why. Horizon 6 (0.16 s per exact J of six prompts on one thread, against ~5 s at horizon 8): the six
+prompts' start J is 0.18-0.83, mean 0.49. --budget 128 sampled tokens per prompt per iteration (G 39 for GRPO and
+PPO, G 9 for int1 and 28 for int5 with K 9, b 6 for SPO-tree). One epoch and one optimizer step per iteration
+(--minibatches 1): every setting makes the same number of AdamW steps, so the curves compare update directions per
+sampled token, not step counts (with a batch size in sequences, SPO-tree's many short edges would make more steps
+from the same tokens). The ratio is then 1 in every step: PPO-clip's clip never binds. A constant learning rate:
+the scripts' warmup and linear decay to 0 would flatten every curve's end by construction. 30 iterations: at the
+tuned learning rates most settings' mean J passes 0.9 within 10-25 iterations, so the last iterations show which
+stay there (final J punishes late collapses), and J at 25 % and 50 % and the iterations to +0.25 show the speed
+(+0.1 takes one to three iterations for all but one setting and separates little). Grid 3e-4, 1e-3, 3e-3, 1e-2:
+on a pilot 1e-2 destabilised every setting (final J 0.11-0.67) and 3e-4 was slow for all (0.67-0.81), the best
+being 1e-3 or 3e-3. Two tuning seeds, 20 reported seeds. Two worker processes of one torch thread each (a run's
+result does not depend on which process runs it).
+
+Cost. Measured at small size (horizon 6, 3 reported seeds, 1 tuning seed, 30 iterations, one process, one thread):
+0.18-0.23 s per iteration (grpo 0.18, grpo_mask 0.20, int1 0.18, int5 0.19, tree uniform 0.19, depth 0.18,
+ppo_lam1 0.22, ppo_lam0.96 0.23; up to 0.31 with the other core busy), 0.16 s of it the enumeration; that run took
+345 s against its printed estimate of 330-420 s. The defaults run (4 x 2 + 20) x 30 = 840 iterations per setting,
+6,720 in all (+960 if every grid were extended twice): about 11 minutes on 2 free cores (13 with every extension),
+twice that on one. main() prints its own estimate from two timed iterations of each setting before it starts.
+
+What it cannot say. A toy: horizon 6, five tokens, an 18,912-parameter policy, one start policy, responses of
+1-6 tokens (mean 3.3 at the start); not LLM scale, where responses are hundreds of tokens and SPO's MC values cost
+far more per segment. With segments of 2 tokens, int5 keeps about one cutpoint per response. J saturates near 1:
+final J mostly measures stability. The critic's learning rate (--critic-lr) is fixed, not swept (its error against
+the exact V falls from 0.42 to 0.004-0.03 over a run). Two tuning seeds make a noisy choice among learning rates 3x
+apart. Spend per iteration is equal only at the start (see above).
+
+The critical-token task and the token axis. --task critical (exact_toy.CRITICAL): three-bit prompts, and the
+reward is 1 for the key bit (the prompt's first bit) followed by exactly --filler bits of any value and EOS, so one
+early token decides the reward and credit given to the whole response spreads over --filler irrelevant tokens
+(learning_critical.py sweeps --filler). --token-budget B stops every run at B sampled tokens per prompt, chooses each
+setting's rate by the area under J against cumulative tokens to B (final J measures stability more than speed), and
+reports J at B / 4, B / 2 and B interpolated per seed and the area; --common-lr adds every setting at one rate,
+untuned (a setting tuned to it reuses its runs).
+
+  python experiments/learning_exact.py                      # writes experiments/results/learning_exact.{json,png}
+  python experiments/learning_exact.py --token-budget 2000 --iterations 64 --tuning-seeds 1000 1001 1002 1003 \
+      --common-lr 1e-3 --out experiments/results/learning_exact_tokens.json   # the token axis
+  python experiments/learning_exact.py --settings grpo spo_tree_uniform spo_tree_depth --seeds 0 1 2 --out /tmp/le.json
+  python experiments/learning_exact.py --tiny --out /tmp/tiny.json   # seconds: what the tests run
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import multiprocessing
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import exact_toy as toy  # noqa: E402
+from measures import area_under, at_tokens, paired_interval, rounded  # noqa: E402
+
+import grpo_baseline  # noqa: E402
+import ppo_baseline  # noqa: E402
+import spo_chain  # noqa: E402
+import spo_tree  # noqa: E402
+from plumbing import UsageError, bookkeeping, cli, ranges  # noqa: E402
+from plumbing.precision import FP32  # noqa: E402
+from plumbing.training import make_optimizer, reseed, sample_logprobs  # noqa: E402
+
+
+@dataclass
+class Args:
+    seeds: ranges.Seeds = field(default_factory=lambda: list(range(20)))
+    """reported seeds: every setting trains once per seed from the same start policy (paired by seed)"""
+    tuning_seeds: ranges.Seeds = field(default_factory=lambda: [1000, 1001])
+    """seeds of the learning-rate sweep (must not be reported seeds)"""
+    iterations: ranges.PositiveInt = 30
+    """iterations per run: one rollout and that script's update each, then the exact J and KL (with --token-budget:
+    the most a run may take)"""
+    token_budget: ranges.NonNegativeInt = 0
+    """B > 0: every run stops once it has sampled B tokens per prompt (cumulative), the learning rate is chosen by the
+    area under J against cumulative tokens from 0 to B (not final J), and J is reported at B / 4, B / 2 and B,
+    interpolated per seed; 0: iterations are the axis (the run's fractions, final J)"""
+    common_lr: ranges.NonNegativeFloat = 0.0
+    """> 0: every setting also runs at this one learning rate on the reported seeds (no tuning), reported beside"""
+    budget: ranges.PositiveInt = 128
+    """sampled tokens per prompt per iteration (responses, MC continuations, tree nodes): each setting gets the size
+    whose cost on the start policy is closest"""
+    settings: list[str] = field(default_factory=lambda: list(toy.SETTINGS))
+    """settings to run (grpo is the reference of the differences)"""
+    lrs: ranges.PositiveFloats = field(default_factory=lambda: [3e-4, 1e-3, 3e-3, 1e-2])
+    """learning-rate grid of the sweep (the same for every setting)"""
+    lr_step: ranges.bounded(float, 1, low_open=True) = 3.0
+    """factor by which the grid is extended when a setting's best learning rate is at its edge"""
+    max_extensions: ranges.NonNegativeInt = 2
+    """at most this many extensions of the grid per setting"""
+    gain: ranges.PositiveFloat = 0.25
+    """the fixed gain over the start J whose first iteration is reported (at the tuned learning rates +0.1 takes
+    1-3 iterations for nearly every setting and separates little)"""
+    bootstrap: ranges.PositiveInt = 2000
+    """bootstrap resamples of the seeds for the 95% intervals and the plot's bands"""
+    out: str = "experiments/results/learning_exact.json"
+    """results JSON (the PNG is written beside it)"""
+    tiny: bool = False
+    """a seconds-long run for the tests: horizon 4, two prompts, three seeds, four iterations, a two-value sweep
+    (overrides those flags)"""
+    workers: ranges.PositiveInt = 2
+    """processes running the (setting, learning rate, seed) runs side by side, one torch thread each"""
+
+    # The task and the policy (exact_toy's)
+    task: Literal["sum", "critical"] = "sum"
+    """sum: digits that add up to the prompt's (the default); critical: a key bit then --filler free bits, the reward
+    decided by the first token (exact_toy.CRITICAL)"""
+    filler: ranges.PositiveInt = 4
+    """--task critical: free bits after the key bit (--horizon must be --filler + 2)"""
+    prompts: list[str] = field(default_factory=lambda: ["11", "12", "22", "13", "23", "33"])
+    """prompts as two digits a b (0-3); the response's digits must add up to a + b (--task critical: three bits;
+    the default there: all eight)"""
+    horizon: ranges.PositiveInt = 6
+    """response token budget (max new tokens); a response without EOS by then is unfinished and scores 0"""
+    temperature: ranges.PositiveFloat = 0.6
+    """sampling temperature; every log-prob divides the logits by it, as the scripts do"""
+    prob_threshold: ranges.Probability = 0.9
+    """tokens with p_t < prob_threshold are low-probability: SPO-chain's cutpoints and the probability mask"""
+    policy_seed: ranges.Seed = 0
+    """seed of the start policy's initialisation and pre-training corpus"""
+    hidden_size: ranges.PositiveInt = 32
+    """the tiny Llama's width (2 layers, 4 heads)"""
+    pretrain_steps: ranges.NonNegativeInt = 500
+    """pre-training steps on exact_toy's synthetic corpus"""
+    pretrain_batch: ranges.PositiveInt = 64
+    """corpus sequences per pre-training step"""
+    pretrain_lr: ranges.PositiveFloat = 3e-3
+    """pre-training AdamW learning rate"""
+    mistake_rate: ranges.Fraction = 0.7
+    """share of corpus responses with one mistake"""
+
+    # The algorithms
+    mc_samples: ranges.PositiveInt = 9
+    """SPO-chain's K: MC continuations per cutpoint state (the paper: 9)"""
+    tree_depth: ranges.PositiveInt = 3
+    """SPO-tree levels; the branch factor b of every level is what the budget sets"""
+    segment_tokens: ranges.PositiveInt = 2
+    """SPO-tree's M: new tokens per segment above the last level"""
+    critic_lr: ranges.PositiveFloat = 3e-3
+    """PPO's critic AdamW learning rate (credit_exact's pilot choice; not swept)"""
+    value_clip_eps: ranges.PositiveFloat = 0.2
+    """PPO: clipping of new values around the rollout's values in the value loss"""
+    clip_eps: ranges.PositiveFloat = 0.2
+    """PPO-clip epsilon of every policy loss"""
+    max_grad_norm: ranges.PositiveFloat = 1.0
+    """gradient clipping of every optimizer step (the scripts' default)"""
+    minibatches: ranges.PositiveInt = 1
+    """optimizer steps per iteration: the iteration's samples split into this many batches (one epoch)"""
+    micro_batch_size: ranges.PositiveInt = 512
+    """sequences per forward pass (memory only: the gradients do not depend on it)"""
+    threads: ranges.PositiveInt = 1
+    """torch CPU threads per process"""
+
+
+TINY = dict(
+    horizon=4,
+    prompts=["21", "13"],
+    seeds=[0, 1, 2],
+    tuning_seeds=[100],
+    iterations=4,
+    budget=32,
+    lrs=[1e-3, 1e-2],
+    max_extensions=1,
+    pretrain_steps=300,
+    tree_depth=2,
+    bootstrap=200,
+    workers=1,
+)
+
+POLICY_FIELDS = (
+    "task",
+    "filler",
+    "prompts",
+    "horizon",
+    "temperature",
+    "prob_threshold",
+    "policy_seed",
+    "hidden_size",
+    "pretrain_steps",
+    "pretrain_batch",
+    "pretrain_lr",
+    "mistake_rate",
+    "mc_samples",
+    "tree_depth",
+    "segment_tokens",
+    "micro_batch_size",
+)
+
+
+def toy_settings(args: Args) -> toy.ToySettings:
+    """The toy's settings of this run: its task, policy and estimator settings, what make_policy and pilot_costs read
+    (an online critic needs no rollouts of its own: critic_batches 0)."""
+    return toy.ToySettings(
+        **{name: getattr(args, name) for name in POLICY_FIELDS},
+        budgets=[args.budget],
+        intervals=sorted({o["interval"] for f, o in toy.SETTINGS.values() if f == "spo_chain"}),
+        lams=[1.0],
+        critic_batches=0,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The exact answer after every update: J and the KL to the start policy, by enumeration
+
+
+def enumerate_policy(model, args: Args) -> list[toy.Exact]:
+    """exact_toy.enumerate_prompts: the current policy's exact tables and values for every prompt."""
+    model.eval()
+    return toy.enumerate_prompts(model, args)
+
+
+def exact_kl(exacts: list[toy.Exact], starts: list[toy.Exact]) -> float:
+    """KL(pi || pi_start) between the distributions of whole responses, mean over prompts: by the chain rule, the sum
+    over prefixes s of P_pi(s) KL(pi(.|s) || pi_start(.|s)). Each term is written p log(p/q) - p + q, which is >= 0
+    (so is the sum: exactly 0 for the same policy, and round-off cannot make it negative); the -p + q parts add up
+    to 0 over a distribution.
+
+    >>> table = toy.Exact([1, 1], 0, [np.array([[0.5, 0.5, 0, 0, 0]])], [np.ones(1)], [np.zeros(4), np.zeros(1)])
+    >>> other = toy.Exact([1, 1], 0, [np.array([[0.25, 0.75, 0, 0, 0]])], [np.ones(1)], [np.zeros(4), np.zeros(1)])
+    >>> exact_kl([table], [table]), round(exact_kl([table], [other]), 6)  # 0.5 log 2 + 0.5 log(2/3)
+    (0.0, 0.143841)
+    """
+    total = 0.0
+    for exact, start in zip(exacts, starts):
+        for reach, p, q in zip(exact.reach, exact.probs, start.probs):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                terms = np.where(p > 0, p * np.log(p / q), 0.0) - p + q  # [prefixes, VOCAB]
+            total += float(reach @ np.maximum(terms, 0.0).sum(-1))
+    return total / len(exacts)
+
+
+# ----------------------------------------------------------------------------------------------
+# One run: the start policy trained by one setting through its script's own functions
+
+
+@dataclass
+class World:
+    """What every run starts from: the pre-trained policy, its exact tables, and each setting's size."""
+
+    model: torch.nn.Module
+    exacts: list[toy.Exact]
+    sizes: dict[str, int]
+
+
+@dataclass
+class Learner:
+    """A run's moving parts: the policy, the script's Args for it, the optimizer(s), and what the script keeps
+    between iterations (SPO-tree's replay buffer; PPO's critic)."""
+
+    family: str
+    model: torch.nn.Module
+    script_args: object
+    minibatches: int
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    guard: bookkeeping.NonFiniteGuard = field(default_factory=bookkeeping.NonFiniteGuard)
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: object = None
+    buffer: list[dict] = field(default_factory=list)
+
+
+def constant_optimizer(model, lr: float):
+    """The scripts' AdamW (training.make_optimizer, weight decay 0) with a constant learning rate: the scripts'
+    warmup and linear decay would make the end of every curve flat by construction."""
+    optimizer, _ = make_optimizer(model, lr, 0.0, 0.0, total_steps=1)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def script_args(family: str, options: dict, size: int, lr: float, args: Args):
+    """The script's own Args for this setting: its size (G, or SPO-tree's branch factor), beta 0, one epoch, the
+    scripts' clip and grad clipping; batch_size is set per iteration (batch_size_for)."""
+    common = dict(
+        temperature=args.temperature,
+        top_p=1.0,
+        micro_batch_size=args.micro_batch_size,
+        lr=lr,
+        weight_decay=0.0,
+        warmup_ratio=0.0,
+        epochs=1,
+        beta=0.0,
+        clip_eps=args.clip_eps,
+        max_grad_norm=args.max_grad_norm,
+        prob_threshold=args.prob_threshold,
+    )
+    if family == "grpo":
+        return grpo_baseline.Args(**common, group_size=size, **options)
+    if family == "spo_chain":
+        return spo_chain.Args(**common, group_size=size, mc_samples=args.mc_samples, prob_mask=True, **options)
+    if family == "spo_tree":
+        return spo_tree.Args(
+            **common,
+            tree=",".join([str(size)] * args.tree_depth),
+            segment_tokens=args.segment_tokens,
+            prob_mask=True,
+            buffer_max_age=1,  # this iteration's edges only
+            edges_per_question=sum(size**d for d in range(1, args.tree_depth + 1)),  # every edge of a full tree
+            samples_per_iteration=0,  # every edge once
+            max_new_tokens=args.horizon,
+            context=toy.PROMPT_LENGTH[args.task] + args.horizon,
+            **options,
+        )
+    return ppo_baseline.Args(
+        **common, group_size=size, gamma=1.0, critic_lr=args.critic_lr, value_clip_eps=args.value_clip_eps, **options
+    )
+
+
+def make_learner(name: str, world: World, lr: float, args: Args) -> Learner:
+    """A fresh copy of the start policy with the setting's script Args and optimizer (PPO: and a critic made from
+    the policy by ppo_baseline.make_critic, with its own AdamW)."""
+    family, options = toy.SETTINGS[name]
+    model = copy.deepcopy(world.model)
+    optimizer, scheduler = constant_optimizer(model, lr)
+    learner = Learner(
+        family, model, script_args(family, options, world.sizes[name], lr, args), args.minibatches, optimizer, scheduler
+    )
+    if family == "ppo":
+        learner.critic = ppo_baseline.make_critic(model, FP32)
+        learner.critic_optimizer, learner.critic_scheduler = constant_optimizer(learner.critic, args.critic_lr)
+    return learner
+
+
+def batch_size_for(samples: int, minibatches: int) -> int:
+    """Sequences per optimizer step so that one epoch over `samples` takes `minibatches` steps (fewer when there are
+    fewer samples).
+
+    >>> batch_size_for(216, 1), batch_size_for(216, 4), batch_size_for(0, 1)
+    (216, 54, 1)
+    """
+    return max(1, math.ceil(samples / minibatches))
+
+
+def grpo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
+    """grpo_baseline's main loop, steps 1-4: G responses per prompt, group_advantages, attach_targets, update_policy."""
+    a = learner.script_args
+    samples, _, rewards = toy.draw_responses(sampler, exacts, a.group_size)
+    a = replace(a, batch_size=batch_size_for(len(samples), learner.minibatches))
+    advantages = grpo_baseline.group_advantages(torch.tensor(rewards), a.group_size)
+    grpo_baseline.attach_targets(samples, advantages, learner.model, None, a, toy.EOS, FP32)
+    grpo_baseline.update_policy(
+        learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
+    )
+    return {"reward": float(np.mean(rewards))}
+
+
+def chain_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
+    """spo_chain's main loop, steps 1-7: G responses per prompt, old_and_reference_logprobs, find_cutpoints on p_t,
+    K MC continuations per distinct cutpoint state (exact_toy.mc_state_values: spo_chain.mc_values grades text
+    through eval.py's tasks), chain_advantages with the mask, attach_advantages, update_policy."""
+    a = learner.script_args
+    samples, owners, rewards = toy.draw_responses(sampler, exacts, a.group_size)
+    a = replace(a, batch_size=batch_size_for(len(samples), learner.minibatches))
+    old_logps, ref_logps = spo_chain.old_and_reference_logprobs(
+        learner.model, None, samples, a.micro_batch_size, a.temperature, toy.EOS, FP32
+    )
+    for s, old, ref in zip(samples, old_logps, ref_logps):
+        s["old_logps"], s["ref_logps"] = old, ref
+    flat_probs = torch.cat(old_logps).exp()  # [all response tokens], p_t
+    probs = [p.tolist() for p in flat_probs.split([len(s["response_ids"]) for s in samples])]
+    cutpoints = [spo_chain.find_cutpoints(p, a.prob_threshold, a.interval) for p in probs]
+    prefixes = [[tuple(s["response_ids"][: c + 1]) for c in cuts] for s, cuts in zip(samples, cutpoints)]
+    values = toy.mc_state_values(
+        sampler, [(exact, prefix) for exact, row in zip(owners, prefixes) for prefix in row], a.mc_samples
+    )
+    advantages = [
+        spo_chain.chain_advantages(
+            p, cuts, [values[(id(exact), prefix)] for prefix in row], r, a.prob_threshold, a.prob_mask
+        )
+        for p, cuts, row, exact, r in zip(probs, cutpoints, prefixes, owners, rewards)
+    ]
+    spo_chain.attach_advantages(samples, advantages, flat_probs, a.prob_threshold, a.prob_mask)
+    spo_chain.update_policy(
+        learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
+    )
+    return {"reward": float(np.mean(rewards)), "cutpoints": float(np.mean([len(c) for c in cutpoints]))}
+
+
+def tree_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
+    """spo_tree's main loop, steps 1-5: grow_trees (one tree per prompt), the leaves rewarded as grade_trees does (0
+    when unfinished), tree_edges, old log-probs of the new edges, sample_buffer (age 1: this iteration's edges, all
+    taken), edge_weights with --edge-weight depth, fill_samples (0: every edge once), attach_targets,
+    update_policy."""
+    a = learner.script_args
+    branches = spo_tree.parse_tree(a.tree)
+    roots, _ = spo_tree.grow_trees(
+        sampler,
+        [exact.prompt for exact in exacts],
+        branches,
+        segment_tokens=a.segment_tokens,
+        max_new_tokens=a.max_new_tokens,
+        context=a.context,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        stop=[],
+    )
+    for exact, root in zip(exacts, roots):
+        for node, before in spo_tree.walk(root):
+            if not node.children:
+                node.reward = toy.reward(exact, before + node.tokens, node.finish_reason)
+    new_edges, _ = spo_tree.tree_edges(roots, list(range(len(exacts))), iteration, a.advantage)
+    for edge, logps in zip(
+        new_edges, sample_logprobs(learner.model, new_edges, a.micro_batch_size, a.temperature, toy.EOS, FP32)
+    ):
+        edge["old_logps"] = logps
+    taken, learner.buffer = spo_tree.sample_buffer(
+        learner.buffer + new_edges, iteration, a.buffer_max_age, a.edges_per_question, rng
+    )
+    if a.edge_weight == "depth":
+        for edge, weight in zip(taken, spo_tree.edge_weights(taken, learner.buffer, spo_tree.depth_weights(branches))):
+            edge["weight"] = weight
+    samples, learner.buffer = spo_tree.fill_samples(taken, learner.buffer, a.samples_per_iteration, rng)
+    spo_tree.attach_targets(
+        samples,
+        None,
+        micro_batch_size=a.micro_batch_size,
+        temperature=a.temperature,
+        pad_id=toy.EOS,
+        prob_threshold=a.prob_threshold,
+        prob_mask=a.prob_mask,
+        precision=FP32,
+    )
+    a = replace(a, batch_size=batch_size_for(len(samples), learner.minibatches))
+    spo_tree.update_policy(
+        learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
+    )
+    root_values = [root.value for root in roots]  # backed up by tree_segments
+    return {"reward": float(np.mean(root_values)), "edges": len(samples)}
+
+
+def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
+    """ppo_baseline's main loop, steps 1-4: G responses per prompt, add_old_logprobs_and_values (the critic's values),
+    add_advantages_and_returns (GAE), update_policy (policy and critic on the same batches: the critic trains online,
+    on the same rollouts, so it samples nothing of its own)."""
+    a = learner.script_args
+    samples, owners, rewards = toy.draw_responses(sampler, exacts, a.group_size)
+    a = replace(a, batch_size=batch_size_for(len(samples), learner.minibatches))
+    ppo_baseline.add_old_logprobs_and_values(
+        samples,
+        learner.model,
+        None,
+        learner.critic,
+        micro_batch_size=a.micro_batch_size,
+        temperature=a.temperature,
+        pad_id=toy.EOS,
+        precision=FP32,
+    )
+    ppo_baseline.add_advantages_and_returns(
+        samples, torch.tensor(rewards), gamma=a.gamma, lam=a.lam, prob_threshold=a.prob_threshold, prob_mask=a.prob_mask
+    )
+    # the critic against the exact V of the states it valued, before this update
+    value_error = float(
+        np.mean(
+            [
+                (value - exact.value(s["response_ids"][:t])) ** 2
+                for s, exact in zip(samples, owners)
+                for t, value in enumerate(s["old_values"].tolist())
+            ]
+        )
+    )
+    ppo_baseline.update_policy(
+        learner.model,
+        learner.critic,
+        learner.optimizer,
+        learner.scheduler,
+        learner.critic_optimizer,
+        learner.critic_scheduler,
+        samples,
+        a,
+        toy.EOS,
+        iteration,
+        learner.guard,
+    )
+    return {"reward": float(np.mean(rewards)), "critic_value_mse": value_error}
+
+
+ITERATIONS = {"grpo": grpo_iteration, "spo_chain": chain_iteration, "spo_tree": tree_iteration, "ppo": ppo_iteration}
+
+
+def train_run(name: str, lr: float, seed: int, world: World, args: Args) -> tuple[dict, Learner]:
+    """One run: `args.iterations` iterations of rollout + the setting's update from the start policy; after each, the
+    exact J and the exact KL to the start policy. The sampler draws from the current policy's exact tables (the same
+    enumeration that gives J), seeded by (seed, iteration) like the scripts' reseed. A run the script stops (three
+    non-finite losses in a row) keeps its last policy for the remaining iterations (recorded as "stopped"). Returns
+    the curve and the learner (its model is the trained policy)."""
+    learner = make_learner(name, world, lr, args)
+    exacts, started = world.exacts, time.time()
+    curve = {
+        "seed": seed,
+        "lr": lr,
+        "J": [toy.expected_reward(exacts)],
+        "kl": [exact_kl(exacts, world.exacts)],
+        "tokens": [],
+        "stats": [],
+    }
+    for iteration in range(1, args.iterations + 1):
+        if args.token_budget and sum(curve["tokens"]) >= args.token_budget:
+            break  # the budget is spent: J past it is interpolated to B, the last iteration's overshoot unused
+        sampler = toy.ExactSampler(exacts, args.temperature, seed=seed * 1_000_003 + iteration)
+        rng = reseed(seed, iteration, sampler)  # torch (the update's shuffles) and the iteration's random.Random
+        try:
+            stats = ITERATIONS[learner.family](learner, sampler, exacts, iteration, rng)
+        except UsageError as error:  # the script's own stop (three non-finite losses in a row): the policy stays
+            curve["stopped"] = {"iteration": iteration, "reason": str(error)}
+            if args.token_budget:  # on the token axis the curve ends: its last J holds for the rest of the budget
+                break
+            pad = args.iterations + 1 - iteration
+            curve["J"], curve["kl"] = curve["J"] + [curve["J"][-1]] * pad, curve["kl"] + [curve["kl"][-1]] * pad
+            curve["tokens"] += [0.0] * pad
+            break
+        curve["tokens"].append(sampler.tokens / len(exacts))
+        curve["stats"].append(stats)
+        exacts = enumerate_policy(learner.model, args)
+        curve["J"].append(toy.expected_reward(exacts))
+        curve["kl"].append(exact_kl(exacts, world.exacts))
+    curve["seconds"] = time.time() - started
+    return curve, learner
+
+
+# ----------------------------------------------------------------------------------------------
+# Many runs: side by side in worker processes (each run is seeded on its own: the result does not depend on them)
+
+_WORKER: dict = {}
+
+
+def _start_worker(world: World, args: Args) -> None:
+    """A worker's setup: its torch threads, and the start policy and settings every job of it reads."""
+    torch.set_num_threads(args.threads)
+    _WORKER.update(world=world, args=args)
+
+
+def _start_pool_worker(world: World, args: Args) -> None:
+    """A pool worker's setup: SIGTERM back to its default (the pool ends its workers so; the handler of cli.run_cli,
+    inherited at fork, would print a traceback for each), then _start_worker."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _start_worker(world, args)
+
+
+def _run(job: tuple[str, float, int]) -> dict:
+    """One (setting, lr, seed) job's curve."""
+    return train_run(*job, _WORKER["world"], _WORKER["args"])[0]
+
+
+def run_all(jobs: list[tuple[str, float, int]], world: World, args: Args) -> list[dict]:
+    """The curve of every (setting, lr, seed) job, in order: in this process with one worker, else in a pool of
+    forked processes."""
+    if args.workers == 1 or len(jobs) == 1:
+        _start_worker(world, args)
+        return [_run(job) for job in jobs]
+    with multiprocessing.get_context("fork").Pool(args.workers, _start_pool_worker, (world, args)) as pool:
+        return pool.map(_run, jobs, chunksize=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes and the learning-rate sweep
+
+
+def closest_size(cost, budget: float, smallest: int) -> int:
+    """The size whose pilot cost is closest to the budget (ties: the smaller): G = the multiple of a cost per response
+    nearest the budget, or the measured size nearest it; at least `smallest`.
+
+    >>> closest_size(3.5, 128, 2), closest_size(3.5, 2, 2), closest_size({2: 40.0, 3: 100.0, 4: 150.0}, 128, 2)
+    (37, 2, 4)
+    """
+    if isinstance(cost, dict):
+        fitting = [size for size in cost if size >= smallest] or [max(cost)]
+        return min(fitting, key=lambda size: (abs(cost[size] - budget), size))
+    below = max(smallest, math.floor(budget / cost))
+    return min((below, below + 1), key=lambda size: (abs(size * cost - budget), size))
+
+
+def plan_sizes(exacts: list[toy.Exact], names: list[str], args: Args) -> tuple[dict[str, int], dict]:
+    """Each setting's size from exact_toy.pilot_costs on the start policy (GRPO and PPO: G from the exact expected
+    response length; SPO-chain: G with K MC samples, drawn; SPO-tree: the branch factor, drawn) and those costs."""
+    costs = toy.pilot_costs(exacts, toy_settings(args))
+    sizes = {}
+    for name in names:
+        family, options = toy.SETTINGS[name]
+        if family == "spo_chain":
+            sizes[name] = closest_size(costs[f"spo_chain_int{options['interval']}"], args.budget, 1)
+        elif family == "spo_tree":
+            sizes[name] = closest_size(costs["spo_tree"], args.budget, 2)
+        else:  # PPO's online critic samples nothing of its own: it costs what GRPO's responses cost
+            sizes[name] = closest_size(costs["grpo"], args.budget, 2)
+    return sizes, costs
+
+
+def token_marks(budget: int) -> dict[str, float]:
+    """The token budgets at which J is reported with --token-budget: B / 4, B / 2, B.
+
+    >>> token_marks(400)
+    {'25%': 100.0, '50%': 200.0, '100%': 400.0}
+    """
+    return {f"{p}%": budget * p / 100 for p in (25, 50, 100)}
+
+
+def rate_score(curve: dict, args: Args) -> float:
+    """What the sweep maximises for one run: its area under J to --token-budget, or (without one) its final J."""
+    return area_under(curve, args.token_budget) if args.token_budget else curve["J"][-1]
+
+
+def best_lr(final: dict[float, list[float]]) -> float:
+    """The learning rate with the highest mean score (final J, or the area under J to the token budget) over the
+    tuning seeds (ties: the smaller).
+
+    >>> best_lr({1e-3: [0.5, 0.6], 3e-3: [0.7, 0.6], 1e-2: [0.2, 0.9]})
+    0.003
+    """
+    return max(sorted(final), key=lambda lr: (float(np.mean(final[lr])), -lr))
+
+
+def extension(grid: list[float], best: float, step: float) -> tuple[str, float] | None:
+    """Where the grid must grow when its best value sits on an edge: ("low", min / step) or ("high", max * step);
+    None when the best is inside.
+
+    >>> extension([1e-3, 3e-3, 1e-2], 3e-3, 3.0), extension([1e-3, 3e-3], 1e-3, 3.0)[0]
+    (None, 'low')
+    """
+    if best == min(grid):
+        return "low", min(grid) / step
+    if best == max(grid):
+        return "high", max(grid) * step
+    return None
+
+
+def sweep(names: list[str], world: World, args: Args) -> dict[str, dict]:
+    """Each setting's learning rate: every value of the grid on every tuning seed, chosen by the mean rate_score (final
+    J, or with --token-budget the area under J against tokens); a best value
+    on the grid's edge extends the grid by one step on that side and the new value is run (at most
+    args.max_extensions times). Returns per setting the grid, each value's final J per tuning seed, the choice, the
+    extensions made and whether the choice is still on an edge."""
+    results = {name: {"final_J": {}, "extensions": [], "curves": []} for name in names}
+    pending = [(name, lr) for name in names for lr in args.lrs]
+    for round_ in range(args.max_extensions + 1):
+        jobs = [(name, lr, seed) for name, lr in pending for seed in args.tuning_seeds]
+        for (name, lr, _), curve in zip(jobs, run_all(jobs, world, args)):
+            results[name]["final_J"].setdefault(lr, []).append(rate_score(curve, args))
+            results[name]["curves"].append(curve)
+        pending = []
+        for name in names:
+            entry = results[name]
+            entry["chosen"] = best_lr(entry["final_J"])
+            grow = extension(list(entry["final_J"]), entry["chosen"], args.lr_step)
+            entry["at_edge"] = grow is not None
+            if grow and round_ < args.max_extensions:
+                entry["extensions"].append({"round": round_ + 1, "side": grow[0], "lr": grow[1]})
+                pending.append((name, grow[1]))
+        if not pending:
+            break
+    score = "auc" if args.token_budget else "final_J"  # what the choice maximised, in the JSON
+    for entry in results.values():
+        entry["grid"] = sorted(entry["final_J"])
+        by_lr = entry.pop("final_J")
+        entry[score] = {f"{lr:g}": by_lr[lr] for lr in entry["grid"]}
+        entry[f"mean_{score}"] = {lr: float(np.mean(values)) for lr, values in entry[score].items()}
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries: J at fractions of the run, iterations to a gain, paired bootstrap intervals
+
+
+def checkpoints_of(iterations: int) -> dict[str, int]:
+    """The iterations at which J is reported: ceil(25 %), ceil(50 %) and 100 % of the run.
+
+    >>> checkpoints_of(30), checkpoints_of(4)
+    ({'25%': 8, '50%': 15, '100%': 30}, {'25%': 1, '50%': 2, '100%': 4})
+    """
+    return {f"{p}%": math.ceil(iterations * p / 100) for p in (25, 50, 100)}
+
+
+def iterations_to_gain(curve: list[float], gain: float) -> int:
+    """The first iteration t >= 1 with J_t >= J_0 + gain; a run that never gets there counts as len(curve) (the
+    run's iterations + 1: censored, so a mean over runs is a lower bound when some never reach it).
+
+    >>> iterations_to_gain([0.3, 0.35, 0.41, 0.5], 0.1), iterations_to_gain([0.3, 0.35, 0.3], 0.1)
+    (2, 3)
+    """
+    return next((t for t in range(1, len(curve)) if curve[t] >= curve[0] + gain - 1e-12), len(curve))
+
+
+def bootstrap_band(matrix: np.ndarray, resamples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean over seeds (rows) of each column and its 95 % percentile bootstrap band (seeds resampled with
+    replacement, whole rows at a time).
+
+    >>> mean, low, high = bootstrap_band(np.array([[0.0, 1.0], [2.0, 1.0]]), 200)
+    >>> mean.tolist(), low.tolist(), high.tolist()
+    ([1.0, 1.0], [0.0, 1.0], [2.0, 1.0])
+    """
+    draws = np.random.default_rng(seed).integers(len(matrix), size=(resamples, len(matrix)))  # [resamples, seeds]
+    means = matrix[draws].mean(axis=1)  # [resamples, columns]
+    low, high = np.percentile(means, [2.5, 97.5], axis=0)
+    return matrix.mean(axis=0), low, high
+
+
+def summarise(curves: dict[str, list[dict]], args: Args) -> tuple[dict, dict]:
+    """Per setting: tokens spent per iteration, J at 0 / 25 / 50 / 100 % with 95 % intervals, the final KL, and the
+    iterations to +gain (mean with the censored rule, median, runs that reached it). Differences, paired by seed
+    ([mean, low, high], measures.paired_interval): every setting minus grpo and spo_tree_depth minus
+    spo_tree_uniform, of J at 25 / 50 / 100 % and of the iterations to +gain."""
+    summary, columns = {}, {}
+    for name, runs in curves.items():
+        if args.token_budget:  # J at B / 4, B / 2, B sampled tokens per prompt, each run interpolated
+            at = {
+                mark: np.array([float(at_tokens(r, t)) for r in runs])
+                for mark, t in token_marks(args.token_budget).items()
+            }
+            at["auc"] = np.array([area_under(r, args.token_budget) for r in runs])
+        else:
+            J = np.array([run["J"] for run in runs])  # [seeds, iterations + 1]
+            at = {mark: J[:, t] for mark, t in checkpoints_of(args.iterations).items()}
+        reach = np.array([iterations_to_gain(run["J"], args.gain) for run in runs], dtype=float)
+        columns[name] = at | {"iterations_to_gain": reach}
+        summary[name] = {
+            "tokens_per_iteration": float(np.mean(np.concatenate([run["tokens"] for run in runs]))),
+            "iterations": float(np.mean([len(run["J"]) - 1 for run in runs])),
+            "tokens_first_last_iteration": [
+                float(np.mean([r["tokens"][0] for r in runs])),
+                float(np.mean([r["tokens"][-1] for r in runs])),
+            ],
+            "J0": float(np.mean([run["J"][0] for run in runs])),
+            **{
+                f"J_{mark}" if mark != "auc" else "auc": paired_interval(
+                    values, np.zeros(len(values)), args.bootstrap, seed=0
+                )
+                for mark, values in at.items()
+            },
+            "kl_final": float(np.mean([run["kl"][-1] for run in runs])),
+            "iterations_to_gain": {
+                "mean_censored": float(reach.mean()),
+                "median": float(np.median(reach)),
+                "reached": int((reach < np.array([len(run["J"]) for run in runs])).sum()),
+                "runs": len(reach),
+            },
+        }
+    pairs = [(name, "grpo") for name in curves if name != "grpo" and "grpo" in curves]
+    if {"spo_tree_depth", "spo_tree_uniform"} <= set(curves):
+        pairs.append(("spo_tree_depth", "spo_tree_uniform"))
+    differences = {
+        f"{a} - {b}": {
+            measure: paired_interval(columns[a][measure], columns[b][measure], args.bootstrap, seed=0)
+            for measure in columns[a]
+        }
+        for a, b in pairs
+    }
+    return summary, differences
+
+
+def time_iteration(name: str, world: World, args: Args) -> float:
+    """Seconds per iteration of one setting: a two-iteration run at the grid's middle learning rate (discarded)."""
+    curve, _ = train_run(name, args.lrs[len(args.lrs) // 2], args.tuning_seeds[0], world, replace(args, iterations=2))
+    return curve["seconds"] / 2
+
+
+def run_estimate(timing: dict[str, float], args: Args) -> tuple[float, float]:
+    """Seconds the sweep and the reported runs will take on args.workers processes: without any extension of the
+    grid, and with args.max_extensions for every setting (with --token-budget: B / --budget iterations a run).
+
+    >>> run_estimate({"grpo": 0.2}, replace(Args(), seeds=[0, 1], tuning_seeds=[5], lrs=[1e-3], max_extensions=1,
+    ...                                     iterations=10, workers=2))
+    (3.0, 4.0)
+    """
+    iterations = (
+        min(args.iterations, math.ceil(args.token_budget / args.budget)) if args.token_budget else args.iterations
+    )
+    per_run = sum(timing.values()) * iterations / args.workers
+    runs = len(args.lrs) * len(args.tuning_seeds) + len(args.seeds) * (2 if args.common_lr else 1)
+    return per_run * runs, per_run * (runs + args.max_extensions * len(args.tuning_seeds))
+
+
+# ----------------------------------------------------------------------------------------------
+# Results: plot, table
+
+
+def plot(results: dict, path: Path) -> None:
+    """Left: mean exact J against the cumulative sampled tokens per prompt (the mean over seeds of each run's own
+    spend), 95 % bootstrap band over seeds; right: the mean exact KL to the start policy against iterations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6), layout="constrained")
+    budget = results["settings"].get("token_budget")
+    for name, runs in results["curves"].items():
+        color, style = toy.PALETTE.get(name, (None, "-"))
+        if budget:  # every run on one token grid from 0 to B (runs end at different iterations)
+            tokens = np.linspace(0, budget, 65)
+            J = np.array([at_tokens(run, tokens) for run in runs])  # [seeds, grid]
+            kl = np.array([at_tokens(run, tokens, "kl") for run in runs]).mean(axis=0)
+        else:
+            J = np.array([run["J"] for run in runs])  # [seeds, iterations + 1]
+            tokens = np.concatenate([[0.0], np.cumsum(np.mean([run["tokens"] for run in runs], axis=0))])
+            kl = np.mean([run["kl"] for run in runs], axis=0)
+        mean, low, high = bootstrap_band(J, results["settings"]["bootstrap"])
+        row = results["summary"][name]
+        size = f"{'b' if toy.SETTINGS[name][0] == 'spo_tree' else 'G'} {row['size']}"
+        label = f"{name} ({size}, lr {row['lr']:g}, {row['tokens_per_iteration']:.0f} tokens/iteration)"
+        left.plot(tokens, mean, color=color, linestyle=style, label=label)
+        left.fill_between(tokens, low, high, color=color, alpha=0.12)
+        right.plot(tokens if budget else np.arange(len(kl)), kl, color=color, linestyle=style, label=name)
+    left.set(xlabel="sampled tokens per prompt (cumulative)", ylabel="exact expected reward J", title="J")
+    right.set(
+        xlabel="sampled tokens per prompt (cumulative)" if budget else "iteration",
+        ylabel="exact KL(pi || pi_start) per response",
+        title="KL to the start policy",
+    )
+    left.legend(fontsize=8)
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+    settings = results["settings"]
+    fig.suptitle(
+        f"Learning on the exact expected reward ({settings.get('task', 'sum')} task): tiny Llama, horizon "
+        f"{settings['horizon']}, "
+        f"{len(settings['prompts'])} prompts, ~{settings['budget']} sampled tokens per prompt per iteration, "
+        f"{len(settings['seeds'])} seeds (mean, 95% bootstrap band over seeds)",
+        fontsize=11,
+    )
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def print_table(results: dict, summary: dict | None = None, differences: dict | None = None) -> None:
+    """One line per setting: size, spend, learning rate, J at 0 / 25 / 50 / 100 % (of the iterations, or with
+    --token-budget of B tokens), final - grpo, iterations to gain. `summary` and `differences`: another set's (the
+    common rate's); default the results' own."""
+    summary = summary or results["summary"]
+    differences = differences or results["differences"]
+    gain = results["settings"]["gain"]
+    print(
+        f"\n{'setting':<18}{'size':>6}{'tok/it':>8}{'lr':>9}{'J0':>7}{'J25%':>7}{'J50%':>7}{'J100%':>7}"
+        f"{'  final - grpo [95% CI]':<30}{f'iters to +{gain:g} (reached)':>24}"
+    )
+    for name, row in summary.items():
+        edge = "!" if row["lr"] == results["sweep"][name]["chosen"] and results["sweep"][name]["at_edge"] else ""
+        diff = differences.get(f"{name} - grpo", {}).get("100%")
+        interval = f"  {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]" if diff else ""
+        reach = row["iterations_to_gain"]
+        print(
+            f"{name:<18}{row['size']:>6}{row['tokens_per_iteration']:>8.0f}{row['lr']:>8.0e}{edge:1}{row['J0']:>7.3f}"
+            f"{row['J_25%'][0]:>7.3f}{row['J_50%'][0]:>7.3f}{row['J_100%'][0]:>7.3f}{interval:<30}"
+            f"{reach['mean_censored']:>16.1f} ({reach['reached']}/{reach['runs']})"
+        )
+    if "spo_tree_depth - spo_tree_uniform" in differences:
+        diff = differences["spo_tree_depth - spo_tree_uniform"]["100%"]
+        print(f"spo_tree_depth - spo_tree_uniform, final J: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]")
+    if any(entry["at_edge"] for entry in results["sweep"].values()):
+        print("(! the chosen learning rate is still at the edge of the widened grid)")
+    if results["settings"].get("token_budget"):
+        print(
+            f"(J25% / J50% / J100%: J after 1/4, 1/2 and all of {results['settings']['token_budget']} sampled tokens "
+            "per prompt; final - grpo: at the budget)"
+        )
+
+
+def validate(args: Args) -> None:
+    """Every problem with the settings in one UsageError line, before anything is built."""
+    problems = ranges.problems(args) + toy.task_problems(args)  # every number against its field's range; the task
+    if (args.tree_depth - 1) * args.segment_tokens >= args.horizon:
+        problems.append(
+            "the levels above SPO-tree's last ((--tree-depth - 1) x --segment-tokens) must be shorter than --horizon"
+        )
+    if args.hidden_size % 4:
+        problems.append(f"--hidden-size ({args.hidden_size}) must be a multiple of 4 (the tiny Llama's heads)")
+    unknown = [name for name in args.settings if name not in toy.SETTINGS]
+    if unknown or not args.settings:
+        problems.append(f"--settings {' '.join(unknown)}: choose from {' '.join(toy.SETTINGS)}")
+    if set(args.seeds) & set(args.tuning_seeds):
+        problems.append("--tuning-seeds must differ from --seeds (the reported runs)")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+
+
+def main(args: Args) -> dict:
+    # taken before anything runs: the code that ran, not the checkout at the end
+    code = toy.machine("experiments/learning_exact.py")
+    if args.tiny:
+        args = dataclasses.replace(args, **TINY)
+    args = toy.task_defaults(args)
+    validate(args)
+    torch.set_num_threads(args.threads)
+    started, seconds = time.time(), {}
+    names = list(dict.fromkeys(args.settings))
+
+    # 1. The start policy (exact_toy's, pre-trained on its corpus), its exact tables, each setting's size.
+    model, pretrain_loss = toy.make_policy(toy_settings(args))
+    exacts = enumerate_policy(model, args)
+    sizes, costs = plan_sizes(exacts, names, args)
+    world = World(model, exacts, sizes)
+    seconds["setup"] = time.time() - started
+
+    # 2. Cost: two iterations of every setting (discarded), and the whole run's estimate from them.
+    step = time.time()
+    timing = {name: time_iteration(name, world, args) for name in names}
+    estimate = run_estimate(timing, args)
+    seconds["timing"] = time.time() - step
+    print(
+        "seconds per iteration: " + ", ".join(f"{name} {cost:.2f}" for name, cost in timing.items()) + "; estimate: "
+        f"{estimate[0] / 60:.1f}-{estimate[1] / 60:.1f} minutes on {args.workers} worker(s) (no grid extension - "
+        f"{args.max_extensions} for every setting)",
+        flush=True,
+    )
+
+    # 3. Each setting's learning rate from the sweep on the tuning seeds.
+    step = time.time()
+    swept = sweep(names, world, args)
+    seconds["sweep"] = time.time() - step
+    print(f"sweep done, {time.time() - started:.0f}s: " + ", ".join(f"{n} {s['chosen']:g}" for n, s in swept.items()))
+
+    # 4. The reported runs: every setting at its learning rate on every reported seed.
+    step = time.time()
+    jobs = [(name, swept[name]["chosen"], seed) for name in names for seed in args.seeds]
+    curves: dict[str, list[dict]] = {name: [] for name in names}
+    for (name, _, _), curve in zip(jobs, run_all(jobs, world, args)):
+        curves[name].append(curve)
+    seconds["runs"] = time.time() - step
+
+    # 4b. With --common-lr: every setting at that one rate on the same seeds (no tuning); a setting tuned to that rate
+    # has run it already (a run is a function of its setting, rate and seed).
+    common = {}
+    if args.common_lr:
+        tuned_there = {name for name in names if swept[name]["chosen"] == args.common_lr}
+        jobs = [(name, args.common_lr, seed) for name in names if name not in tuned_there for seed in args.seeds]
+        common_curves = {name: list(curves[name]) if name in tuned_there else [] for name in names}
+        for (name, _, _), curve in zip(jobs, run_all(jobs, world, args)):
+            common_curves[name].append(curve)
+        common_summary, common_differences = summarise(common_curves, args)
+        for name in names:
+            common_summary[name] = {"size": sizes[name], "lr": args.common_lr, **common_summary[name]}
+        common = {"lr": args.common_lr, "summary": common_summary, "differences": common_differences}
+        common["curves"] = common_curves
+
+    # 5. Summaries, intervals, JSON and PNG.
+    summary, differences = summarise(curves, args)
+    for name in names:
+        summary[name] = {"size": sizes[name], "lr": swept[name]["chosen"], **summary[name]}
+    seconds["total"] = time.time() - started
+    results = rounded(
+        {
+            "command": " ".join(["python"] + sys.argv),
+            "settings": asdict(args),
+            "machine": code,
+            "seconds": seconds,
+            "seconds_per_iteration": timing,
+            "estimate_seconds": estimate,
+            "policy": {
+                "pretrain_loss": pretrain_loss,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "expected_reward": toy.expected_reward(exacts),
+                "prompts": {text: float(exact.values[0][0]) for text, exact in zip(args.prompts, exacts)},
+                "expected_length": float(np.mean([exact.expected_length() for exact in exacts])),
+            },
+            "pilot_costs": {
+                name: ({str(b): c for b, c in cost.items()} if isinstance(cost, dict) else cost)
+                for name, cost in costs.items()
+            },
+            "sizes": sizes,
+            "checkpoints": token_marks(args.token_budget) if args.token_budget else checkpoints_of(args.iterations),
+            "sweep": {name: {k: v for k, v in entry.items() if k != "curves"} for name, entry in swept.items()},
+            "summary": summary,
+            "differences": differences,
+            "curves": curves,
+            "sweep_curves": {name: entry["curves"] for name, entry in swept.items()},
+            "common_rate": common,
+        }
+    )
+    output = Path(args.out)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=1))
+    plot(results, output.with_suffix(".png"))
+    print_table(results)
+    if common:
+        print(f"\nevery setting at the common learning rate {args.common_lr:g} (no tuning):")
+        print_table(results, results["common_rate"]["summary"], results["common_rate"]["differences"])
+    print(f"{seconds['total']:.0f}s -> {output} and {output.with_suffix('.png')}")
+    return results
+
+
+if __name__ == "__main__":
+    cli.run_cli(main, ranges.cli(Args))

@@ -1,0 +1,179 @@
+"""Paired comparison of learning.py's runs: every run's final policy and the starting model answer the same held-out
+questions, so two algorithms can be compared question by question instead of through two separate accuracies.
+
+learning.py records one greedy accuracy per run. Here each run's checkpoint (and the starting model) is evaluated
+again with eval.py's own `main` under the settings of learning.py's in-run evaluation (the task's test split for
+the run's seed, greedy, the runs' --max-new-tokens and --context, --backend hf, --precision auto); each accuracy is
+checked against the one learning.py recorded, and per question the difference to a reference algorithm is taken.
+Reported: each accuracy with its Wilson 95 % interval over the questions, and each algorithm minus the reference
+(and minus the starting model) with a paired 95 % bootstrap interval over questions, plus the discordant questions
+(right here and wrong there, and the reverse).
+
+Across seeds (--pool A.json B.json ...: learning_paired outputs, no evaluation): an algorithm minus the reference on
+every seed the files hold, each seed's paired difference, and their mean with a 95 % bootstrap interval that
+resamples the questions within each seed (a seed's runs answer its own held-out questions).
+
+  python experiments/learning_paired.py       # after learning.py; about 8 minutes on 2 cores (6 evaluations)
+  python experiments/learning_paired.py --pool runs_a_paired.json runs_b_paired.json --algorithm spo_chain_int20 \
+      --reference grpo_mask_4x4 --out pooled.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from measures import across_seeds, paired, wilson  # noqa: E402
+
+import eval as ev  # noqa: E402
+from plumbing import UsageError, ranges, runs  # noqa: E402
+from plumbing.cli import run_cli  # noqa: E402
+from plumbing.precision import cpu_description  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Args:
+    learning: Path = RESULTS / "learning_bf16_shared_prompts.json"
+    """learning.py's results JSON (its runs' directories must still hold their checkpoints)"""
+    out: Path = RESULTS / "learning_paired.json"
+    """where the paired figures go (each model's eval.py results JSON is written beside it, in a folder)"""
+    reference: str = "grpo"
+    """the algorithm every other one is compared with"""
+    resamples: ranges.PositiveInt = 10_000
+    """bootstrap resamples of the questions"""
+    pool: tuple[Path, ...] = ()
+    """learning_paired outputs to pool across seeds (no evaluation): --algorithm minus --reference on every seed"""
+    algorithm: str = "spo_chain_int20"
+    """with --pool: the algorithm compared with --reference"""
+
+
+def pool(args: Args) -> None:
+    """--pool: --algorithm minus --reference on every seed of the given learning_paired outputs, and across them."""
+    per_seed = {}
+    for path in args.pool:
+        if not path.is_file():
+            raise UsageError(f"--pool {path}: no such file; run experiments/learning_paired.py --learning ... first")
+        for seed, result in json.loads(path.read_text())["seeds"].items():
+            scores = result["scores"]
+            if args.algorithm not in scores or args.reference not in scores:
+                raise UsageError(
+                    f"{path}: seed {seed} has scores of {sorted(scores)}, not {args.algorithm} and {args.reference}"
+                )
+            if seed in per_seed:
+                raise UsageError(f"--pool: seed {seed} is in two files; give each seed once")
+            per_seed[seed] = (scores[args.algorithm], scores[args.reference])
+    result = across_seeds(dict(sorted(per_seed.items())), args.resamples)
+    out = {
+        "cpu": cpu_description(),
+        "code": runs.code_state(),
+        "pool": [str(p) for p in args.pool],
+        "algorithm": args.algorithm,
+        "reference": args.reference,
+        **result,
+    }
+    for seed, row in result["seeds"].items():
+        low, high = row["ci"]
+        print(
+            f"seed {seed}: {args.algorithm} - {args.reference} {row['difference']:+.3f} [{low:+.3f}, {high:+.3f}] "
+            f"({row['only_first_right']} / {row['only_second_right']} discordant)"
+        )
+    low, high = result["ci"]
+    print(f"across {len(per_seed)} seeds: {result['difference']:+.3f} [{low:+.3f}, {high:+.3f}]")
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"-> {args.out}")
+
+
+def flag(run: dict, name: str) -> str:
+    """The value of `name` on the command line learning.py ran `run` with."""
+    words = run["command"].split()
+    return words[words.index(name) + 1]
+
+
+def evaluate(model: str, run: dict, output: Path) -> list[float]:
+    """Per-question greedy scores of `model` on the run's held-out questions, with the run's own settings."""
+    result = ev.main(
+        ev.EvalArgs(
+            model=model,
+            task=flag(run, "--task"),
+            split="test",
+            samples=1,
+            temperature=0.0,
+            max_new_tokens=int(flag(run, "--max-new-tokens")),
+            context=int(flag(run, "--context")),
+            backend="hf",
+            seed=run["seed"],
+            precision="auto",
+            output=str(output),
+        )
+    )
+    return [r["scores"][0] for r in result["records"]]
+
+
+def main(args: Args) -> None:
+    if problems := ranges.problems(args):
+        raise UsageError("; ".join(problems))
+    if args.pool:
+        return pool(args)
+    if not args.learning.is_file():
+        raise UsageError(f"--learning {args.learning}: no such file; run experiments/learning.py first")
+    learning = json.loads(args.learning.read_text())
+    missing = [r["run_dir"] for r in learning["runs"] if not (Path(r["run_dir"]) / "checkpoint").is_dir()]
+    if missing:
+        raise UsageError(
+            f"{len(missing)} run(s) of {args.learning} have no checkpoint any more (first: {missing[0]}): re-run "
+            "experiments/learning.py with the same --output-dir"
+        )
+    folder = args.out.with_suffix("")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {"cpu": cpu_description(), "code": runs.code_state(), "learning": str(args.learning), "seeds": {}}
+    for seed in sorted({r["seed"] for r in learning["runs"]}):
+        seed_runs = {r["algorithm"]: r for r in learning["runs"] if r["seed"] == seed}
+        if args.reference not in seed_runs:
+            raise UsageError(f"--reference {args.reference}: seed {seed} has runs of {sorted(seed_runs)} only")
+        first = next(iter(seed_runs.values()))
+        scores = {"start": evaluate(flag(first, "--model"), first, folder / f"seed{seed}_start.json")}
+        recorded = {"start": first["accuracy_before"]}
+        for algorithm, run in seed_runs.items():
+            output = folder / f"seed{seed}_{algorithm}.json"
+            scores[algorithm] = evaluate(str(Path(run["run_dir"]) / "checkpoint"), run, output)
+            recorded[algorithm] = run["accuracy_after"]
+        n = len(scores["start"])
+        table = {}
+        for name, s in scores.items():
+            accuracy = sum(s) / n
+            table[name] = {
+                "accuracy": accuracy,
+                "wilson_ci": list(wilson(int(sum(s)), n)),
+                "recorded_by_learning": recorded[name],
+                "matches_recorded": abs(accuracy - recorded[name]) < 1e-9,
+                "minus_start": paired(s, scores["start"], args.resamples) if name != "start" else None,
+                f"minus_{args.reference}": paired(s, scores[args.reference], args.resamples)
+                if name not in ("start", args.reference)
+                else None,
+            }
+        out["seeds"][str(seed)] = {"questions": n, "algorithms": table, "scores": scores}
+        print(f"seed {seed}: {n} held-out questions, greedy")
+        for name, row in table.items():
+            line = f"  {name:16s} {row['accuracy']:.3f} [{row['wilson_ci'][0]:.3f}, {row['wilson_ci'][1]:.3f}]"
+            if not row["matches_recorded"]:
+                line += f" (learning.py recorded {row['recorded_by_learning']:.3f})"
+            if versus := row[f"minus_{args.reference}"]:
+                low, high = versus["ci"]
+                line += (
+                    f"  - {args.reference} {versus['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
+                    f" ({versus['only_first_right']} / {versus['only_second_right']} discordant)"
+                )
+            print(line)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"-> {args.out} (each model's eval.py results in {folder}/)")
+
+
+if __name__ == "__main__":
+    run_cli(main, tyro.cli(Args))

@@ -1,0 +1,290 @@
+"""experiments/learning_exact.py: the exact J and KL after an update against a fresh enumeration and brute force, the
+pure pieces (sizes, iterations to a gain, bootstrap intervals, the sweep's widening) on hand-made numbers, and a tiny
+end-to-end run."""
+
+import dataclasses
+import doctest
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import exact_toy as toy  # noqa: E402
+import learning_exact as le  # noqa: E402
+import measures  # noqa: E402
+
+import spo_tree  # noqa: E402
+
+ARGS = dataclasses.replace(le.Args(), **le.TINY)  # horizon 4, prompts 21 and 13
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread, as the benchmark runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world():
+    model, _ = toy.make_policy(le.toy_settings(ARGS))
+    exacts = le.enumerate_policy(model, ARGS)
+    sizes, _ = le.plan_sizes(exacts, list(toy.SETTINGS), ARGS)
+    return le.World(model, exacts, sizes)
+
+
+def response_probabilities(exact: toy.Exact) -> dict[tuple[int, ...], float]:
+    """Brute force: P(y) of every complete response (digits then EOS, or `horizon` digits: unfinished) as the product
+    of its tokens' table probabilities."""
+    out = {}
+    for length in range(exact.horizon + 1):
+        for digits in itertools.product(range(1, toy.VOCAB), repeat=length):
+            response = list(digits) + ([toy.EOS] if length < exact.horizon else [])
+            out[tuple(response)] = math.prod(exact.token_probs(response))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The exact answer after an update
+
+
+@pytest.mark.parametrize("name", ["grpo", "spo_tree_depth", "ppo_lam1"])
+def test_exact_j_and_kl_after_one_update_match_a_fresh_enumeration_and_brute_force(world, name):
+    curve, learner = le.train_run(name, 1e-2, 7, world, dataclasses.replace(ARGS, iterations=1))
+    fresh = [
+        toy.enumerate_exact(learner.model, *toy.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64)
+        for text in ARGS.prompts
+    ]
+    assert curve["J"][0] == toy.expected_reward(world.exacts) and curve["kl"][0] == 0.0
+    assert curve["J"][1] == pytest.approx(toy.expected_reward(fresh), abs=1e-12)
+    assert curve["J"][1] != pytest.approx(curve["J"][0], abs=1e-6)  # the update moved the policy
+    # KL over whole responses, summed over every response's probability under both policies
+    brute = np.mean(
+        [
+            sum(p * math.log(p / start[y]) for y, p in response_probabilities(exact).items())
+            for exact, start in zip(fresh, [response_probabilities(e) for e in world.exacts])
+        ]
+    )
+    assert curve["kl"][1] == pytest.approx(brute, rel=1e-9) and brute > 0
+    assert 0 < curve["tokens"][0] <= 2 * ARGS.budget
+
+
+def test_spo_tree_depth_weights_its_edges_as_main_does_and_uniform_does_not(world, monkeypatch):
+    seen = []
+    original = spo_tree.attach_targets
+
+    def spy(samples, *a, **k):
+        seen.append([dict(s) for s in samples])
+        return original(samples, *a, **k)
+
+    monkeypatch.setattr(spo_tree, "attach_targets", spy)
+    for name in ("spo_tree_uniform", "spo_tree_depth"):
+        le.train_run(name, 1e-3, 3, world, dataclasses.replace(ARGS, iterations=1))
+    uniform, depth = seen
+    branches = [world.sizes["spo_tree_depth"]] * ARGS.tree_depth
+    assert uniform and all("weight" not in s for s in uniform)
+    # buffer age 1 and every edge taken: E_q / k_q = 1, so each weight is its depth's
+    assert [s["weight"] for s in depth] == [spo_tree.depth_weights(branches)[s["depth"] - 1] for s in depth]
+    assert {s["depth"] for s in depth} == set(range(1, ARGS.tree_depth + 1))
+
+
+def test_every_setting_learns_something_from_the_same_start(world):
+    for name in toy.SETTINGS:
+        curve, _ = le.train_run(name, 1e-2, 11, world, dataclasses.replace(ARGS, iterations=2))
+        assert curve["J"][0] == toy.expected_reward(world.exacts), name
+        assert all(np.isfinite(curve["J"])) and min(curve["kl"][1:]) > 0, name
+
+
+# ----------------------------------------------------------------------------------------------
+# The pure pieces, on hand-made numbers
+
+
+def test_iterations_to_gain_counts_the_first_iteration_and_censors_the_rest():
+    assert le.iterations_to_gain([0.4, 0.45, 0.5, 0.6], 0.1) == 2  # J_2 = J_0 + 0.1 exactly (up to round-off)
+    assert le.iterations_to_gain([0.4, 0.55, 0.3, 0.3], 0.1) == 1  # the first crossing counts, not the last
+    assert le.iterations_to_gain([0.4, 0.45, 0.49, 0.3], 0.1) == 4  # never: iterations + 1
+    assert le.iterations_to_gain([0.4], 0.1) == 1
+
+
+def test_summary_pairs_the_seeds_in_its_bootstrap_intervals():
+    args = dataclasses.replace(le.Args(), iterations=4, bootstrap=500, gain=0.1)
+    rng = np.random.default_rng(0)
+    base = [0.3 + np.cumsum(np.r_[0, rng.uniform(0, 0.05, 4)]) + rng.normal(0, 0.2) for _ in range(6)]
+
+    def runs(shift: float) -> list[dict]:  # seed-level noise shared by the settings: paired, the difference is exact
+        return [{"J": (b + shift * np.arange(5) / 4).tolist(), "kl": [0.0] * 5, "tokens": [100.0] * 4} for b in base]
+
+    curves = {"grpo": runs(0.0), "spo_tree_uniform": runs(0.2), "spo_tree_depth": runs(0.3)}
+    summary, differences = le.summarise(curves, args)
+    assert differences["spo_tree_uniform - grpo"]["100%"] == pytest.approx([0.2, 0.2, 0.2])
+    assert differences["spo_tree_depth - spo_tree_uniform"]["50%"] == pytest.approx([0.05, 0.05, 0.05])
+    mean, low, high = summary["grpo"]["J_100%"]
+    assert low < mean < high and mean == pytest.approx(np.mean([b[-1] for b in base]))
+    assert summary["spo_tree_depth"]["iterations_to_gain"]["reached"] == 6
+
+
+def test_the_sweep_widens_its_grid_at_an_edge_until_the_best_is_inside(monkeypatch):
+    def fake_run_all(jobs, world, args):  # final J peaks at lr 0.1, beyond the grid's top
+        return [{"J": [0.0, 1 - abs(math.log10(lr) + 1)]} for _, lr, _ in jobs]
+
+    monkeypatch.setattr(le, "run_all", fake_run_all)
+    args = dataclasses.replace(le.Args(), lrs=[1e-3, 3e-3, 1e-2], lr_step=3.0, max_extensions=3)
+    entry = le.sweep(["grpo"], None, args)["grpo"]
+    assert [e["side"] for e in entry["extensions"]] == ["high", "high", "high"]
+    assert entry["grid"] == pytest.approx([1e-3, 3e-3, 1e-2, 3e-2, 9e-2, 2.7e-1])
+    assert entry["chosen"] == pytest.approx(9e-2) and not entry["at_edge"]
+    bounded = le.sweep(["grpo"], None, dataclasses.replace(args, max_extensions=1))["grpo"]
+    assert bounded["chosen"] == pytest.approx(3e-2) and bounded["at_edge"]  # out of extensions: recorded
+    assert len(bounded["grid"]) == 4
+
+
+def test_sizes_are_the_closest_to_the_budget():
+    assert le.closest_size(3.3, 128, 2) == 39  # 39 x 3.3 = 128.7
+    assert le.closest_size(100.0, 30, 2) == 2  # at least the smallest size
+    assert le.closest_size({1: 56.0, 2: 80.0, 3: 86.0, 9: 141.0}, 128, 1) == 9
+    assert le.closest_size({2: 10.0, 3: 50.0}, 30, 2) == 2  # tie: the smaller
+
+
+def test_docstring_examples():
+    import learning_critical as lc
+
+    assert doctest.testmod(le).failed == 0 and doctest.testmod(lc).failed == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_every_setting_with_curves_from_one_start_and_paired_intervals(tmp_path):
+    results = le.main(dataclasses.replace(le.Args(), tiny=True, out=str(tmp_path / "learning.json")))
+    saved = json.loads((tmp_path / "learning.json").read_text())
+    assert (tmp_path / "learning.png").stat().st_size > 10_000
+    assert saved["machine"]["commit"] and isinstance(saved["machine"]["imported_code_modified"], bool)
+    assert set(saved["curves"]) == set(toy.SETTINGS) == set(saved["summary"]) == set(saved["sweep"])
+    start = results["policy"]["expected_reward"]
+    for name, runs in results["curves"].items():
+        assert [run["seed"] for run in runs] == [0, 1, 2], name
+        for run in runs:
+            assert len(run["J"]) == len(run["kl"]) == 5 and len(run["tokens"]) == 4, name
+            assert all(np.isfinite(run["J"])) and all(0 <= j <= 1 for j in run["J"]), name
+            assert run["J"][0] == start and run["kl"][0] == 0.0, name  # the same start policy everywhere
+            assert min(run["kl"][1:]) >= 0 and max(run["kl"][1:]) > 0, name
+            assert run["lr"] == saved["sweep"][name]["chosen"]
+        entry = saved["sweep"][name]
+        assert len(entry["grid"]) == 3 and len(entry["extensions"]) == 1  # two values: the best is at an edge
+        assert all(len(js) == 1 for js in entry["final_J"].values())  # one tuning seed
+    for key in [f"{name} - grpo" for name in toy.SETTINGS if name != "grpo"] + ["spo_tree_depth - spo_tree_uniform"]:
+        for measure in ("25%", "50%", "100%", "iterations_to_gain"):
+            mean, low, high = saved["differences"][key][measure]
+            assert low <= mean + 1e-9 and mean <= high + 1e-9, (key, measure)
+    for row in saved["summary"].values():
+        assert 0 < row["tokens_per_iteration"] and row["iterations_to_gain"]["runs"] == 3
+
+
+@pytest.mark.slow
+def test_runs_do_not_depend_on_the_number_of_workers(world):
+    args = dataclasses.replace(ARGS, iterations=1)
+    jobs = [("grpo", 1e-2, 0), ("spo_chain_int1", 1e-2, 1)]
+    alone = le.run_all(jobs, world, args)
+    side_by_side = le.run_all(jobs, world, dataclasses.replace(args, workers=2))
+    assert [c["J"] for c in alone] == [c["J"] for c in side_by_side]
+
+
+def test_the_token_axis_interpolates_and_scores_by_area():
+    run = {"J": [0.2, 0.4, 0.8], "tokens": [10.0, 30.0]}
+    assert measures.at_tokens(run, [20.0]).tolist() == pytest.approx([0.4 + 0.4 / 3])  # spent: 10, then 40 (10 + 30)
+    # mean J over 0-40 tokens: 0.2 -> 0.4 over 10 (area 3), 0.4 -> 0.8 over 30 (area 18), 0.8 over the last 0
+    assert measures.area_under(run, 40) == pytest.approx(21 / 40)
+    # the last J holds past the last iteration
+    assert measures.area_under(run, 50) == pytest.approx((21 + 0.8 * 10) / 50)
+    faster = {"J": [0.2, 0.8, 0.8], "tokens": [10.0, 30.0]}  # the same end, reached sooner
+    assert measures.area_under(faster, 40) > measures.area_under(run, 40)
+    assert le.rate_score(run, dataclasses.replace(le.Args(), token_budget=40)) == measures.area_under(run, 40)
+    assert le.rate_score(run, le.Args()) == 0.8  # without a token budget: final J
+
+
+@pytest.mark.slow
+def test_a_token_budget_run_stops_at_the_budget_and_reports_the_common_rate(tmp_path):
+    settings = {**le.TINY, "token_budget": 60, "iterations": 40, "common_lr": 1e-3}
+    args = dataclasses.replace(
+        le.Args(), **settings, out=str(tmp_path / "tokens.json"), settings=["grpo", "spo_chain_int1"]
+    )
+    saved = le.main(args)
+    assert saved["checkpoints"] == {"25%": 15.0, "50%": 30.0, "100%": 60.0}
+    for name, runs in saved["curves"].items():
+        for run in runs:
+            spent = np.cumsum(run["tokens"])
+            assert spent[-1] >= 60 and (len(spent) == 1 or spent[-2] < 60), name  # stopped once B was reached
+        assert "auc" in saved["sweep"][name] and "final_J" not in saved["sweep"][name]
+        assert saved["summary"][name]["J_100%"][0] == pytest.approx(
+            np.mean([measures.at_tokens(run, 60.0) for run in runs]), abs=1e-4
+        )
+    common = saved["common_rate"]
+    assert common["lr"] == 1e-3 and set(common["summary"]) == {"grpo", "spo_chain_int1"}
+    assert all(run["lr"] == 1e-3 for runs in common["curves"].values() for run in runs)
+    for name in common["curves"]:  # a setting tuned to the common rate: its runs are reused, and equal a fresh run
+        if saved["summary"][name]["lr"] == 1e-3:
+            assert [r["J"] for r in common["curves"][name]] == [r["J"] for r in saved["curves"][name]]
+    model = toy.make_policy(le.toy_settings(args))[0]
+    exacts = le.enumerate_policy(model, args)
+    world = le.World(model, exacts, le.plan_sizes(exacts, ["grpo", "spo_chain_int1"], args)[0])
+    fresh = le.train_run("grpo", 1e-3, args.seeds[0], world, args)[0]
+    assert measures.rounded({"J": fresh["J"]})["J"] == common["curves"]["grpo"][0]["J"]
+    assert (tmp_path / "tokens.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_critical_sweep_runs_every_filler_length_and_pairs_against_grpo(tmp_path):
+    import learning_critical as lc
+
+    saved = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=str(tmp_path / "critical.json")))
+    assert set(saved["by_filler"]) == {"1", "2"} and (tmp_path / "critical.png").stat().st_size > 10_000
+    for filler, table in saved["by_filler"].items():
+        run = json.loads((tmp_path / f"critical_L{filler}.json").read_text())
+        length = int(filler) + 2
+        assert run["settings"]["task"] == "critical" and run["settings"]["horizon"] == length
+        assert run["settings"]["token_budget"] == 20 * length and run["settings"]["budget"] == 4 * length
+        assert table["spo_chain_int5"]["tuned"]["auc_minus_grpo"] == run["differences"]["spo_chain_int5 - grpo"]["auc"]
+        common = run["common_rate"]["differences"]["ppo_lam1 - grpo"]["100%"]
+        assert table["ppo_lam1"]["common"]["J_B_minus_grpo"] == common
+        assert table["grpo"]["tuned"]["auc_minus_grpo"] is None  # the reference has no difference
+    assert saved["trend"]["from_filler"] == 1 and saved["trend"]["to_filler"] == 2
+    first, last = (json.loads(Path(saved["files"][f]).read_text()) for f in ("1", "2"))
+    for kind in ("tuned", "common"):  # the lead's change, L 1 to 2: the per-seed means' difference (3 digits kept)
+        change = (
+            lc.seed_leads(last, kind)["spo_tree_depth"].mean() - lc.seed_leads(first, kind)["spo_tree_depth"].mean()
+        )
+        low, high = saved["trend"][kind]["spo_tree_depth"][1:]
+        assert saved["trend"][kind]["spo_tree_depth"][0] == pytest.approx(change, rel=5e-3) and low <= change <= high
+    (tmp_path / "critical_L2.json").write_text("{")  # an interrupted write: run again; L 1 is read back
+    again = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=str(tmp_path / "critical.json")))
+    assert again["by_filler"] == saved["by_filler"]
+    tiny = dataclasses.replace(lc.Args(), **lc.TINY, tiny=True, out=str(tmp_path / "critical.json"))
+    assert (
+        lc.earlier_run(lc.run_args(1, tiny))["summary"] == json.loads(Path(saved["files"]["1"]).read_text())["summary"]
+    )
+    assert lc.earlier_run(lc.run_args(1, dataclasses.replace(tiny, seeds=[5]))) is None  # other settings: run again
+
+
+@pytest.mark.slow
+def test_the_critical_task_learns_through_every_setting(tmp_path):
+    args = dataclasses.replace(
+        le.Args(), **{**le.TINY, "prompts": ["011", "100"]}, task="critical", filler=2, out=str(tmp_path / "c.json")
+    )
+    saved = le.main(args)
+    assert saved["settings"]["task"] == "critical" and set(saved["curves"]) == set(toy.SETTINGS)
+    assert all(0 <= j <= 1 for runs in saved["curves"].values() for run in runs for j in run["J"])
+    for name, runs in saved["curves"].items():  # every setting's updates move the policy (a response can finish)
+        assert any(j != run["J"][0] for run in runs for j in run["J"]), name
+    assert any(stat["edges"] > 0 for run in saved["curves"]["spo_tree_depth"] for stat in run["stats"])

@@ -1,0 +1,124 @@
+"""experiments/learning_paired.py: the intervals it takes from measures.py (Wilson for one accuracy, paired bootstrap
+for a difference, within a seed and across seeds), and its comparison of learning.py's runs question by question (the
+evaluation itself replaced by fixed scores)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import learning_paired as lp  # noqa: E402
+import measures  # noqa: E402
+
+from plumbing import UsageError  # noqa: E402
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    low, high = measures.wilson(5, 10)
+    assert (round(low, 4), round(high, 4)) == (0.2366, 0.7634)
+    low, high = measures.wilson(0, 20)
+    assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(0.1611, abs=1e-4)
+
+
+def test_paired_difference_and_its_interval():
+    same = measures.paired([1, 0, 1, 1], [1, 0, 1, 1], resamples=200)
+    assert same["difference"] == 0 and same["ci"] == [0, 0]
+    assert (same["only_first_right"], same["only_second_right"]) == (0, 0)
+    a = [1, 1, 1, 0, 1, 0, 1, 1, 0, 1] * 5
+    b = [1, 0, 0, 0, 1, 1, 0, 1, 0, 0] * 5
+    result = measures.paired(a, b, resamples=2000)
+    assert result["difference"] == pytest.approx(0.3)
+    assert result["ci"][0] < 0.3 < result["ci"][1] and result["ci"][0] > 0  # 20 + vs 5 - over 50 questions
+    assert (result["only_first_right"], result["only_second_right"]) == (20, 5)
+
+
+def learning_results(tmp_path: Path, accuracy_after: dict[str, float]) -> Path:
+    runs = []
+    for algorithm, after in accuracy_after.items():
+        run_dir = tmp_path / "runs" / algorithm
+        (run_dir / "checkpoint").mkdir(parents=True)
+        command = "python x.py --model smollm2-135m --task rg:chain_sum --seed 2 --max-new-tokens 128 --context 512"
+        runs.append(
+            {
+                "algorithm": algorithm,
+                "seed": 2,
+                "run_dir": str(run_dir),
+                "command": command,
+                "accuracy_before": 0.25,
+                "accuracy_after": after,
+            }
+        )
+    path = tmp_path / "learning.json"
+    path.write_text(json.dumps({"args": {}, "runs": runs}))
+    return path
+
+
+SCORES = {"start": [1, 0, 0, 0], "grpo": [1, 1, 0, 0], "spo_tree": [1, 1, 1, 0]}
+
+
+def fake_evaluate(calls):
+    def evaluate(model, run, output):
+        calls.append((model, run["seed"], output.name))
+        name = "start" if model == "smollm2-135m" else Path(model).parent.name
+        return SCORES[name]
+
+    return evaluate
+
+
+def test_runs_are_compared_question_by_question(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(lp, "evaluate", fake_evaluate(calls))
+    path = learning_results(tmp_path, {"grpo": 0.5, "spo_tree": 0.5})  # spo_tree's re-evaluation gives 0.75
+    out = tmp_path / "paired.json"
+    lp.main(lp.Args(learning=path, out=out, resamples=500))
+    assert [c[0] for c in calls] == [
+        "smollm2-135m",
+        str(tmp_path / "runs/grpo/checkpoint"),
+        str(tmp_path / "runs/spo_tree/checkpoint"),
+    ]
+    table = json.loads(out.read_text())["seeds"]["2"]["algorithms"]
+    assert table["start"]["accuracy"] == 0.25 and table["start"]["matches_recorded"]
+    assert table["grpo"]["matches_recorded"] and table["grpo"]["minus_grpo"] is None
+    assert table["spo_tree"]["accuracy"] == 0.75 and not table["spo_tree"]["matches_recorded"]
+    assert table["spo_tree"]["minus_grpo"]["difference"] == 0.25
+    assert table["spo_tree"]["minus_start"]["difference"] == 0.5
+    assert (
+        table["spo_tree"]["minus_grpo"]["only_first_right"],
+        table["spo_tree"]["minus_grpo"]["only_second_right"],
+    ) == (1, 0)
+
+
+def test_missing_checkpoints_and_reference_are_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(lp, "evaluate", fake_evaluate([]))
+    path = learning_results(tmp_path, {"spo_tree": 0.75})
+    with pytest.raises(UsageError, match="--reference grpo: seed 2 has runs of \\['spo_tree'\\] only"):
+        lp.main(lp.Args(learning=path, out=tmp_path / "paired.json"))
+    (tmp_path / "runs" / "spo_tree" / "checkpoint").rmdir()
+    with pytest.raises(UsageError, match="have no checkpoint any more"):
+        lp.main(lp.Args(learning=path, out=tmp_path / "paired.json"))
+
+
+def test_seeds_pool_as_the_mean_of_their_paired_differences(tmp_path):
+    def paired_output(path: Path, seeds: dict[str, tuple[list[int], list[int]]]) -> Path:
+        path.write_text(json.dumps({"seeds": {s: {"scores": {"int20": a, "mask": b}} for s, (a, b) in seeds.items()}}))
+        return path
+
+    one = paired_output(tmp_path / "a.json", {"2": ([1, 1, 1, 1], [1, 0, 1, 0])})  # +0.5
+    two = paired_output(tmp_path / "b.json", {"0": ([1, 0, 1, 1], [1, 0, 1, 1]), "1": ([1, 1, 0, 0], [0, 1, 0, 0])})
+    out = tmp_path / "pooled.json"
+    lp.main(lp.Args(pool=(one, two), algorithm="int20", reference="mask", out=out, resamples=500))
+    result = json.loads(out.read_text())
+    assert result["difference"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert [result["seeds"][s]["difference"] for s in ("0", "1", "2")] == [0.0, 0.25, 0.5]
+    assert result["ci"][0] <= result["difference"] <= result["ci"][1]
+    # questions resampled within seeds: a seed whose runs agree on every question adds no spread
+    same = measures.across_seeds({"0": ([1, 0], [1, 0]), "1": ([0, 1], [0, 1])}, 100)
+    assert same["difference"] == 0 and same["ci"] == [0, 0]
+    with pytest.raises(UsageError, match="seed 2 is in two files"):
+        lp.main(lp.Args(pool=(one, one), algorithm="int20", reference="mask", out=out))
+    with pytest.raises(UsageError, match="not ppo and mask"):
+        lp.main(lp.Args(pool=(one,), algorithm="ppo", reference="mask", out=out))
