@@ -455,7 +455,7 @@ def evaluate(
         if context is not None:
             examples = check_prompt_room(examples, context, f"--task {task}", drop=False)
     sampler = sampler or HFSampler(model, tokenizer, seed=seed)
-    started = time.time()
+    started = time.monotonic()
     # under torchrun each rank evaluates its share; the records are gathered below
     examples = distributed.shard(examples)
     # Greedy decoding (temperature 0) gives every sample of a prompt the same tokens: it is computed once.
@@ -505,7 +505,7 @@ def evaluate(
         "majority_accuracy": sum(r["majority_correct"] for r in records) / len(records),
         "truncation_rate": finish_reasons.count("length") / len(finish_reasons),
         "response_tokens": sum(n for r in records for n in r["response_tokens"]) / len(finish_reasons),
-        "seconds": time.time() - started,
+        "seconds": time.monotonic() - started,
         "records": records,
     }
 

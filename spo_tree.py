@@ -533,7 +533,7 @@ def grow_trees(
     frontier = [(root, root.tokens, []) for root in roots]  # (open node, prompt ids, ids generated on its path)
     seconds = []
     for depth, branch in enumerate(branches):
-        started = time.time()
+        started = time.monotonic()
         last = depth == len(branches) - 1
         generated = depth * segment_tokens  # every open node's path holds exactly `depth` full segments
         groups = sampler.sample(
@@ -559,7 +559,7 @@ def grow_trees(
                 if not last and finish == "length" and len(ids) == segment_tokens and room > 0:
                     next_frontier.append((child, prompt, path + child.tokens))
         frontier = next_frontier
-        seconds.append(time.time() - started)
+        seconds.append(time.monotonic() - started)
     return roots, seconds
 
 

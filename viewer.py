@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from plumbing import UsageError, files, ranges  # torch-free: the viewer starts instantly
+from plumbing import UsageError, files, ranges, shown  # torch-free: the viewer starts instantly
 
 # ----------------------------------------------------------------------------------------------
 # Reading runs
@@ -254,6 +254,8 @@ def load_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
             raise UsageError(f"{path} line {number} has no integer iteration; {REPAIR}")
         for key, value in row.items():
             if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if isinstance(value, int) and abs(value) > sys.float_info.max:
+                    raise UsageError(f"{path} line {number}: {shown(key)} is an integer too large to plot; {REPAIR}")
                 series.setdefault(key, {})[row["iteration"]] = float(value)
     return series
 

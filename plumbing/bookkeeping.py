@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import tqdm
 
-from plumbing import UsageError, checkpoints, distributed, memory, rollout_correction, runs
+from plumbing import UsageError, checkpoints, cli, distributed, memory, rollout_correction, runs
 from plumbing.precision import Precision, choose_precision
 
 
@@ -119,7 +119,7 @@ class Loop:
         self.guard = NonFiniteGuard()  # skips non-finite steps; three in a row end the run
         self.sampler_warned = False  # the sampler-vs-trainer warning was printed (rollout_correction.sampler_warning)
         self.seconds: dict[str, float] = {}
-        self.started = time.time()
+        self.started = time.monotonic()
         self.iteration = 0
         self.last = False  # set by end_iteration: the loop ends after this iteration
         self.progress = None
@@ -138,7 +138,8 @@ class Loop:
             disable=distributed.rank() > 0,
         )
         for iteration in self.progress:
-            self.iteration, self.seconds, self.started = iteration, {}, time.time()
+            cli.raise_if_stopped()  # a stop signal dropped where it landed ends the run here
+            self.iteration, self.seconds, self.started = iteration, {}, time.monotonic()
             yield iteration
             distributed.barrier()
             if self.last:  # the bar counts an iteration when the next one is asked for: show this one done, end it
@@ -149,15 +150,17 @@ class Loop:
     @contextlib.contextmanager
     def timed(self, name: str):
         """Time the block as this iteration's `name` seconds (time/<name>_seconds)."""
-        started = time.time()
+        cli.raise_if_stopped()
+        started = time.monotonic()
         yield
-        self.seconds[name] = time.time() - started
+        self.seconds[name] = time.monotonic() - started
+        cli.raise_if_stopped()
 
     def end_iteration(self) -> tuple[dict[str, float], bool]:
         """End the iteration's training: stop its clock (evaluation and checkpoint are not counted) and decide whether
         it is the last (--iterations reached or --max-minutes spent), the same on every rank; iterations() ends the
         loop after it. Returns the timed blocks with "iteration" and the run's "train" total, and `last`."""
-        self.seconds["iteration"] = time.time() - self.started
+        self.seconds["iteration"] = time.monotonic() - self.started
         self.log_file.train_seconds += self.seconds["iteration"]
         self.seconds["train"] = self.log_file.train_seconds
         budget = self.args.max_minutes

@@ -26,6 +26,10 @@ class Terminated(KeyboardInterrupt):
 
 
 STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The stopping signal that arrived, kept beside the exception its handler raises: Python drops an exception raised
+# while it runs a callback (an import lock's cleanup, a __del__: "Exception ignored in ..."), and raise_if_stopped
+# raises it again at the loop's next safe point, so a scheduler's SIGTERM is never lost.
+_arrived: list[int] = []
 
 
 def _stop(signum, frame):
@@ -33,13 +37,26 @@ def _stop(signum, frame):
     SIGTERM after Ctrl-C) is ignored, so the one line stays the only line (SIGKILL or SIGQUIT still end it at once)."""
     for other in STOPPING_SIGNALS:
         signal.signal(other, signal.SIG_IGN)
-    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+    _arrived.append(signum)
+    raise _stopping(signum)
+
+
+def _stopping(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def raise_if_stopped() -> None:
+    """At a safe point of the run (bookkeeping.Loop: each iteration's start and each timed block): raise the stopping
+    signal that arrived if the exception its handler raised was dropped where it landed."""
+    if _arrived:
+        raise _stopping(_arrived[0])
 
 
 def run_cli(main, args) -> None:
     """Run a script's main(args): a UsageError becomes one clear error line instead of a traceback, and Ctrl-C or
     SIGTERM one line that says what was kept and how to resume (no extra checkpoint is written). A new run that
     failed before it trained leaves nothing behind; the run directory's lock is released however main ends."""
+    _arrived.clear()
     for signum in STOPPING_SIGNALS:
         # a shell starts background jobs with SIGINT ignored: that stays so
         if signal.getsignal(signum) is not signal.SIG_IGN:

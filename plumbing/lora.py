@@ -69,6 +69,21 @@ def run_adapters(args, device: str, precision=None, base: str = "") -> tuple:
     return config, torch.bfloat16 if bf16 else None
 
 
+def train_adapters(model, config, base_dtype: torch.dtype | None = None):
+    """The run's adapters on `model` (in place; returns it): new ones (add_adapters) on a fresh base, or, on a model
+    loaded from an adapter checkpoint (--resume), its adapters kept in fp32 and the frozen base and its buffers cast
+    to `base_dtype` as a fresh run's are, so that a resumed run computes what the uninterrupted one did."""
+    if not has_adapters(model):
+        return add_adapters(model, config, base_dtype)
+    if base_dtype is not None:
+        trained = {name: parameter.data for name, parameter in model.named_parameters() if parameter.requires_grad}
+        model.to(base_dtype)
+        for name, parameter in model.named_parameters():
+            if name in trained:
+                parameter.data = trained[name]
+    return model
+
+
 def add_adapters(model, config, base_dtype: torch.dtype | None = None):
     """Inject `config`'s adapters into `model` (in place; returns it): its own weights frozen (in `base_dtype` when
     given: bf16 halves them), the adapters in fp32 and trainable, B = 0 so the model computes what it did. peft's

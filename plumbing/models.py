@@ -373,8 +373,8 @@ def load_policy(
     source = str(checkpoint) if checkpoint else name_or_path
     model, tokenizer = load_model(source, dtype=torch.float32, device=device, base=name_or_path)
     check_logits_from_hidden(model)  # training's response_logprobs applies the LM head itself
-    if adapters is not None and not lora.has_adapters(model):
-        lora.add_adapters(model, adapters, base_dtype)
+    if adapters is not None:
+        lora.train_adapters(model, adapters, base_dtype)
     reference = lora.AdaptersOff(model) if adapters is not None and beta > 0 else None
     if beta > 0 and adapters is None:
         reference, _ = load_model(name_or_path, dtype=model.dtype, device=device if reference_on_device else "cpu")

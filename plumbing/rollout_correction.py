@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from plumbing import distributed
+from plumbing import UsageError, distributed
 
 # Per-token KL(sampler || trainer) above which a run prints one warning line. In fp32 the HF sampler and the trainer
 # agree to rounding (1e-11 per token on SmolLM2, CPU); in bf16 autocast the sampler's KV-cached steps and the
@@ -52,6 +52,12 @@ def correct_rollouts(samples: list[dict], correction: str, cap: float) -> None:
     weight 1. "none": nothing changes. A sample listed twice (SPO-tree's fill_samples) is weighted once."""
     if correction == "none":
         return
+    if samples and not any("sampler_logps" in s for s in samples):
+        raise UsageError(
+            f"--rollout-correction {correction} needs the log-prob each token was sampled with, and the rollout engine "
+            "reported none for this iteration's samples: use --rollout-correction none, or an engine that reports "
+            "them (--backend hf; vLLM at --top-p 1)"
+        )
     for s in {id(s): s for s in samples}.values():
         if "sampler_logps" in s:
             s["rollout_weights"] = rollout_weights(s["old_logps"], s["sampler_logps"], cap)

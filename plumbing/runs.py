@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -266,6 +267,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def check_kept_row(row: dict, path: Path, number: int) -> None:
+    """A metrics row a resume keeps is read back as data: its iteration must be a whole number and its
+    time/train_seconds (the training time the run goes on counting from) a finite number of seconds, else one line
+    naming the file and line."""
+    iteration = row.get("iteration")
+    seconds = row.get("time/train_seconds", 0.0)
+    fix = "the log was edited or damaged: restore it, or delete that line and the lines after it"
+    if type(iteration) is not int:
+        raise UsageError(
+            f"{path} line {number}: iteration is {shown(json.dumps(iteration))}, not a whole number; {fix}"
+        )
+    if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:  # NaN compares False
+        raise UsageError(
+            f"{path} line {number}: time/train_seconds is {shown(json.dumps(seconds))}, not a number of seconds; {fix}"
+        )
+
+
 class RunLog:
     """The run's metrics.jsonl, TensorBoard and (with --track) W&B. A resumed run drops the metrics of iterations
     after its checkpoint (they are redone) and continues the training-time count of the kept ones."""
@@ -278,6 +296,8 @@ class RunLog:
 
         # A resume keeps the iterations before its checkpoint's; a run that starts over (no checkpoint) keeps none.
         records = files.read_log(self.path, "metrics log") if start_iteration > 1 else []
+        for number, record in enumerate(records, 1):
+            check_kept_row(record, self.path, number)
         kept = [r for r in records if r.get("iteration", 0) < start_iteration]
         files.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept), "metrics log")
         self.train_seconds = max([r.get("time/train_seconds", 0.0) for r in kept], default=0.0)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import Cache, get_linear_schedule_with_warmup
 
-from plumbing import distributed, lora
+from plumbing import UsageError, distributed, lora
 from plumbing.memory import KEPT_LOGITS, LOGIT_CHUNK, model_shape, no_grad_pass_bytes
 from plumbing.precision import FP32, Precision
 
@@ -373,10 +373,23 @@ def attach_old_logprobs(
 
 def new_sample(prompt_ids: list[int], completion) -> dict:
     """A training sample of a sampled response: its prompt and response ids, and the log-probs the engine sampled
-    them with when it reported them (sampler_logps, plumbing/rollout_correction.py)."""
+    them with when it reported them (sampler_logps, plumbing/rollout_correction.py). What an engine reports is
+    checked as data: one finite log-prob per token, else one line (a NaN would make every sampler/* metric NaN)."""
     sample = {"prompt_ids": prompt_ids, "response_ids": completion.ids}
     if completion.logprobs is not None:
-        sample["sampler_logps"] = torch.tensor(completion.logprobs, dtype=torch.float32)
+        logprobs = torch.tensor(completion.logprobs, dtype=torch.float32)
+        if len(logprobs) != len(completion.ids):
+            raise UsageError(
+                f"the rollout engine reported {len(logprobs)} log-probs for a response of {len(completion.ids)} "
+                "tokens: its output does not match what it sampled; check the engine (--backend hf is the tested one)"
+            )
+        if not torch.isfinite(logprobs).all():
+            bad = logprobs[~torch.isfinite(logprobs)][0].item()
+            raise UsageError(
+                f"the rollout engine reported a log-prob of {bad} for a token it sampled: its forward pass overflowed "
+                "or its weights are not finite; compute it in a wider dtype (--precision fp32) or check the weights"
+            )
+        sample["sampler_logps"] = logprobs
     return sample
 
 

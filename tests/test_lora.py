@@ -187,6 +187,20 @@ def test_adapter_checkpoint_resumes_evaluates_and_merges(digits, tmp_path, monke
     assert not any("lora" in name for name in plain.state_dict())
 
 
+@pytest.mark.parametrize("script", [grpo, ppo], ids=["grpo", "ppo"])
+def test_a_bf16_lora_run_killed_and_resumed_logs_what_the_uninterrupted_one_logs(script, digits, tmp_path, monkeypatch):
+    """The frozen base of a resumed run is in bf16 as a fresh run's is (not the fp32 it loads in), so a run killed in
+    iteration 2 and resumed takes the uninterrupted run's steps."""
+    model_dir, data = digits
+    lora_args = dict(lora_rank=4, lora_alpha=8.0, lr=1e-2, iterations=2, precision="bf16")
+    full = script.main(smoke_args(script, model_dir, data, tmp_path / "full", **lora_args))
+    with killed_at_step(monkeypatch, script, 3):  # 2 optimizer steps an iteration: the 3rd is iteration 2's first
+        script.main(smoke_args(script, model_dir, data, tmp_path / "killed", **lora_args))
+    run_dir = next((tmp_path / "killed").iterdir())
+    script.main(smoke_args(script, model_dir, data, tmp_path / "unused", **lora_args, resume=str(run_dir)))
+    assert read_metrics(run_dir) == read_metrics(full["run_dir"])
+
+
 def test_ppo_and_spo_tree_train_with_adapters(digits, tmp_path):
     # PPO's critic keeps a plain copy of the backbone, trained in full; the policy trains its adapters alone.
     model_dir, data = digits

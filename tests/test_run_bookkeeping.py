@@ -1,6 +1,7 @@
 """What a run does with what it is given: a resume says what it does and loses nothing, ranks agree or stop,
 degenerate settings are refused before anything is sampled."""
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -204,3 +205,105 @@ def test_a_moved_model_and_task_file_are_given_anew_and_checked_against_the_run(
     out = capsys.readouterr().out
     assert f"--model {tmp_path / 'moved-model'}: the run's model ({model}), found at a new path" in out
     assert json.loads((run_dir / "args.json").read_text())["model"] == str(tmp_path / "moved-model")
+
+
+# ----------------------------------------------------------------------------------------------
+# Time and kept rows: durations from a monotonic clock; what a resume reads back from metrics.jsonl is checked
+
+
+def test_a_wall_clock_stepped_back_changes_no_measured_duration(monkeypatch):
+    from plumbing import bookkeeping
+
+    wall = iter([1_000_000.0, 1_000_000.0 - 3600, 1_000_000.0 - 3600])  # NTP sets the clock back an hour mid-block
+    monkeypatch.setattr(bookkeeping.time, "time", lambda: next(wall))
+    loop = bookkeeping.Loop.__new__(bookkeeping.Loop)  # only the clock's parts: no run directory
+    loop.seconds = {}
+    with loop.timed("rollout"):
+        pass
+    assert 0 <= loop.seconds["rollout"] < 60
+
+
+@pytest.mark.parametrize(
+    "row,named",
+    [
+        ({"iteration": "1", "time/train_seconds": 5.0}, 'iteration is "1", not a whole number'),
+        ({"iteration": 1, "time/train_seconds": "5"}, 'time/train_seconds is "5", not a number of seconds'),
+        ({"iteration": 1, "time/train_seconds": float("nan")}, "time/train_seconds is NaN"),
+        ({"iteration": 1, "time/train_seconds": -3600.0}, "time/train_seconds is -3600.0"),
+    ],
+)
+def test_a_kept_metrics_row_of_the_wrong_type_is_one_line_naming_its_line(row, named, tmp_path):
+    from types import SimpleNamespace
+
+    rows = [{"iteration": 0, "eval/accuracy": 0.1}, row]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UsageError) as error:
+        runs.RunLog(tmp_path, 3, SimpleNamespace(track=False))
+    message = str(error.value)
+    assert f"metrics.jsonl line 2: {named}" in message and "\n" not in message
+
+
+def test_kept_metrics_rows_that_are_well_formed_carry_the_training_time_on(tmp_path):
+    from types import SimpleNamespace
+
+    rows = [{"iteration": 1, "time/train_seconds": 12.5}, {"iteration": 2, "time/train_seconds": 30}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = runs.RunLog(tmp_path, 3, SimpleNamespace(track=False))
+    log.close()
+    assert log.train_seconds == 30
+
+
+# ----------------------------------------------------------------------------------------------
+# A stop signal is never lost: one whose exception Python dropped (raised inside a callback) stops the run at the
+# loop's next safe point
+
+
+@pytest.fixture
+def stop_handlers_restored():
+    import signal
+
+    saved = {signum: signal.getsignal(signum) for signum in cli.STOPPING_SIGNALS}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+    cli._arrived.clear()
+
+
+def test_a_dropped_stop_signal_is_raised_at_the_next_safe_point(stop_handlers_restored):
+    import signal
+
+    assert cli.raise_if_stopped() is None  # nothing arrived: a safe point does nothing
+    try:
+        cli._stop(signal.SIGTERM, None)
+    except cli.Terminated:
+        pass  # what Python does with an exception raised while it runs a callback
+    with pytest.raises(cli.Terminated) as stopped:
+        cli.raise_if_stopped()
+    assert stopped.value.signum == signal.SIGTERM
+
+
+def test_a_run_whose_sigterm_was_dropped_mid_iteration_stops_with_the_resume_line(
+    tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch, capsys, stop_handlers_restored
+):
+    import signal
+
+    real = grpo_baseline.group_advantages
+
+    def dropped_sigterm(*args, **kwargs):  # SIGTERM lands in a callback in iteration 2: its exception is lost there
+        calls.append(1)
+        if len(calls) == 2:
+            with contextlib.suppress(cli.Terminated):
+                cli._stop(signal.SIGTERM, None)
+        return real(*args, **kwargs)
+
+    calls = []
+    monkeypatch.setattr(grpo_baseline, "group_advantages", dropped_sigterm)
+    args = smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=4, save_every=1)
+    with pytest.raises(SystemExit) as ended:
+        cli.run_cli(grpo_baseline.main, args)
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert len(calls) == 2  # iteration 3 never started
+    assert "--resume" in capsys.readouterr().err
+    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    logged = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 1 in logged and 2 not in logged  # stopped before iteration 2's update, at the update's safe point

@@ -533,3 +533,11 @@ def test_outputs_that_cannot_be_written_are_one_line_and_leave_nothing(command, 
     )
     assert result.returncode == 1 and result.stderr.strip() == f"error: {text}", result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_curves_of_a_metric_too_large_for_a_float_is_one_clear_error(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 1, "charts/reward": ' + "9" * 400 + "}\n")
+    with pytest.raises(viewer.UsageError, match=r"metrics.jsonl line 1: charts/reward is an integer too large to plot"):
+        viewer.load_metrics(run)

@@ -121,7 +121,7 @@ def make_untrusted_inputs(folder: Path, paths: dict[str, Path]) -> None:
         "".join(f'{{"question": "What is {i} + 1?", "answer": "#### {i + 1}"}}\n' for i in range(10**6))
     )
     (folder / "models" / "tiny").mkdir(parents=True)  # for "models/tny"
-    for name in ("LATIN1RUN", "ARGSSTRING", "DEEPTREE", "SAMPLESDIR"):
+    for name in ("LATIN1RUN", "ARGSSTRING", "DEEPTREE", "SAMPLESDIR", "HUGEMETRIC"):
         paths[name] = folder / name.lower()
         (paths[name] / "samples").mkdir(parents=True)
     record = {
@@ -139,6 +139,7 @@ def make_untrusted_inputs(folder: Path, paths: dict[str, Path]) -> None:
         "loss_mask": [1],
     }
     (paths["LATIN1RUN"] / "metrics.jsonl").write_bytes(b'{"iteration": 1, "charts/reward": 0.5, "note": "caf\xe9"}\n')
+    (paths["HUGEMETRIC"] / "metrics.jsonl").write_text('{"iteration": 1, "charts/reward": ' + "9" * 400 + "}\n")
     (paths["ARGSSTRING"] / "args.json").write_text('"grpo"')
     (paths["ARGSSTRING"] / "samples" / "iter_1.jsonl").write_text(json.dumps(record) + "\n")
     (paths["ARGSSTRING"] / "metrics.jsonl").write_text('{"iteration": 1, "charts/reward": 0.5}\n')
@@ -319,6 +320,7 @@ CASES = [
     ("eval.py --model ./missing-dir --task GOODTASK", "the directory ./missing-dir does not exist"),
     ("grpo_baseline.py --model models/tny --task GOODTASK --output-dir RUNS", "(did you mean models/tiny?)"),
     ("viewer.py curves LATIN1RUN -o OUT.png", "is not UTF-8 text"),
+    ("viewer.py curves HUGEMETRIC -o OUT.png", "is an integer too large to plot"),
     ("viewer.py html ARGSSTRING -o OUT.html", "holds a JSON str, not a JSON object"),
     ("viewer.py curves ARGSSTRING -o OUT.png", "holds a JSON str, not a JSON object"),
     ("viewer.py html DEEPTREE -o OUT.html", "nests deeper than the JSON reader allows"),
