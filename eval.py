@@ -190,6 +190,8 @@ def task_problems(name: str, split: str | None = None, flag: str = "--task") -> 
     elif name.endswith(".jsonl"):
         if Path(name).is_dir():
             problems.append(f"{flag} {name}: a directory, not a task file")
+        elif files.special_file_problem(name):  # a run reads its task more than once, and again on --resume
+            problems.append(f"{flag} {files.special_file_problem(name)}")
         elif not Path(name).is_file():
             problems.append(f"{flag} {name}: the file does not exist")
         elif not os.access(name, os.R_OK):

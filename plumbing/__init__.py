@@ -1,6 +1,6 @@
 """The machinery the four algorithm scripts share, written once. The algorithms' own steps live in the scripts;
-three pieces of the paper live here because every script computes them the same way: the reward (grading.py: the
-final-answer rule), the token probabilities p_t (training.py: response_logprobs, logits / the sampling temperature)
+three pieces of the paper live here because every script computes them the same way: the reward (grading.py, with
+final_answer.py's rule), the token probabilities p_t (training.py: response_logprobs, logits / the sampling temperature)
 and, beyond the paper, the rollout correction's weights (rollout_correction.py). Each names its part of the paper in
 its docstring (README, "From the paper to the code").
 
@@ -30,7 +30,8 @@ its docstring (README, "From the paper to the code").
   hf_engine.py       the HF rollout engine (transformers, any device)
   vllm_engine.py     the vLLM rollout engine (GPU); vllm_preflight.py: what would stop it, checked before it starts
   distributed.py     torchrun: collectives over ranks, FSDP2
-  grading.py         the final-answer rule and math-verify in sandboxed worker processes (imports no torch)
+  grading.py         math-verify in sandboxed worker processes (imports no torch); final_answer.py: which part of a
+                     response it grades (the last stated answer; hedges, lists and cut boxes score 0)
 
 This file imports nothing, so that grading.py's worker processes load only what grading needs.
 """

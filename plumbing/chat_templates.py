@@ -51,8 +51,21 @@ def render_user_prompts(tokenizer, contents: list[str], seconds: float | None = 
     if not contents:
         return []
     seconds = seconds or TEMPLATE_SECONDS + TEMPLATE_SECONDS_PER_PROMPT * len(contents)
+    where = shown(getattr(tokenizer, "name_or_path", "") or "the tokenizer")
+    fix = 'fix the template (chat_template.jinja, or "chat_template" in tokenizer_config.json)'
+    named = tokenizer.chat_template
+    if isinstance(named, dict) and "default" not in named:
+        names = ", ".join(shown(str(name))[:40] for name in list(named)[:5])
+        raise UsageError(f'the chat template of {where} is named templates ({names}), none named "default"; {fix}')
+    try:
+        template = tokenizer.get_chat_template()
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"the chat template of {where} cannot be read ({_first_line(error)[:300]}); {fix}") from None
+    if not isinstance(template, str):
+        kind = f"{type(template).__name__} {shown(repr(template))[:60]}"
+        raise UsageError(f"the chat template of {where} is not Jinja text but the {kind}; {fix}")
     request = {
-        "template": tokenizer.get_chat_template(),
+        "template": template,
         # what apply_chat_template passes the template besides the messages
         "variables": {name: _plain(value) for name, value in tokenizer.special_tokens_map.items()},
         "contents": contents,
@@ -62,10 +75,9 @@ def render_user_prompts(tokenizer, contents: list[str], seconds: float | None = 
     }
     reply = _run_worker(json.dumps(request).encode(), seconds + TEMPLATE_GRACE_SECONDS)
     if "error" in reply:
-        where = shown(getattr(tokenizer, "name_or_path", "") or "the tokenizer")
         raise UsageError(
-            f"the chat template of {where} {shown(reply['error'])[:600]}; fix the template (chat_template.jinja, or "
-            '"chat_template" in tokenizer_config.json) or use the model\'s original tokenizer files'
+            f"the chat template of {where} {shown(reply['error'])[:600]}; {fix} or use the model's original tokenizer "
+            "files"
         )
     return reply["prompts"]
 
@@ -162,6 +174,8 @@ def _render_all(render, request: dict, memory: int) -> dict:
                 **request["variables"],
             )
             prompt = rendered[0]
+            if not prompt:
+                return {"error": f"rendered {which()} as empty text (the question is lost)"}
             if len(prompt) - len(content) > request["extra_chars"]:
                 return {
                     "error": f"rendered {which()} as {len(prompt):,} characters, {len(prompt) - len(content):,} more "

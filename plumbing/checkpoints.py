@@ -7,8 +7,10 @@ scheduler, iteration, world size and whatever the script adds, e.g. SPO-tree's r
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
+import signal
 import sys
 import warnings
 import zipfile
@@ -197,21 +199,56 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def merge_adapter(checkpoint: Path, output: Path) -> None:
     """Write an adapter checkpoint (plumbing/lora.py) as a plain transformers model directory: the base with
-    W + (alpha / R) B A merged in, in fp32, and the tokenizer; transformers and vLLM load it."""
+    W + (alpha / R) B A merged in, in fp32, and the tokenizer; transformers and vLLM load it. Atomic: written into a
+    hidden folder beside `output` and renamed to it once whole, so an error, a full disk, Ctrl-C or SIGTERM leaves
+    no `output` (the folder is removed; only a SIGKILL leaves it, named .OUTPUT.merging-PID)."""
     if not lora.is_adapter_checkpoint(checkpoint):
         raise UsageError(f"{checkpoint} is not an adapter checkpoint (no {lora.ADAPTER_CONFIG}, or a config.json)")
-    if output.exists():
+    if output.exists() or output.is_symlink():
         raise UsageError(f"{output} exists: give a new directory for the merged model")
-    model, tokenizer = models.load_model(str(checkpoint), dtype=torch.float32, device="cpu")
-    model.peft_wrapper.merge_and_unload().save_pretrained(output)
-    tokenizer.save_pretrained(output)
+    target = output.parent.resolve() / output.name
+    for slot in (
+        checkpoint,
+        checkpoint.with_name(f"{checkpoint.name}.new"),
+        checkpoint.with_name(f"{checkpoint.name}.old"),
+    ):
+        slot = slot.resolve()
+        if target == slot or slot in target.parents:
+            raise UsageError(
+                f"{output} is inside {slot}, which its run replaces at its next save: give a directory outside the "
+                "run's checkpoint"
+            )
+    staging = target.parent / f".{target.name}.merging-{os.getpid()}"
+    try:
+        model, tokenizer = models.load_model(str(checkpoint), dtype=torch.float32, device="cpu")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        model.peft_wrapper.merge_and_unload().save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except UsageError:
+        raise
+    except Exception as error:  # a full disk, a read-only folder: safetensors and the OS raise their own types
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"cannot write the merged model to {output} ({reason}); nothing was left there: free space (or fix the "
+            "folder's permissions) and merge again"
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: merge_adapter's cleanup runs
 
 
 if __name__ == "__main__":  # python -m plumbing.checkpoints merge runs/<run>/checkpoint merged/
     if len(sys.argv) != 4 or sys.argv[1] != "merge":
         sys.exit("usage: python -m plumbing.checkpoints merge runs/<run>/checkpoint OUTPUT_DIR")
+    signal.signal(signal.SIGTERM, _stop)
     try:
         merge_adapter(Path(sys.argv[2]), Path(sys.argv[3]))
     except UsageError as error:
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        sys.exit(f"interrupted: nothing was written to {sys.argv[3]}")
     print(f"wrote {sys.argv[3]}: the base with the adapter merged in (transformers and vLLM load it)")

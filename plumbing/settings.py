@@ -294,7 +294,7 @@ class TrainArgs:
         "beyond the paper: LoRA adapters of this rank on --lora-target, the base frozen and the reference the base "
         "(0: full fine-tuning, the paper's); adapters usually want a larger --lr (RUNNING.md, LoRA)"
     )
-    lora_alpha: ranges.OptionalPositiveFloat = None
+    lora_alpha: ranges.LoraAlpha = None
     """LoRA scale alpha (the update is alpha / rank x B A); default 2 x --lora-rank"""
     lora_dropout: ranges.bounded(float, 0, 1, high_open=True) = 0.0
     """dropout on the adapters' input"""

@@ -1,5 +1,7 @@
-"""Tests for grading (plumbing/grading.py: grade, check_reference), which eval.py re-exports."""
+"""Tests for grading (plumbing/grading.py: grade, check_reference), which eval.py re-exports, and the final-answer rule
+(plumbing/final_answer.py) it applies."""
 
+import doctest
 import os
 import signal
 import subprocess
@@ -16,7 +18,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 import eval as eval_module
 from eval import check_reference, grade, grade_failures  # through eval: the scripts' way in
-from plumbing import grading
+from plumbing import final_answer, grading
 
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "spo-hypothesis")  # its caches, not in the repo
 
@@ -104,6 +106,32 @@ RULE_CASES = [
     ("math", "The answer is 72, not 73", "73", 0.0),
     ("math", r"The answer is \boxed{73}, not \boxed{72}.", "73", 1.0),
     ("gsm8k", "Actually, it is 73 rather than 72.", "73", 1.0),
+    # 6. A list of values scores 0 unless the reference is one (math-verify would grade its first entry).
+    ("gsm8k", "7&10&2&5&8", "7", 0.0),
+    ("math", "7&10&2&5&8", "7", 0.0),
+    ("gsm8k", "7\\\\10\\\\2", "7", 0.0),
+    ("math500", "7 \\\\ 10 \\\\ 2", "7", 0.0),
+    ("gsm8k", "The answer is 7&10&2", "7", 0.0),
+    ("rg:chain_sum", "The answer is 7, 10, 2.", "7", 0.0),
+    ("data/train.jsonl", "The answer is 7,10.", "7", 0.0),
+    ("math", r"The answer is 7; 10.", "7", 0.0),
+    ("math", r"\boxed{7, 10}", "7", 0.0),
+    ("aime24", r"\boxed{1 & 2}", "1", 0.0),
+    ("gsm8k", "The answer is 1,000.", "1000", 1.0),  # a thousands separator is no list
+    ("gsm8k", "It costs $12,345,678 in all.", "12345678", 1.0),
+    ("math", r"\boxed{1,000}", "1000", 1.0),
+    ("gsm8k", "The answer is 7, since 3 + 4 = 7.", "7", 1.0),  # words between the numbers: no list
+    ("gsm8k", "x = 3, y = 4, and the answer is 7", "7", 1.0),
+    ("math", r"\boxed{(1,2)}", "(1,2)", 1.0),  # the reference is a tuple, a set, an interval, a matrix
+    ("math", r"\boxed{\{1,2\}}", r"\{1,2\}", 1.0),
+    ("math", r"The answer is $[1, 2]$.", "[1,2]", 1.0),
+    ("math", r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}", r"\begin{pmatrix}1\\2\end{pmatrix}", 1.0),
+    # 7. A box the graded tail cuts scores 0; one wholly inside the tail is read.
+    ("gsm8k", r"\boxed{" + "1 " * 4500 + "7}", "7", 0.0),
+    ("math", r"\boxed{" + "a " * 5000 + "7}", "7", 0.0),
+    ("math", r"\boxed{" + "{x}" * 3000 + "7}", "7", 0.0),
+    ("math", "x " * 5000 + r"\boxed{7}", "7", 1.0),
+    ("math", r"\boxed{3} " + "x " * 5000 + r"\boxed{7}", "7", 1.0),  # closed before the tail
 ]
 CASES += RULE_CASES
 
@@ -200,6 +228,10 @@ def test_grading_server_that_died_is_restarted():
     grading._grade_server.proc.wait()
     assert grade(["#### 3", "#### 4"], ["3", "3"], "gsm8k", workers=1) == [1.0, 0.0]
     assert grading._grade_server.proc.poll() is None
+
+
+def test_the_final_answer_rule_doctests_hold():
+    assert doctest.testmod(final_answer).failed == 0
 
 
 def test_eval_reexports_grading():
@@ -399,12 +431,12 @@ def test_answer_text_fuzz_is_fast_and_total():
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(text=st.one_of(_responses(["x"]), long_text), numeric=st.booleans(), reference=st.sampled_from(REFERENCES))
-    def check(text, numeric, reference):
+    @given(text=st.one_of(_responses(["x"]), long_text), reference=st.sampled_from(REFERENCES))
+    def check(text, reference):
         start = time.monotonic()
-        answer = grading._answer_text(text, numeric, reference)
+        answer = final_answer.answer_text(text, reference)
         assert time.monotonic() - start < 0.5
-        assert isinstance(answer, str) and len(answer) <= grading._GRADE_TAIL_CHARS + 16
+        assert isinstance(answer, str) and len(answer) <= final_answer.TAIL_CHARS + 16
 
     check()
 

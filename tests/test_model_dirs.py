@@ -220,12 +220,17 @@ BAD_TEMPLATES = [
         r"took over 1 s of CPU time \(stopped at prompt 1 of 2\)",
     ),
     ("not jinja", "{% for %}", r"is not valid Jinja \(line 1: "),
+    ("empty", "{{ '' }}", r"rendered prompt 1 of 2 as empty text \(the question is lost\)"),
+    ("named, no default", {"tool_use": "{{ 'x' }}", "rag": "{{ 'y' }}"}, r"is named templates \(tool_use, rag\), none"),
+    ("a number", 7, r"is not Jinja text but the int 7;"),
+    ("a default that is a dict", {"default": {"a": 1}}, r"is not Jinja text but the dict \{'a': 1\};"),
 ]
 
 
 @pytest.mark.parametrize("case, template, message", BAD_TEMPLATES, ids=[case for case, _, _ in BAD_TEMPLATES])
 def test_a_bad_chat_template_is_one_line_naming_the_model(case, template, message, tiny_model_dir, tmp_path):
-    tokenizer = tokenizer_with_template(tiny_model_dir, tmp_path / "chat", template)
+    tokenizer = tokenizer_with_template(tiny_model_dir, tmp_path / "chat", "{{ 'x' }}")
+    tokenizer.chat_template = template  # as transformers reads it from tokenizer_config.json, whatever its type
     started = time.monotonic()
     with pytest.raises(UsageError, match=message) as refused:
         chat_templates.render_user_prompts(tokenizer, ["What is 2 + 3?", "And 4 + 5?"], seconds=1.0)

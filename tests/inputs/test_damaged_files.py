@@ -50,6 +50,38 @@ def test_a_task_file_that_cannot_be_read_or_is_a_directory_is_named(tmp_path):
         assert "permission denied" in ev.task_problems(str(locked))[0]
 
 
+def test_named_pipes_are_refused_never_opened(tiny_model_dir, gsm8k_jsonl, tmp_path):
+    """open() on a named pipe waits for a writer: a task file or a model's config.json that is one would block
+    forever. Each is one line, from the command line too (--task <(zcat ...) is a pipe)."""
+    pipe = tmp_path / "task.jsonl"
+    os.mkfifo(pipe)
+    assert ev.task_problems(str(pipe)) == [f"--task {pipe} is a named pipe, not a regular file: " + PIPE_FIX]
+    with pytest.raises(UsageError, match=f"task file {pipe} is a named pipe"):
+        ev.load_task(str(pipe), "train")
+    with pytest.raises(UsageError, match="args.json .* is a named pipe"):
+        files.read_json(pipe, "args.json")
+    model = tmp_path / "model"
+    model.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.name != "config.json":
+            (model / path.name).write_bytes(path.read_bytes())
+    os.mkfifo(model / "config.json")
+    assert models.model_directory_problem(model) == f"{model / 'config.json'} is a named pipe, not a regular file: " + (
+        PIPE_FIX
+    )
+    for command in (
+        ["eval.py", "--model", str(model), "--task", str(gsm8k_jsonl)],
+        ["grpo_baseline.py", "--model", str(tiny_model_dir), "--task", str(pipe), "--output-dir", str(tmp_path)],
+    ):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / command[0]), *command[1:]], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode != 0 and "Traceback" not in result.stderr and "is a named pipe" in result.stderr
+
+
+PIPE_FIX = "write what it gives to a file and give that (a pipe reads once)"
+
+
 @pytest.mark.parametrize(
     "content,message",
     [

@@ -14,6 +14,7 @@ tiny random model (no network).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -96,6 +97,7 @@ def make_fixtures(folder: Path) -> dict[str, str]:
     make_untrusted_runs(folder, paths, tiny)
     make_untrusted_models(folder, paths, tiny)
     make_adapters(folder, paths, tiny)
+    make_special_files(folder, paths, tiny)
     paths["SHORTPOS"] = folder / "short_positions"  # the tiny model with 64 positions
     shutil.copytree(tiny, paths["SHORTPOS"])
     config = json.loads((tiny / "config.json").read_text())
@@ -205,10 +207,50 @@ def make_adapters(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
         paths[name] = folder / name.lower()
         lora.save_adapter(model, paths[name], str(tiny), models.fingerprint(str(tiny)))
         shutil.copy(tiny / "tokenizer.json", paths[name])
+    for name in ("ADAPTERSELF", "ADAPTERNANALPHA", "ADAPTERRANK", "ADAPTERNANWEIGHT", "ADAPTERRELATIVE", "MERGED"):
+        paths[name] = folder / name.lower()
+        shutil.copytree(paths["ADAPTERNOBASE"], paths[name])
+
+    def edit(name: str, file: str, **changes) -> None:
+        path = paths[name] / file
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+    edit("ADAPTERSELF", lora.BASE_RECORD, model=str(paths["ADAPTERSELF"]))  # recursed
+    edit("ADAPTERNANALPHA", lora.ADAPTER_CONFIG, lora_alpha=float("nan"))  # blamed on the architecture
+    edit("ADAPTERRANK", lora.ADAPTER_CONFIG, r=8)  # a state_dict traceback
+    edit("ADAPTERRELATIVE", lora.BASE_RECORD, model="./models/tiny")  # a fingerprint mismatch from another directory
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(paths["ADAPTERNANWEIGHT"] / lora.ADAPTER_WEIGHTS)
+    weights[next(key for key in weights if "lora_A" in key)][0, 0] = float("nan")
+    save_file(weights, paths["ADAPTERNANWEIGHT"] / lora.ADAPTER_WEIGHTS)
     record = json.loads((paths["ADAPTERNOBASE"] / lora.BASE_RECORD).read_text())
     (paths["ADAPTERNOBASE"] / lora.BASE_RECORD).write_text(json.dumps({**record, "model": str(folder / "gone")}))
     config = paths["ADAPTERBADCONFIG"] / lora.ADAPTER_CONFIG
     config.write_text(json.dumps({**json.loads(config.read_text()), "r": "16", "target_modules": 3}))
+
+
+def make_special_files(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
+    """Named pipes where a task file or a model's config.json should be (open() on one waits for a writer), a merge
+    destination that is a dangling link, and chat templates transformers reads but cannot render: named templates
+    without a default, a number, one that renders every prompt empty."""
+    paths["FIFOTASK"] = folder / "fifo.jsonl"
+    os.mkfifo(paths["FIFOTASK"])
+    paths["FIFOMODEL"] = folder / "fifo_model"
+    shutil.copytree(tiny, paths["FIFOMODEL"])
+    (paths["FIFOMODEL"] / "config.json").unlink()
+    os.mkfifo(paths["FIFOMODEL"] / "config.json")
+    paths["DANGLING"] = folder / "dangling"
+    paths["DANGLING"].symlink_to(folder / "nowhere")
+    for name, template in (
+        ("NAMEDTEMPLATES", [{"name": "tool_use", "template": "{{ 'x' }}"}, {"name": "rag", "template": "{{ 'y' }}"}]),
+        ("NUMBERTEMPLATE", 7),
+        ("EMPTYTEMPLATE", "{{ '' }}"),
+    ):
+        paths[name] = folder / name.lower()
+        shutil.copytree(tiny, paths[name])
+        config = paths[name] / "tokenizer_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}))
 
 
 def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
@@ -245,6 +287,13 @@ def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> Non
     os.symlink(outside, run("LINKSTAGING", grpo_baseline) / "checkpoint.new")
     os.symlink(outside / "metrics.jsonl", run("LINKDEEP", ppo_baseline) / "checkpoint" / "tokenizer.json.bak")
     # numbers in a received trainer_state.pt outside their ranges (args.json plans 1000 iterations)
+    lora_run = folder / "lora_runs"
+    args = grpo_baseline.Args(model=str(tiny), task=str(paths["GOODTASK"]), output_dir=str(lora_run), lora_rank=4)
+    args = dataclasses.replace(args, iterations=1, questions=2, group_size=2, max_new_tokens=4, eval_every=10**6)
+    args = dataclasses.replace(args, eval_before=False, batch_size=4)
+    paths["LORAALPHARUN"] = Path(grpo_baseline.main(args)["run_dir"])
+    config = paths["LORAALPHARUN"] / "checkpoint" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 800}))  # the run's: 8
     run("NEGITER", grpo_baseline, {"iteration": -1, "world_size": 1})
     run("PASTITER", spo_chain, {"iteration": 10**9, "world_size": 1})
     run("ZEROWORLD", ppo_baseline, {"iteration": 1, "world_size": 0})
@@ -383,6 +432,23 @@ CASES = [
     ("eval.py --model ADAPTERNOBASE --task GOODTASK", "is not there; put it back"),
     ("eval.py --model ADAPTERBADCONFIG --task GOODTASK", "not an adapter this project wrote"),
     ("grpo_baseline.py --model ADAPTERNOBASE --task GOODTASK --output-dir RUNS", "is an adapter checkpoint: --resume"),
+    # adapters, merges, pipes and chat templates from elsewhere (tests/test_lora_inputs.py, test_model_dirs.py)
+    ("eval.py --model ADAPTERSELF --task GOODTASK", "is itself an adapter checkpoint"),
+    ("eval.py --model ADAPTERNANALPHA --task GOODTASK", "lora_alpha nan is not a number"),
+    ("eval.py --model ADAPTERRANK --task GOODTASK", "(r 8) and its base model make [8,"),
+    ("eval.py --model ADAPTERNANWEIGHT --task GOODTASK", "holds NaN or infinite values"),
+    ("eval.py --model ADAPTERRELATIVE --task GOODTASK", "relative to where its run started"),
+    ("grpo_baseline.py --resume LORAALPHARUN --iterations 2", "holds lora_alpha 800, the run's args.json"),
+    ("grpo_baseline.py --model TINY --task GOODTASK --lora-rank 100000000 --output-dir RUNS", "narrowest adapted"),
+    ("spo_chain.py --model TINY --task GOODTASK --lora-rank 4 --lora-target q_proj,typo", "no module named typo"),
+    ("ppo_baseline.py --lora-rank 4 --lora-alpha 1e300", "--lora-alpha (1e+300)"),
+    ("-m plumbing.checkpoints merge MERGED MERGED/merged", "which its run replaces at its next save"),
+    ("-m plumbing.checkpoints merge ADAPTERSELF DANGLING", "dangling exists: give a new directory"),
+    ("eval.py --model FIFOMODEL --task GOODTASK", "config.json is a named pipe, not a regular file"),
+    ("grpo_baseline.py --model TINY --task FIFOTASK --output-dir RUNS", "fifo.jsonl is a named pipe"),
+    ("eval.py --model NAMEDTEMPLATES --task GOODTASK", 'none named "default"'),
+    ("eval.py --model NUMBERTEMPLATE --task GOODTASK", "is not Jinja text but the int 7"),
+    ("spo_tree.py --model EMPTYTEMPLATE --task GOODTASK --output-dir RUNS", "as empty text"),
     ("experiments/learning.py --algorithms foo", "unknown algorithm"),
     ("experiments/learning.py --results EMPTY", "is a directory"),
     ("experiments/learning.py --lr 0", "--lr (0.0) must be positive"),
@@ -402,8 +468,10 @@ def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeo
         for word in words
     ]
     started = time.time()
+    program = ["-m", words[1], *words[2:]] if words[0] == "-m" else [str(ROOT / words[0]), *words[1:]]
+    environment.setdefault("PYTHONPATH", str(ROOT))  # for -m; a script finds the repository from its own folder
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / words[0]), *words[1:]],
+        [sys.executable, *program],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
