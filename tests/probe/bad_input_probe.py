@@ -289,8 +289,8 @@ def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> Non
     # numbers in a received trainer_state.pt outside their ranges (args.json plans 1000 iterations)
     lora_run = folder / "lora_runs"
     args = grpo_baseline.Args(model=str(tiny), task=str(paths["GOODTASK"]), output_dir=str(lora_run), lora_rank=4)
-    args = dataclasses.replace(args, iterations=1, questions=2, group_size=2, max_new_tokens=4, eval_every=10**6)
-    args = dataclasses.replace(args, eval_before=False, batch_size=4)
+    args = dataclasses.replace(args, iterations=1, questions=2, group_size=2, max_new_tokens=4, context=64)
+    args = dataclasses.replace(args, eval_before=False, eval_every=10**6, batch_size=4)
     paths["LORAALPHARUN"] = Path(grpo_baseline.main(args)["run_dir"])
     config = paths["LORAALPHARUN"] / "checkpoint" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 800}))  # the run's: 8
