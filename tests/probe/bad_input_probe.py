@@ -215,6 +215,7 @@ def make_adapters(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
         path = paths[name] / file
         path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
+    paths["INSIDEMERGED"] = paths["MERGED"] / "merged"  # a merge into the checkpoint it reads: its next save deletes it
     edit("ADAPTERSELF", lora.BASE_RECORD, model=str(paths["ADAPTERSELF"]))  # recursed
     edit("ADAPTERNANALPHA", lora.ADAPTER_CONFIG, lora_alpha=float("nan"))  # blamed on the architecture
     edit("ADAPTERRANK", lora.ADAPTER_CONFIG, r=8)  # a state_dict traceback
@@ -438,11 +439,11 @@ CASES = [
     ("eval.py --model ADAPTERRANK --task GOODTASK", "(r 8) and its base model make [8,"),
     ("eval.py --model ADAPTERNANWEIGHT --task GOODTASK", "holds NaN or infinite values"),
     ("eval.py --model ADAPTERRELATIVE --task GOODTASK", "relative to where its run started"),
-    ("grpo_baseline.py --resume LORAALPHARUN --iterations 2", "holds lora_alpha 800, the run's args.json"),
+    ("grpo_baseline.py --resume LORAALPHARUN --iterations 2", "holds lora_alpha 800.0, the run's args.json"),
     ("grpo_baseline.py --model TINY --task GOODTASK --lora-rank 100000000 --output-dir RUNS", "narrowest adapted"),
     ("spo_chain.py --model TINY --task GOODTASK --lora-rank 4 --lora-target q_proj,typo", "no module named typo"),
     ("ppo_baseline.py --lora-rank 4 --lora-alpha 1e300", "--lora-alpha (1e+300)"),
-    ("-m plumbing.checkpoints merge MERGED MERGED/merged", "which its run replaces at its next save"),
+    ("-m plumbing.checkpoints merge MERGED INSIDEMERGED", "which its run replaces at its next save"),
     ("-m plumbing.checkpoints merge ADAPTERSELF DANGLING", "dangling exists: give a new directory"),
     ("eval.py --model FIFOMODEL --task GOODTASK", "config.json is a named pipe, not a regular file"),
     ("grpo_baseline.py --model TINY --task FIFOTASK --output-dir RUNS", "fifo.jsonl is a named pipe"),
