@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import math
 import platform
 import random
@@ -615,9 +616,22 @@ SHARED_CODE = (
 )
 
 
+def code_hash(*experiment: str) -> str:
+    """A hash of the code a run computes with: the contents of every .py file of SHARED_CODE and the `experiment`
+    files, by path. Unlike the commit, it changes exactly when that code does (a commit of a README changes nothing;
+    an uncommitted edit does), so a results file is reused only by the code that would compute it again."""
+    digest = hashlib.sha256()
+    for name in (*SHARED_CODE, *experiment):
+        path = ROOT / name
+        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(f"{source.relative_to(ROOT)}\n".encode() + source.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def machine(*experiment: str) -> dict:
-    """Where and from what code the run was made: the CPU, the commit, and whether the checkout, and the code the run
-    imports (SHARED_CODE and the `experiment` files), differed from that commit (uncommitted changes)."""
+    """Where and from what code the run was made: the CPU, the commit, whether the checkout, and the code the run
+    imports (SHARED_CODE and the `experiment` files), differed from that commit (uncommitted changes), and that
+    code's hash (code_hash)."""
 
     def git(*command: str) -> str:
         return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -631,6 +645,7 @@ def machine(*experiment: str) -> dict:
         "threads": torch.get_num_threads(),
         **runs.code_state(),  # commit, tree_modified
         "imported_code_modified": bool(git("status", "--porcelain", "--", *SHARED_CODE, *experiment)),
+        "code_hash": code_hash(*experiment),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
 

@@ -46,6 +46,8 @@ from measures import area_under, rounded  # noqa: E402
 
 from plumbing import UsageError, cli, ranges  # noqa: E402
 
+EXPERIMENT = "experiments/learning_exact.py"  # what computes each L, in a process of its own
+
 
 @dataclass
 class Args:
@@ -119,8 +121,10 @@ def flags(run: dict) -> list[str]:
 
 
 def earlier_run(run: dict) -> dict | None:
-    """The results this L's run wrote before, when its JSON holds exactly the settings `run` gives it (an interrupted
-    sweep goes on from the next L, and a longer list of L reuses the shorter one's runs); else None."""
+    """The results this L's run wrote before, when its JSON holds exactly the settings `run` gives it and was computed
+    by the code as it is now (exact_toy.code_hash of learning_exact.py and what it imports: the same hash, whatever
+    the commit); else None. An interrupted sweep goes on from the next L, and a longer list of L reuses the shorter
+    one's runs."""
     path = Path(run["out"])
     try:
         results = json.loads(path.read_text())
@@ -129,13 +133,17 @@ def earlier_run(run: dict) -> dict | None:
     saved = results.get("settings") or {}
     if {name: saved.get(name) for name in run} != json.loads(json.dumps(rounded(run))):
         return None
-    print(f"(reusing {path}: the same settings)", flush=True)
+    made = results.get("machine") or {}
+    if made.get("code_hash") != toy.code_hash(EXPERIMENT):
+        print(f"(not reusing {path}: computed by other code, commit {made.get('commit')})", flush=True)
+        return None
+    print(f"(reusing {path}: the same settings and code, commit {made.get('commit')})", flush=True)
     return results
 
 
 def run_learning_exact(run: dict) -> dict:
     """One L: learning_exact.py with `run`'s settings, in a process of its own; the results JSON it wrote."""
-    command = [sys.executable, os.path.relpath(Path(__file__).with_name("learning_exact.py")), *flags(run)]
+    command = [sys.executable, os.path.relpath(toy.ROOT / EXPERIMENT), *flags(run)]
     if subprocess.run(command).returncode:
         raise UsageError(f"L = {run['filler']}: {' '.join(command[1:])} failed (its error is above)")
     return json.loads(Path(run["out"]).read_text())
@@ -246,8 +254,8 @@ def main(args: Args) -> dict:
     if args.tiny:
         args = dataclasses.replace(args, **TINY)
     started = time.time()
-    code = toy.machine("experiments/learning_critical.py", "experiments/learning_exact.py")  # the code as it starts
-    by_filler, files, ends = {}, {}, []  # ends: the shortest and the longest L's results
+    code = toy.machine("experiments/learning_critical.py", EXPERIMENT)  # the code as it starts
+    by_filler, files, made, ends = {}, {}, {}, []  # ends: the shortest and the longest L's results
     for filler in args.fillers:
         length = filler + 2
         print(f"--- L = {filler}: horizon {length}, B = {args.responses * length} tokens per prompt", flush=True)
@@ -255,6 +263,7 @@ def main(args: Args) -> dict:
         results = earlier_run(run) or run_learning_exact(run)
         by_filler[str(filler)] = leads(results)
         files[str(filler)] = run["out"]
+        made[str(filler)] = {key: results["machine"].get(key) for key in ("commit", "tree_modified", "code_hash")}
         ends = [ends[0] if ends else results, results]
     summary = rounded(
         {
@@ -262,6 +271,7 @@ def main(args: Args) -> dict:
             "settings": asdict(args),
             "common_lr": args.common_lr,
             "files": files,
+            "code_by_filler": made,  # each L's JSON's own code: reused ones keep the commit that computed them
             "seconds": time.time() - started,
             "machine": code,
             "by_filler": by_filler,

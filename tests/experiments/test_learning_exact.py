@@ -275,6 +275,36 @@ def test_the_critical_sweep_runs_every_filler_length_and_pairs_against_grpo(tmp_
         lc.earlier_run(lc.run_args(1, tiny))["summary"] == json.loads(Path(saved["files"]["1"]).read_text())["summary"]
     )
     assert lc.earlier_run(lc.run_args(1, dataclasses.replace(tiny, seeds=[5]))) is None  # other settings: run again
+    assert saved["code_by_filler"]["1"]["code_hash"] == toy.code_hash(lc.EXPERIMENT)
+    # the same settings from other code (another hash, whatever the commit): run again
+    results = json.loads(Path(saved["files"]["1"]).read_text())
+    results["machine"]["code_hash"] = "0" * 16
+    Path(saved["files"]["1"]).write_text(json.dumps(results))
+    assert lc.earlier_run(lc.run_args(1, tiny)) is None
+
+
+def test_the_code_hash_changes_exactly_with_the_code_a_run_imports(tmp_path, monkeypatch):
+    before = toy.code_hash("experiments/learning_exact.py")
+    assert before == toy.code_hash("experiments/learning_exact.py") and len(before) == 16
+    assert toy.code_hash("experiments/learning_critical.py") != before  # another experiment file
+    copy = tmp_path / "repo"
+    for name in (*toy.SHARED_CODE, "experiments/learning_exact.py"):
+        source = toy.ROOT / name
+        target = copy / name
+        if source.is_dir():
+            for path in source.rglob("*.py"):
+                (target / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+                (target / path.relative_to(source)).write_bytes(path.read_bytes())
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    monkeypatch.setattr(toy, "ROOT", copy)
+    assert toy.code_hash("experiments/learning_exact.py") == before  # the same contents elsewhere: the same hash
+    (copy / "README.md").write_text("a document changes no result")
+    assert toy.code_hash("experiments/learning_exact.py") == before
+    training = copy / "plumbing" / "training.py"
+    training.write_text(training.read_text() + "\n# an edit\n")
+    assert toy.code_hash("experiments/learning_exact.py") != before
 
 
 @pytest.mark.slow
