@@ -567,7 +567,8 @@ class EvalArgs:
     """matmul precision on the CPU: auto = bf16 autocast where the CPU has AVX-512 BF16 or AMX, else fp32 (a GPU
     evaluates bf16 weights)"""
     vllm_enforce_eager: bool = False
-    """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding"""
+    """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding (a CPU engine is eager
+    always)"""
     output: str | None = None
     """results JSON path (default: runs/eval/<model>__<task>__<time>.json)"""
 
@@ -601,7 +602,8 @@ def main(args: EvalArgs) -> dict:
         precision=precision,
         context=args.context,
         max_model_len=args.context or 4096,
-        enforce_eager=args.vllm_enforce_eager,
+        # the flag asks for eager; without it the engine's own default: CUDA graphs on a GPU, eager on a CPU
+        enforce_eager=args.vllm_enforce_eager or None,
     )
     result = evaluate(
         model,

@@ -2,32 +2,38 @@
 protocol below, written here once; each engine's docstring says only how it differs.
 
 HFSampler    transformers on any device (the tested path): plumbing/hf_engine.py
-VLLMSampler  vLLM in-process on a GPU (optional dependency, pinned version): plumbing/vllm_engine.py
-make_sampler the engine for --backend hf | vllm | auto (this module)
+VLLMSampler  vLLM in-process on a GPU, or on a CPU with vLLM's CPU build (optional dependency, pinned version):
+             plumbing/vllm_engine.py
+make_sampler the engine for --backend hf | vllm | auto (this module; which one auto gives: resolve_backend in
+             plumbing/vllm_preflight.py)
 (experiments/exact_toy.py's ExactSampler keeps the same contract for a policy small enough to enumerate.)
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, distributed, models
+from plumbing import UsageError, distributed, memory, models, vllm_preflight
 from plumbing.completions import Completion, cut_at_stop, stop_histories, token_pieces
 from plumbing.hf_engine import HFSampler
-from plumbing.precision import FP32, Precision
+from plumbing.precision import FP32, Precision, engine_dtype
 from plumbing.vllm_engine import VLLMSampler
+from plumbing.vllm_preflight import backend_problems, resolve_backend
 
 __all__ = [
     "Completion",
     "HFSampler",
     "Sampler",
     "VLLMSampler",
+    "backend_problems",
     "cut_at_stop",
     "make_sampler",
+    "resolve_backend",
     "stop_histories",
     "token_pieces",
 ]
@@ -93,37 +99,6 @@ class Sampler(Protocol):
         ...
 
 
-def backend_problems(backend: str) -> list[str]:
-    if backend not in ("auto", "hf", "vllm"):
-        return [f"--backend {backend!r} is not a backend: use hf, vllm or auto"]
-    if backend == "vllm" and not torch.cuda.is_available():
-        return ["--backend vllm needs a CUDA GPU; use --backend hf"]
-    return []
-
-
-def resolve_backend(backend: str) -> tuple[str, str]:
-    """The engine --backend names, and why: "auto" is vllm when it imports and a GPU is present (under torchrun: one
-    engine per rank), else hf."""
-    if backend != "auto":
-        return backend, f"--backend {backend}"
-    if not torch.cuda.is_available():
-        return "hf", "--backend auto: no CUDA GPU"
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return (
-            "hf",
-            "--backend auto: vllm is not installed (pip install -r requirements-vllm.txt), "
-            "so the slower HF decode loop",
-        )
-    if distributed.world_size() > 1:
-        return (
-            "vllm",
-            "--backend auto: vllm installed and a CUDA GPU present (under torchrun: one engine per rank, on its GPU)",
-        )
-    return "vllm", "--backend auto: vllm installed and a CUDA GPU present"
-
-
 def make_sampler(
     backend: str,
     model: PreTrainedModel,
@@ -136,9 +111,11 @@ def make_sampler(
     **vllm_kwargs,
 ):
     """The rollout engine for --backend: "hf", "vllm", or "auto" (vllm when importable and a GPU is present).
-    `precision` and `sampler_batch_tokens` (positions one batch caches) are the HF sampler's (vLLM computes in its own
-    dtype and schedules its own batches). `context` (--context, vLLM's max_model_len unless that is given) is refused
-    beyond the model's positions, before anything is sampled."""
+    `precision` and `sampler_batch_tokens` (positions one batch caches) are the HF sampler's; on a GPU vLLM computes
+    in its own dtype and schedules its own batches, while the CPU build's engine computes in the run's precision
+    (fp32, or bf16 where the run autocasts) and holds the sampler batch's positions in its KV cache
+    (memory.cpu_kv_cache_bytes; VLLM_CPU_KVCACHE_SPACE, when set, is vLLM's and wins). `context` (--context, vLLM's
+    max_model_len unless that is given) is refused beyond the model's positions, before anything is sampled."""
     backend, why = resolve_backend(backend)
     if problems := backend_problems(backend):
         raise UsageError(problems[0])
@@ -149,9 +126,25 @@ def make_sampler(
             f"position past {positions - 1}; give --context {positions} or less"
         )
     vllm_kwargs.setdefault("max_model_len", context)
+    if isinstance(positions, int) and (vllm_kwargs["max_model_len"] or 0) > positions:
+        # a default window (eval.py's 4096) beyond the model's positions, which vLLM refuses: the model's own
+        vllm_kwargs["max_model_len"] = positions
     distributed.print0(f"rollout engine: {backend} ({why})")
     if backend == "hf":
         return HFSampler(model, tokenizer, seed=seed, precision=precision, max_batch_tokens=sampler_batch_tokens)
+    if vllm_preflight.cpu_build():
+        dtype = vllm_kwargs.setdefault("dtype", engine_dtype("cpu", precision))
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # set: the user's size, which vLLM takes instead
+            vllm_kwargs.setdefault(
+                "kv_cache_bytes",
+                memory.cpu_kv_cache_bytes(
+                    memory.model_shape(model.config),
+                    sampler_batch_tokens,
+                    4 if dtype == "float32" else 2,
+                    vllm_preflight.free_memory(),
+                    distributed.world_size(),
+                ),
+            )
     return VLLMSampler(models.resolve_model(model_path), model=model, seed=seed, **vllm_kwargs)
 
 
@@ -173,7 +166,8 @@ def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         sampler_batch_tokens=args.sampler_batch_tokens,
         context=args.context,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        enforce_eager=args.vllm_enforce_eager,
+        # the flag asks for eager; without it the engine's own default: CUDA graphs on a GPU, eager on a CPU
+        enforce_eager=args.vllm_enforce_eager or None,
     )
     if isinstance(sampler, VLLMSampler) and adapters and checkpoint:
         sampler.load_weights(model)  # the resumed adapters, merged (a fresh run's start at B = 0 is the base itself)

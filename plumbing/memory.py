@@ -35,7 +35,8 @@ Choice, in this order: no checkpointing before checkpointing, then the largest m
 batch, at most 8), then the reference on the GPU before the CPU. A value given on the command line is kept. A run
 whose training state does not fit even with micro-batch 1, checkpointing and the reference on the CPU is refused.
 On a CPU: micro-batch 8 (or the largest divisor of the batch below it), no checkpointing, the reference where it is,
-65,536 sampler positions. The no-grad log-prob passes are sized apart, to the memory free when they run
+65,536 sampler positions; the vLLM CPU build's engine gets a KV cache for as many positions (cpu_kv_cache_bytes). The
+no-grad log-prob passes are sized apart, to the memory free when they run
 (training.no_grad_batch_tokens).
 """
 
@@ -50,7 +51,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from plumbing import UsageError, distributed, engines, lora, models, shown
+from plumbing import UsageError, distributed, lora, models, shown, vllm_preflight
 from plumbing.precision import Precision
 
 GiB = 2**30
@@ -197,7 +198,8 @@ def micro_batch_candidates(batch_per_rank: int, requested) -> list[int]:
 
 def cpu_plan(batch_per_rank: int, requested: dict, adapters: bool = False) -> Plan:
     """Today's values where there is no GPU memory to size: what is given, else micro-batch 8 (or the largest divisor
-    of the batch below it), no checkpointing, the reference where the model is, vLLM's share 0.3 (unused)."""
+    of the batch below it), no checkpointing, the reference where the model is, vLLM's share 0.3 (unused: the CPU
+    build's engine takes a KV cache for the sampler batch, cpu_kv_cache_bytes)."""
     pick = lambda name, default: default if requested.get(name, "auto") == "auto" else requested[name]  # noqa: E731
     plan = Plan(
         micro_batch_size=micro_batch_candidates(batch_per_rank, requested.get("micro_batch_size", "auto"))[0],
@@ -208,6 +210,30 @@ def cpu_plan(batch_per_rank: int, requested: dict, adapters: bool = False) -> Pl
         adapters=adapters,
     )
     return dataclasses.replace(plan, line=f"memory: {describe(plan)} (CPU: no sizing)")
+
+
+def cpu_kv_cache_bytes(shape: ModelShape, positions: int, element: int, free: int | None, ranks: int = 1) -> int:
+    """The KV cache of the vLLM CPU build's engine, in whole GiB as VLLM_CPU_KVCACHE_SPACE gives it: the keys and
+    values of `positions` (the sampler batch, --sampler-batch-tokens) in the engine's dtype (element: 4 for fp32, 2
+    for bf16), at least 1 GiB, at most this rank's share of the `free` memory (bytes, None: unknown; `ranks` engines
+    share the machine) less the margin of 1 GiB. A cache below the batch makes vLLM run fewer sequences at once.
+    Raises UsageError where not even 1 GiB is free.
+
+    >>> smollm2 = ModelShape(134515008, 30, 576, 1536, 49152, 9, 3)
+    >>> cpu_kv_cache_bytes(smollm2, 65536, 4, 20 * GiB) // GiB, cpu_kv_cache_bytes(smollm2, 65536, 2, 20 * GiB) // GiB
+    (3, 2)
+    """
+    wanted = max(1, math.ceil(positions * kv_bytes_per_position(shape, element) / GiB))
+    if free is None:
+        return wanted * GiB
+    room = int((free / ranks - GiB) // GiB)
+    if room < 1:
+        raise UsageError(
+            f"the vLLM engine's KV cache needs 1 GiB beside the trainer, and {free / GiB:.1f} GiB of memory is free"
+            + (f" for {ranks} ranks" if ranks > 1 else "")
+            + ": free some memory, or use --backend hf"
+        )
+    return min(wanted, room) * GiB
 
 
 def describe(plan: Plan, backend: str = "hf") -> str:
@@ -388,7 +414,7 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
             free=free,
             context=args.context,
             batch_per_rank=batch_per_rank,
-            backend=engines.resolve_backend(args.backend)[0],
+            backend=vllm_preflight.resolve_backend(args.backend)[0],
             beta=args.beta,
             requested=requested,
             critic=hasattr(args, "critic_lr"),

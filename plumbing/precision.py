@@ -58,8 +58,12 @@ def gpu_has_bf16() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def engine_dtype() -> str:
-    """The dtype for a vLLM engine on this GPU: "bfloat16" where the GPU has bf16, else "float16"."""
+def engine_dtype(device_type: str = "cuda", precision: Precision = FP32) -> str:
+    """The dtype for a vLLM engine. On the GPU: "bfloat16" where the GPU has bf16, else "float16". On the CPU (vLLM's
+    CPU build) the run's own: "bfloat16" where `precision` autocasts the CPU to bf16, else "float32", so that an fp32
+    run samples with the log-probs its trainer computes."""
+    if device_type == "cpu":
+        return "bfloat16" if "cpu" in precision.bf16 else "float32"
     return "bfloat16" if gpu_has_bf16() else "float16"
 
 

