@@ -10,8 +10,8 @@ before each call (the HF sampler keeps nothing between calls either). The engine
 load_weights' seconds, eager (what the scripts run on a CPU) and compiled (torch.compile with inductor's C++ code),
 when that starts. Everything computes in the run's precision: bf16 where the CPU has fast bf16, else fp32.
 
-The quickstart (README) for one iteration, without evaluation, with --backend hf and --backend vllm, each in its own
-process: the iteration's seconds and its rollout's, from the run's metrics.
+The quickstart (README) for one iteration (its closing evaluation cut to one question), with --backend hf and with
+--backend vllm, each in its own process: the iteration's seconds and its rollout's, from the run's metrics.
 
   python benchmarks/vllm_cpu.py        # writes benchmarks/results/vllm_cpu.json
 """
@@ -38,11 +38,12 @@ from plumbing.memory import GiB  # noqa: E402
 from plumbing.precision import choose_precision, cpu_description, engine_dtype  # noqa: E402
 
 QUICKSTART_TASK = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
-# The README's quickstart, one iteration, no evaluation and no checkpoint: what one iteration of each backend costs.
+# The README's quickstart, one iteration, its closing evaluation cut to one question, no checkpoint: what one
+# iteration of each backend costs.
 QUICKSTART = (
     f"--model smollm2-135m --task {QUICKSTART_TASK} --iterations 1 --questions 2 --group-size 4 --mc-samples 4 "
     "--batch-size 8 --micro-batch-size 4 --max-new-tokens 64 --context 512 --lr 1e-5 --epochs 1 --no-eval-before "
-    "--eval-every 1000 --save-every 1000"
+    "--eval-every 1000 --eval-limit 1 --eval-samples 1 --save-every 1000"
 ).split()
 
 
