@@ -154,6 +154,8 @@ def merge(checkpoint: Path, output: Path, held: bool = False) -> subprocess.Pope
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default, whatever this process inherited (a background job ignores SIGINT, and so would the child)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
