@@ -35,20 +35,24 @@ def make_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     )
 
 
-def make_tiny_model(directory: Path, alphabet: str = string.printable, seed: int = 0) -> Path:
-    """Save a randomly initialised Llama of ~100k parameters and its tokenizer to `directory`."""
+def make_tiny_model(
+    directory: Path, alphabet: str = string.printable, seed: int = 0, heads: tuple[int, int] = (4, 2), **config
+) -> Path:
+    """Save a randomly initialised Llama of ~100k parameters and its tokenizer to `directory`: `heads` query and KV
+    heads over a width of 64; `config`: other LlamaConfig fields (tie_word_embeddings)."""
     tokenizer = make_tokenizer(alphabet)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
         max_position_embeddings=1024,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        **config,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(directory)

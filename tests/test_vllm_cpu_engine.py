@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 import eval as ev
 import grpo_baseline
@@ -41,7 +41,6 @@ from conftest import (
     Killed,
     cli_flags,
     make_tiny_model,
-    make_tokenizer,
     read_metrics,
     smoke_args,
     write_jsonl,
@@ -80,27 +79,10 @@ def engines_closed(monkeypatch):
         sampler.close()
 
 
-def make_model(directory: Path, tied: bool, alphabet: str = string.printable, seed: int = 0) -> Path:
-    """A random Llama of ~100k parameters with conftest's character tokenizer over `alphabet`: 2 layers, 2 query heads
-    and 1 KV head of width 32, its LM head tied to the embeddings or its own."""
-    tokenizer = make_tokenizer(alphabet)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+def make_model(directory: Path, tied: bool, alphabet: str = string.printable) -> Path:
+    """conftest's tiny Llama with 2 query heads and 1 KV head of width 32 (the narrowest vLLM's CPU attention
+    computes), its LM head tied to the embeddings or its own."""
+    return make_tiny_model(directory, alphabet, heads=(2, 1), tie_word_embeddings=tied)
 
 
 @pytest.fixture(scope="module")
