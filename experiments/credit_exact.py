@@ -130,6 +130,9 @@ class Args:
     (CRITICAL's docstring): a reward that one early token decides"""
     filler: ranges.PositiveInt = 6
     """--task critical: the free bits after the key bit (--horizon must be --filler + 2)"""
+    filler_kind: Literal["coin", "confident"] = "coin"
+    """--task critical: the corpus's filler bits, coin flips (every filler token uncertain) or nearly always 0 (the
+    policy confident at every filler token: exact_toy.CRITICAL_FILLER_ONES)"""
     prompts: list[str] = field(default_factory=lambda: ["11", "12", "22", "13", "23", "33"])
     """prompts as two digits a b (0-3); the response's digits must add up to a + b (--task critical: three bits,
     e.g. 011, whose first bit is the key)"""

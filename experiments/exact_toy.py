@@ -49,11 +49,17 @@ VOCAB = DIGITS + 1
 # The critical-token task: digits 0 and 1 (tokens 1, 2) and EOS; a prompt of three bits; reward 1 for the key bit (the
 # prompt's first bit), then exactly --filler bits of any value, then EOS. Only the first token and where EOS falls
 # decide the reward; the filler bits do not, so credit given to the whole response spreads over --filler irrelevant
-# tokens.
+# tokens. A prompt's ids start with EOS as a start marker: without one the 2-layer policy cannot count positions after
+# a prompt such as 000 (its length was right 0.55-0.68 of the time on 000 and 111, 0.98-0.99 on the others; with it
+# 0.98-1.00 on every prompt at L 3-7).
 CRITICAL = dict(digits=2, prompts=["000", "001", "010", "011", "100", "101", "110", "111"])
 CRITICAL_LENGTH_MISTAKES = 0.1  # share of the critical corpus with one filler bit too many or too few
+# --filler-kind: the share of 1s among the corpus's filler bits. coin: each a coin flip, so every filler token is a
+# low-probability one (p about 0.5); confident: nearly always 0, so at temperature 0.6 the policy gives each filler
+# token p > 0.99 and the key bit is the only uncertain token (SPO's regime: a few tokens decide, most are confident).
+CRITICAL_FILLER_ONES = {"coin": 0.5, "confident": 0.05}
 TASK_DIGITS = {"sum": DIGITS, "critical": CRITICAL["digits"]}
-PROMPT_LENGTH = {"sum": 2, "critical": 3}  # tokens of a prompt (the context of a response: this + --horizon)
+PROMPT_LENGTH = {"sum": 2, "critical": 4}  # tokens of a prompt (the context of a response: this + --horizon)
 
 
 @dataclass
@@ -65,6 +71,7 @@ class ToySettings:
 
     task: str
     filler: int
+    filler_kind: str
     prompts: list[str]
     horizon: int
     temperature: float
@@ -90,18 +97,18 @@ class ToySettings:
 
 
 def parse_prompt(text: str, task: str = "sum") -> tuple[list[int], int]:
-    """Prompt ids and target of a prompt written as two digits (--task critical: three bits; the target is the key
-    bit, the first of them).
+    """Prompt ids and target of a prompt written as two digits (--task critical: three bits after the start marker
+    EOS; the target is the key bit, the first of them).
 
     >>> parse_prompt("23")
     ([3, 4], 5)
     >>> parse_prompt("101", "critical")
-    ([2, 1, 2], 1)
+    ([0, 2, 1, 2], 1)
     """
     if task == "critical":
         if len(text) != 3 or not all(c in "01" for c in text):
             raise ValueError(f"prompt {text!r}: write three bits, e.g. 011")
-        return [int(c) + 1 for c in text], int(text[0])
+        return [EOS] + [int(c) + 1 for c in text], int(text[0])
     if len(text) != 2 or not all(c in "0123" for c in text):
         raise ValueError(f"prompt {text!r}: write two digits 0-3, e.g. 23")
     return [int(c) + 1 for c in text], sum(int(c) for c in text)
@@ -124,25 +131,26 @@ def corpus_response(target: int, mistake_rate: float, rng: random.Random) -> lis
     return digits
 
 
-def critical_response(key: int, filler: int, mistake_rate: float, rng: random.Random) -> list[int]:
+def critical_response(key: int, filler: int, mistake_rate: float, rng: random.Random, ones: float = 0.5) -> list[int]:
     """One critical-task corpus response (digits, EOS not included): the key bit, wrong with probability
-    mistake_rate / 2, then `filler` random bits, one more or one fewer in CRITICAL_LENGTH_MISTAKES of the corpus.
+    mistake_rate / 2, then `filler` bits, each 1 with probability `ones` (CRITICAL_FILLER_ONES), one more or one fewer
+    in CRITICAL_LENGTH_MISTAKES of the corpus.
 
-    >>> critical_response(1, 3, 0.0, random.Random(0))
-    [1, 1, 0, 1]
+    >>> critical_response(1, 3, 0.0, random.Random(0)), critical_response(1, 3, 0.0, random.Random(0), ones=0.0)
+    ([1, 1, 1, 0], [1, 0, 0, 0])
     """
     first = key if rng.random() >= mistake_rate / 2 else 1 - key
     length = filler
     if rng.random() < CRITICAL_LENGTH_MISTAKES:
         length += rng.choice([-1, 1])
-    return [first] + [rng.randint(0, 1) for _ in range(length)]
+    return [first] + [int(rng.random() < ones) for _ in range(length)]
 
 
 def corpus_row(args: ToySettings, rng: random.Random) -> list[int]:
     """One pre-training sequence of the task: a random prompt, its corpus response, EOS."""
     if args.task == "critical":
         prompt, key = parse_prompt("".join(str(rng.randint(0, 1)) for _ in range(3)), "critical")
-        digits = critical_response(key, args.filler, args.mistake_rate, rng)
+        digits = critical_response(key, args.filler, args.mistake_rate, rng, CRITICAL_FILLER_ONES[args.filler_kind])
     else:
         prompt, target = parse_prompt(f"{rng.randint(0, 3)}{rng.randint(0, 3)}")
         digits = corpus_response(target, args.mistake_rate, rng)
@@ -268,6 +276,27 @@ class Exact:
     def expected_length(self) -> float:
         """Expected response length in tokens (EOS included)."""
         return float(sum(reach.sum() for reach in self.reach))
+
+    def position_map(self, threshold: float) -> dict[str, list[float]]:
+        """Per response position k (0: the first token), given that a response has a token there: the expected true
+        |A*_k| ("abs_advantage": how much credit that position's token carries) and the probability that its token
+        has p_t < threshold ("low_probability": a cutpoint of SPO-chain int1, kept by the probability mask).
+
+        >>> table = Exact([1], 1, [np.array([[0.5, 0.5, 0, 0, 0]])], [np.ones(1)], [np.array([0.5]), np.zeros(4)],
+        ...               finish=[np.ones(1)])
+        >>> table.position_map(0.9)  # V 0.5; EOS now scores 1 (A* +0.5), a digit runs out of horizon (-0.5)
+        {'abs_advantage': [0.5], 'low_probability': [1.0]}
+        """
+        credit, low = [], []
+        for k, (reach, probs) in enumerate(zip(self.reach, self.probs)):
+            after = np.zeros_like(probs)  # [prefixes, VOCAB]: V after each next token
+            after[:, EOS] = self.finish[k] if self.finish else 0.0
+            after[:, 1 : self.digits + 1] = self.values[k + 1].reshape(-1, self.digits)
+            weights = reach[:, None] * probs  # [prefixes, VOCAB]: P(prefix, next token)
+            mass = weights.sum()
+            credit.append(float((weights * np.abs(after - self.values[k][:, None])).sum() / mass) if mass else 0.0)
+            low.append(float((weights * (probs < threshold)).sum() / mass) if mass else 0.0)
+        return {"abs_advantage": credit, "low_probability": low}
 
     def low_probability_share(self, threshold: float) -> float:
         """Expected share of a response's tokens with p_t < threshold."""
