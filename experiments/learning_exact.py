@@ -108,7 +108,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import exact_toy as toy  # noqa: E402
-from measures import area_under, at_tokens, paired_interval, rounded  # noqa: E402
+from measures import area_under, at_tokens, in_steps, paired_interval, rounded  # noqa: E402
 
 import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
@@ -132,6 +132,16 @@ class Args:
     """B > 0: every run stops once it has sampled B tokens per prompt (cumulative), the learning rate is chosen by the
     area under J against cumulative tokens from 0 to B (not final J), and J is reported at B / 4, B / 2 and B,
     interpolated per seed; 0: iterations are the axis (the run's fractions, final J)"""
+    samples: ranges.NonNegativeInt = 0
+    """N > 0: the samples axis instead: every setting trains on N policy-gradient samples per prompt per iteration
+    (GRPO, SPO-chain, PPO: G = N responses, MC continuations not counted; SPO-tree: the branch factor whose full tree
+    has the number of edges closest to N, ties the smaller), every run makes --iterations optimizer steps, the rate is
+    chosen by the area under J against steps, and J is reported at 1/4, 1/2 and all of the steps; --budget is unused"""
+    budget_share: ranges.Fraction = 0.0
+    """s > 0: the run's length (--token-budget B, or --iterations with --samples) is fixed from GRPO first: GRPO swept
+    at the length given (provisional) on --tuning-seeds, then the length is where its mean curve at the chosen rate
+    first reaches J0 + s (1 - J0), s of the reachable gain (the length given if it never does); every setting, GRPO
+    included, is then tuned at that length"""
     common_lr: ranges.NonNegativeFloat = 0.0
     """> 0: every setting also runs at this one learning rate on the reported seeds (no tuning), reported beside"""
     budget: ranges.PositiveInt = 128
@@ -164,6 +174,9 @@ class Args:
     decided by the first token (exact_toy.CRITICAL)"""
     filler: ranges.PositiveInt = 4
     """--task critical: free bits after the key bit (--horizon must be --filler + 2)"""
+    filler_kind: Literal["coin", "confident"] = "coin"
+    """--task critical: the corpus's filler bits, coin flips (every filler token uncertain) or nearly always 0 (the
+    policy confident at every filler token, the key bit its one uncertain token: exact_toy.CRITICAL_FILLER_ONES)"""
     prompts: list[str] = field(default_factory=lambda: ["11", "12", "22", "13", "23", "33"])
     """prompts as two digits a b (0-3); the response's digits must add up to a + b (--task critical: three bits;
     the default there: all eight)"""
@@ -227,6 +240,7 @@ TINY = dict(
 POLICY_FIELDS = (
     "task",
     "filler",
+    "filler_kind",
     "prompts",
     "horizon",
     "temperature",
@@ -397,7 +411,7 @@ def grpo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> di
     grpo_baseline.update_policy(
         learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
     )
-    return {"reward": float(np.mean(rewards))}
+    return {"reward": float(np.mean(rewards)), "samples": len(samples) / len(exacts)}
 
 
 def chain_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
@@ -429,7 +443,11 @@ def chain_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> d
     spo_chain.update_policy(
         learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
     )
-    return {"reward": float(np.mean(rewards)), "cutpoints": float(np.mean([len(c) for c in cutpoints]))}
+    return {
+        "reward": float(np.mean(rewards)),
+        "samples": len(samples) / len(exacts),
+        "cutpoints": float(np.mean([len(c) for c in cutpoints])),
+    }
 
 
 def tree_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
@@ -481,7 +499,7 @@ def tree_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> di
         learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
     )
     root_values = [root.value for root in roots]  # backed up by tree_segments
-    return {"reward": float(np.mean(root_values)), "edges": len(samples)}
+    return {"reward": float(np.mean(root_values)), "samples": len(samples) / len(exacts), "edges": len(samples)}
 
 
 def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
@@ -527,7 +545,7 @@ def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dic
         iteration,
         learner.guard,
     )
-    return {"reward": float(np.mean(rewards)), "critic_value_mse": value_error}
+    return {"reward": float(np.mean(rewards)), "samples": len(samples) / len(exacts), "critic_value_mse": value_error}
 
 
 ITERATIONS = {"grpo": grpo_iteration, "spo_chain": chain_iteration, "spo_tree": tree_iteration, "ppo": ppo_iteration}
@@ -625,14 +643,28 @@ def closest_size(cost, budget: float, smallest: int) -> int:
     return min((below, below + 1), key=lambda size: (abs(size * cost - budget), size))
 
 
+def tree_size_for(samples: int, depth: int) -> int:
+    """SPO-tree's branch factor b on the samples axis: the one whose full tree of `depth` levels has the number of
+    edges (b + b^2 + ... + b^depth, each one a policy-gradient sample) closest to `samples` (ties: the smaller); at
+    least 2.
+
+    >>> tree_size_for(16, 3), tree_size_for(32, 3), tree_size_for(64, 3), tree_size_for(16, 2)
+    (2, 3, 4, 3)
+    """
+    return min(range(2, samples + 2), key=lambda b: (abs(sum(b**d for d in range(1, depth + 1)) - samples), b))
+
+
 def plan_sizes(exacts: list[toy.Exact], names: list[str], args: Args) -> tuple[dict[str, int], dict]:
     """Each setting's size from exact_toy.pilot_costs on the start policy (GRPO and PPO: G from the exact expected
-    response length; SPO-chain: G with K MC samples, drawn; SPO-tree: the branch factor, drawn) and those costs."""
+    response length; SPO-chain: G with K MC samples, drawn; SPO-tree: the branch factor, drawn) and those costs; on
+    the samples axis (--samples N) G = N and SPO-tree's b = tree_size_for(N) (the costs still recorded)."""
     costs = toy.pilot_costs(exacts, toy_settings(args))
     sizes = {}
     for name in names:
         family, options = toy.SETTINGS[name]
-        if family == "spo_chain":
+        if args.samples:
+            sizes[name] = tree_size_for(args.samples, args.tree_depth) if family == "spo_tree" else args.samples
+        elif family == "spo_chain":
             sizes[name] = closest_size(costs[f"spo_chain_int{options['interval']}"], args.budget, 1)
         elif family == "spo_tree":
             sizes[name] = closest_size(costs["spo_tree"], args.budget, 2)
@@ -650,9 +682,48 @@ def token_marks(budget: int) -> dict[str, float]:
     return {f"{p}%": budget * p / 100 for p in (25, 50, 100)}
 
 
+def axis_length(args: Args) -> int:
+    """How far every run goes on the axis the areas are taken on: B sampled tokens per prompt (--token-budget), or the
+    steps (--iterations) on the samples axis; 0 on the iterations axis (no area: final J)."""
+    return args.token_budget or (args.iterations if args.samples else 0)
+
+
+def on_axis(curve: dict, args: Args) -> dict:
+    """The run as the area sees it: its tokens per iteration, or on the samples axis one step per iteration
+    (measures.in_steps)."""
+    return in_steps(curve) if args.samples else curve
+
+
 def rate_score(curve: dict, args: Args) -> float:
-    """What the sweep maximises for one run: its area under J to --token-budget, or (without one) its final J."""
-    return area_under(curve, args.token_budget) if args.token_budget else curve["J"][-1]
+    """What the sweep maximises for one run: its area under J to the axis length (tokens, or steps on the samples
+    axis), or on the iterations axis its final J."""
+    return area_under(on_axis(curve, args), axis_length(args)) if axis_length(args) else curve["J"][-1]
+
+
+def length_from_grpo(curves: list[dict], args: Args) -> dict:
+    """--budget-share s: the axis length at which the mean of GRPO's `curves` (its tuning runs at the chosen rate,
+    from the provisional length) first reaches J0 + s (1 - J0): tokens rounded up to a whole token, or whole steps;
+    the provisional length where it never does.
+
+    >>> runs = [{"J": [0.5, 0.6, 0.9], "tokens": [10.0, 10.0]}, {"J": [0.5, 0.8, 0.9], "tokens": [10.0, 10.0]}]
+    >>> length_from_grpo(runs, replace(Args(), token_budget=20, budget_share=0.5))["length"]  # 0.75 at 12.5 tokens
+    13
+    >>> length_from_grpo(runs, replace(Args(), samples=4, iterations=2, budget_share=0.5))["length"]
+    2
+    """
+    provisional, start = axis_length(args), float(np.mean([run["J"][0] for run in curves]))
+    target = start + args.budget_share * (1 - start)
+    grid = np.arange(provisional + 1, dtype=float) if args.samples else np.linspace(0, provisional, 4001)
+    mean = np.mean([at_tokens(on_axis(run, args), grid) for run in curves], axis=0)
+    reached = np.flatnonzero(mean >= target - 1e-12)
+    length = math.ceil(grid[reached[0]] - 1e-9) if len(reached) else provisional
+    return {
+        "provisional": provisional,
+        "J0": start,
+        "target_J": target,
+        "reached": bool(len(reached)),
+        "length": length,
+    }
 
 
 def best_lr(final: dict[float, list[float]]) -> float:
@@ -703,7 +774,7 @@ def sweep(names: list[str], world: World, args: Args) -> dict[str, dict]:
                 pending.append((name, grow[1]))
         if not pending:
             break
-    score = "auc" if args.token_budget else "final_J"  # what the choice maximised, in the JSON
+    score = "auc" if axis_length(args) else "final_J"  # what the choice maximised, in the JSON
     for entry in results.values():
         entry["grid"] = sorted(entry["final_J"])
         by_lr = entry.pop("final_J")
@@ -756,12 +827,12 @@ def summarise(curves: dict[str, list[dict]], args: Args) -> tuple[dict, dict]:
     spo_tree_uniform, of J at 25 / 50 / 100 % and of the iterations to +gain."""
     summary, columns = {}, {}
     for name, runs in curves.items():
-        if args.token_budget:  # J at B / 4, B / 2, B sampled tokens per prompt, each run interpolated
+        if axis_length(args):  # J at 1/4, 1/2 and all of B tokens (or of the steps), each run interpolated
             at = {
-                mark: np.array([float(at_tokens(r, t)) for r in runs])
-                for mark, t in token_marks(args.token_budget).items()
+                mark: np.array([float(at_tokens(on_axis(r, args), t)) for r in runs])
+                for mark, t in token_marks(axis_length(args)).items()
             }
-            at["auc"] = np.array([area_under(r, args.token_budget) for r in runs])
+            at["auc"] = np.array([rate_score(r, args) for r in runs])
         else:
             J = np.array([run["J"] for run in runs])  # [seeds, iterations + 1]
             at = {mark: J[:, t] for mark, t in checkpoints_of(args.iterations).items()}
@@ -837,10 +908,14 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6), layout="constrained")
-    budget = results["settings"].get("token_budget")
+    settings = results["settings"]
+    steps = bool(settings.get("samples"))  # the samples axis: x is optimizer steps
+    budget = settings.get("token_budget") or (settings["iterations"] if steps else 0)
     for name, runs in results["curves"].items():
         color, style = toy.PALETTE.get(name, (None, "-"))
-        if budget:  # every run on one token grid from 0 to B (runs end at different iterations)
+        if steps:
+            runs = [in_steps(run) for run in runs]
+        if budget:  # every run on one grid from 0 to B tokens or steps (runs end at different iterations)
             tokens = np.linspace(0, budget, 65)
             J = np.array([at_tokens(run, tokens) for run in runs])  # [seeds, grid]
             kl = np.array([at_tokens(run, tokens, "kl") for run in runs]).mean(axis=0)
@@ -855,20 +930,22 @@ def plot(results: dict, path: Path) -> None:
         left.plot(tokens, mean, color=color, linestyle=style, label=label)
         left.fill_between(tokens, low, high, color=color, alpha=0.12)
         right.plot(tokens if budget else np.arange(len(kl)), kl, color=color, linestyle=style, label=name)
-    left.set(xlabel="sampled tokens per prompt (cumulative)", ylabel="exact expected reward J", title="J")
+    axis = "optimizer steps" if steps else "sampled tokens per prompt (cumulative)"
+    left.set(xlabel=axis, ylabel="exact expected reward J", title="J")
     right.set(
-        xlabel="sampled tokens per prompt (cumulative)" if budget else "iteration",
+        xlabel=axis if budget else "iteration",
         ylabel="exact KL(pi || pi_start) per response",
         title="KL to the start policy",
     )
     left.legend(fontsize=8)
     for axis in (left, right):
         axis.grid(alpha=0.3)
-    settings = results["settings"]
+    per_iteration = (
+        f"{settings['samples']} samples" if steps else f"~{settings['budget']} sampled tokens"
+    ) + " per prompt per iteration"
     fig.suptitle(
         f"Learning on the exact expected reward ({settings.get('task', 'sum')} task): tiny Llama, horizon "
-        f"{settings['horizon']}, "
-        f"{len(settings['prompts'])} prompts, ~{settings['budget']} sampled tokens per prompt per iteration, "
+        f"{settings['horizon']}, {len(settings['prompts'])} prompts, {per_iteration}, "
         f"{len(settings['seeds'])} seeds (mean, 95% bootstrap band over seeds)",
         fontsize=11,
     )
@@ -902,7 +979,9 @@ def print_table(results: dict, summary: dict | None = None, differences: dict | 
         print(f"spo_tree_depth - spo_tree_uniform, final J: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]")
     if any(entry["at_edge"] for entry in results["sweep"].values()):
         print("(! the chosen learning rate is still at the edge of the widened grid)")
-    if results["settings"].get("token_budget"):
+    if results["settings"].get("samples"):
+        print(f"(J25% / J50% / J100%: J after 1/4, 1/2 and all of {results['settings']['iterations']} optimizer steps)")
+    elif results["settings"].get("token_budget"):
         print(
             f"(J25% / J50% / J100%: J after 1/4, 1/2 and all of {results['settings']['token_budget']} sampled tokens "
             "per prompt; final - grpo: at the budget)"
@@ -923,6 +1002,12 @@ def validate(args: Args) -> None:
         problems.append(f"--settings {' '.join(unknown)}: choose from {' '.join(toy.SETTINGS)}")
     if set(args.seeds) & set(args.tuning_seeds):
         problems.append("--tuning-seeds must differ from --seeds (the reported runs)")
+    if args.samples and args.token_budget:
+        problems.append("--samples and --token-budget are two axes: give one (steps on the samples axis: --iterations)")
+    if args.budget_share and not axis_length(args):
+        problems.append("--budget-share fixes the length of an axis: give --token-budget or --samples with it")
+    if args.budget_share and "grpo" not in args.settings:
+        problems.append("--budget-share fixes the length from GRPO's curve: keep grpo in --settings")
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -938,6 +1023,7 @@ def main(args: Args) -> dict:
         args = dataclasses.replace(args, **TINY)
     args = toy.task_defaults(args)
     validate(args)
+    given = asdict(args)  # the settings as given, before --budget-share fixes the length
     torch.set_num_threads(args.threads)
     started, seconds = time.time(), {}
     names = list(dict.fromkeys(args.settings))
@@ -960,6 +1046,21 @@ def main(args: Args) -> dict:
         f"{args.max_extensions} for every setting)",
         flush=True,
     )
+
+    # 2b. With --budget-share: the axis length from GRPO, swept at the length given (provisional).
+    length = None
+    if args.budget_share:
+        step = time.time()
+        provisional = sweep(["grpo"], world, args)["grpo"]
+        chosen = [curve for curve in provisional["curves"] if curve["lr"] == provisional["chosen"]]
+        length = {"grpo_lr": provisional["chosen"], **length_from_grpo(chosen, args)}
+        args = replace(args, **{"iterations" if args.samples else "token_budget": length["length"]})
+        seconds["length"] = time.time() - step
+        print(
+            f"length from GRPO (lr {length['grpo_lr']:g}): {length['length']} {'steps' if args.samples else 'tokens'} "
+            f"({'reaches' if length['reached'] else 'never reaches, provisional kept:'} J {length['target_J']:.3f})",
+            flush=True,
+        )
 
     # 3. Each setting's learning rate from the sweep on the tuning seeds.
     step = time.time()
@@ -999,6 +1100,7 @@ def main(args: Args) -> dict:
         {
             "command": " ".join(["python"] + sys.argv),
             "settings": asdict(args),
+            "given_settings": given,
             "machine": code,
             "seconds": seconds,
             "seconds_per_iteration": timing,
@@ -1009,13 +1111,19 @@ def main(args: Args) -> dict:
                 "expected_reward": toy.expected_reward(exacts),
                 "prompts": {text: float(exact.values[0][0]) for text, exact in zip(args.prompts, exacts)},
                 "expected_length": float(np.mean([exact.expected_length() for exact in exacts])),
+                # per response position, mean over prompts: the true |A*| and the share of low-probability tokens
+                "position_map": {
+                    key: np.mean([exact.position_map(args.prob_threshold)[key] for exact in exacts], axis=0).tolist()
+                    for key in ("abs_advantage", "low_probability")
+                },
             },
+            "length_from_grpo": length,
             "pilot_costs": {
                 name: ({str(b): c for b, c in cost.items()} if isinstance(cost, dict) else cost)
                 for name, cost in costs.items()
             },
             "sizes": sizes,
-            "checkpoints": token_marks(args.token_budget) if args.token_budget else checkpoints_of(args.iterations),
+            "checkpoints": token_marks(axis_length(args)) if axis_length(args) else checkpoints_of(args.iterations),
             "sweep": {name: {k: v for k, v in entry.items() if k != "curves"} for name, entry in swept.items()},
             "summary": summary,
             "differences": differences,

@@ -83,6 +83,16 @@ def cumulative_tokens(run: dict) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(run["tokens"])])[: len(run["J"])]
 
 
+def in_steps(run: dict) -> dict:
+    """The run with one unit per iteration in place of its tokens, so at_tokens and area_under read optimizer steps
+    (the samples axis of learning_exact.py).
+
+    >>> area_under(in_steps({"J": [0.0, 1.0, 1.0], "tokens": [50.0, 70.0]}), 2)  # 0 -> 1 in the first of 2 steps
+    0.75
+    """
+    return {**run, "tokens": [1.0] * (len(run["J"]) - 1)}
+
+
 def at_tokens(run: dict, tokens, key: str = "J") -> np.ndarray:
     """The run's J (or `key`: "kl") after `tokens` sampled tokens per prompt: linear between its iterations, its last
     value after its last iteration.
