@@ -1,27 +1,44 @@
 """Does segment credit help where one early token decides the reward? learning_exact.py's critical-token task, swept
-over the filler length L.
+over the filler length L, on two axes and in two regimes.
 
 The task (exact_toy.CRITICAL): a prompt of three bits; the reward is 1 for the key bit (the prompt's first bit) as
-the first token, then exactly L bits of any value, then EOS. The start policy (pre-trained on a corpus whose key bit is
-wrong in --mistake-rate / 2 of its rows) has not learned the key: P(key) is about a half on every prompt, while the
-length is nearly always right. So the reward is decided by one token, and credit given to the whole response (GRPO,
-PPO with lambda 1) spreads over L + 1 tokens that do not affect it, while segment credit (SPO-chain's MC values at
-cutpoints, SPO-tree's sibling segments) can localise it. The prediction under test, whichever way it falls: if
-segment credit helps, SPO's lead over GRPO grows with L.
+the first token, then exactly L bits of any value, then EOS. One pre-training recipe at every L (exact_toy.make_policy:
+500 steps; the key wrong in 45 % of the corpus, so P(key) is about a half; the length wrong in 10 %): the start
+policy's length is right on every prompt 0.98-1.00 of the time, so only the key decides its reward. Two regimes
+(--filler-kinds): coin, every filler bit a coin flip in the corpus, so every filler token is uncertain (p about 0.5,
+below SPO's 0.9 threshold: each is a cutpoint and passes the probability mask); confident, the filler bits nearly
+always 0, so the policy is sure of every filler token (p > 0.99 at temperature 0.6) and the key is the one uncertain
+token: SPO's regime, where cutpoints and the mask fall on the token that decides. Each L's JSON records the start
+policy's exact map of credit (policy.position_map: the true |A*| and the share of low-probability tokens at every
+response position).
 
-Each L is one learning_exact.py run, in a process of its own (every setting through its script's own functions, the
-exact J after every iteration), on the token axis: every run stops at B = --responses x (L + 2) sampled tokens per
-prompt (the same number of full-length responses' worth at every L), each setting's rate is the best area under J
-against tokens on --tuning-seeds, J is reported at B / 4, B / 2, B interpolated per seed, paired by seed against GRPO;
-and every setting again at --common-lr, untuned. The per-iteration size is --per-iteration x (L + 2) tokens per prompt
-(GRPO: --per-iteration responses a group). A run whose policy collapses to short responses would need hundreds of
-iterations to spend B: every run stops at 4 x the nominal --responses / --per-iteration iterations, and its last J holds
-for the rest of B (recorded per run: its tokens). SPO-tree has 3 levels where they fit the horizon (2 at L <= 2). Writes
-one learning_exact JSON + PNG per L (out_L{L}.json) and a summary JSON + PNG (--out): per L and setting, the area and J
-at B minus GRPO's with paired 95 % intervals, at the tuned rates and at the common rate. An L whose JSON already holds
-exactly the settings this sweep gives it (run_args; the others are learning_exact's defaults) is read, not run again.
+Two axes (--axes), each with its own rates (the best area under J on --tuning-seeds):
+  tokens   every run stops at B sampled tokens per prompt (responses, MC continuations, tree nodes); each setting's
+           size is the one whose cost is closest to --per-iteration x (L + 2) tokens per prompt per iteration
+  samples  every setting trains on --samples policy-gradient samples per prompt per iteration (GRPO, SPO-chain, PPO:
+           G responses, MC continuations not counted; SPO-tree: the branch factor whose 3-level tree has the number of
+           edges closest to it, b 2 for 16: 14 edges), for S optimizer steps
+No floor: at each (regime, axis, L) the length (B or S) is where GRPO reaches half its reachable gain, J0 + 0.5
+(1 - J0) (learning_exact --budget-share): GRPO is swept at a provisional length (--responses x (L + 2) tokens, or
+--steps), the length is fixed from its mean curve at the chosen rate, and then every setting, GRPO included, is tuned
+at that length. SPO-tree has 3 levels of 2-token segments at every L (so L >= 3). Leads over GRPO are paired by seed;
+the trend reads them on a normalised scale, (area - GRPO's area) / (1 - J0), the share of the reachable gain, from the
+shortest L to the longest (unpaired: different start policies).
 
-  python experiments/learning_critical.py                    # experiments/results/learning_critical{,_L*}.{json,png}
+The prediction, stated before the runs. Samples axis: GRPO's gradient gets noisier with L (the one decisive token's
+credit is spread over L + 1 others) while SPO's segment values are not, so if segment credit helps, SPO's normalised
+lead over GRPO grows with L, in both regimes. Tokens axis: SPO-chain pays K = 9 MC continuations at every cutpoint;
+with coin fillers every filler token is one, so its cost grows about as K (L + 1) / 2 per response and its lead
+should shrink with L; with confident fillers there is one cutpoint (the key) per response and its cost is about K +
+1 response lengths at every L, so the samples-axis trend should carry over.
+
+Each case is one learning_exact.py run, in a process of its own, writing <out stem>_<kind>_<axis>_L<L>.json + PNG;
+the summary (--out, PNG beside it) holds every case's lengths, sizes, leads with paired 95 % intervals, the advantage
+maps and the trend. A case whose JSON holds the settings this sweep gives it and was computed by the same code (a
+hash, not the commit) is read back, not run again; the summary records each case's commit and hash.
+
+  python experiments/learning_critical.py                    # experiments/results/learning_critical{,_*_L*}.{json,png}
+  python experiments/learning_critical.py --filler-kinds confident --axes samples --fillers 3   # one case
   python experiments/learning_critical.py --tiny --out /tmp/critical.json   # seconds: what the tests run
 """
 
@@ -36,83 +53,128 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import exact_toy as toy  # noqa: E402
-from measures import area_under, rounded  # noqa: E402
+from measures import area_under, in_steps, paired_interval, rounded  # noqa: E402
 
 from plumbing import UsageError, cli, ranges  # noqa: E402
 
-EXPERIMENT = "experiments/learning_exact.py"  # what computes each L, in a process of its own
+EXPERIMENT = "experiments/learning_exact.py"  # what computes each case, in a process of its own
+KINDS = ("coin", "confident")
+AXES = ("tokens", "samples")
 
 
 @dataclass
 class Args:
-    fillers: ranges.PositiveInts = field(default_factory=lambda: [1, 2, 5, 7])
-    """filler lengths L (horizon L + 2; the exact enumeration costs 2^(L + 2) prefixes a prompt)"""
-    responses: ranges.PositiveInt = 375
-    """B = this x (L + 2) sampled tokens per prompt: where every run stops"""
-    per_iteration: ranges.PositiveInt = 16
-    """learning_exact's --budget = this x (L + 2): sampled tokens per prompt per iteration (GRPO's G = this)"""
+    fillers: ranges.PositiveInts = field(default_factory=lambda: [3, 5, 7])
+    """filler lengths L, at least 3 (horizon L + 2; SPO-tree's 3 levels of 2-token segments end inside it)"""
+    filler_kinds: list[Literal["coin", "confident"]] = field(default_factory=lambda: list(KINDS))
+    """the regimes: coin-flip filler bits (every filler token uncertain), confident ones (the key the one uncertain)"""
+    axes: list[Literal["tokens", "samples"]] = field(default_factory=lambda: list(AXES))
+    """tokens: equal sampled tokens; samples: equal policy-gradient samples and optimizer steps"""
+    per_iteration: ranges.PositiveInt = 64
+    """tokens axis: sampled tokens per prompt per iteration = this x (L + 2) (GRPO's G = this)"""
+    responses: ranges.PositiveInt = 2000
+    """tokens axis: the provisional B = this x (L + 2) sampled tokens per prompt (GRPO's length sweep)"""
+    samples: ranges.PositiveInt = 16
+    """samples axis: policy-gradient samples per prompt per iteration (G; SPO-tree: its tree's edges)"""
+    steps: ranges.PositiveInt = 80
+    """samples axis: the provisional number of optimizer steps (GRPO's length sweep)"""
+    budget_share: ranges.bounded(float, 0, 1, low_open=True, high_open=True) = 0.5
+    """the length of each case is where GRPO's mean curve reaches J0 + this x (1 - J0)"""
     seeds: ranges.Seeds = field(default_factory=lambda: list(range(10)))
     """reported seeds (paired by seed)"""
-    tuning_seeds: ranges.Seeds = field(default_factory=lambda: [1000, 1001, 1002, 1003])
-    """seeds of the rate sweep (not reported)"""
+    tuning_seeds: ranges.Seeds = field(default_factory=lambda: [1000, 1001, 1002])
+    """seeds of the rate sweeps (not reported)"""
     lrs: ranges.PositiveFloats = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
     """the rate grid (extended by 3x at an edge, --max-extensions times)"""
     max_extensions: ranges.NonNegativeInt = 2
     """grid extensions per setting"""
-    common_lr: ranges.PositiveFloat = 1e-3
-    """every setting also runs at this rate, untuned"""
     mistake_rate: ranges.Fraction = 0.9
     """share of corpus rows with a mistake (half of them a wrong key bit): the start policy's P(key) is about 0.5"""
-    settings: list[str] = field(default_factory=lambda: list(toy.SETTINGS))
-    """settings to run (grpo is the reference)"""
+    settings: list[str] = field(
+        default_factory=lambda: [
+            "grpo",
+            "grpo_mask",
+            "spo_chain_int1",
+            "spo_tree_uniform",
+            "spo_tree_depth",
+            "ppo_lam1",
+        ]
+    )
+    """settings to run (grpo is the reference; int5 and PPO lambda 0.96 are left out by default to fit the compute)"""
     workers: ranges.PositiveInt = 2
     """processes of one torch thread each"""
     out: str = "experiments/results/learning_critical.json"
-    """summary JSON (PNG beside it); each L's learning_exact results go to <out stem>_L<L>.json"""
+    """summary JSON (PNG beside it); each case's learning_exact results go to <out stem>_<kind>_<axis>_L<L>.json"""
     tiny: bool = False
-    """a seconds-long run for the tests: L 1 and 2, two prompts, three seeds, one tuning seed, two rates"""
+    """a seconds-long run for the tests: L 1 and 2 (SPO-tree 2 levels), two prompts, three settings, three seeds"""
 
 
-TINY = dict(fillers=[1, 2], responses=20, per_iteration=4, seeds=[0, 1, 2], tuning_seeds=[100], lrs=[1e-3, 1e-2])
-TINY_RUN = dict(pretrain_steps=300, tree_depth=2, bootstrap=200, workers=1)
+TINY = dict(
+    fillers=[1, 2],
+    per_iteration=4,
+    responses=24,
+    samples=4,
+    steps=6,
+    seeds=[0, 1, 2],
+    tuning_seeds=[100],
+    lrs=[1e-3, 1e-2],
+    settings=["grpo", "spo_chain_int1", "spo_tree_depth"],
+)
+TINY_RUN = dict(pretrain_steps=200, tree_depth=2, bootstrap=200, workers=1, prompts=["011", "100"])
 
 
-def run_args(filler: int, args: Args) -> dict:
-    """learning_exact's settings for one filler length L, by field name (its flags; the others keep its defaults)."""
+def case_name(kind: str, axis: str, filler: int) -> str:
+    """A case's name in the summary and its file's suffix.
+
+    >>> case_name("coin", "tokens", 3)
+    'coin_tokens_L3'
+    """
+    return f"{kind}_{axis}_L{filler}"
+
+
+def run_args(kind: str, axis: str, filler: int, args: Args) -> dict:
+    """learning_exact's settings for one case, by field name (its flags; the others keep its defaults)."""
     length = filler + 2
     run = dict(
         task="critical",
         filler=filler,
+        filler_kind=kind,
         horizon=length,
-        tree_depth=min(3, (length - 1) // 2 + 1),  # SPO-tree's levels above its last (2 tokens each) end inside
+        tree_depth=3,
         prompts=list(toy.CRITICAL["prompts"]),  # all eight three-bit prompts
         mistake_rate=args.mistake_rate,
-        token_budget=args.responses * length,
-        budget=args.per_iteration * length,
-        iterations=4 * math.ceil(args.responses / args.per_iteration),  # 4 x the nominal count: see the docstring
+        budget_share=args.budget_share,
         seeds=args.seeds,
         tuning_seeds=args.tuning_seeds,
         lrs=args.lrs,
         max_extensions=args.max_extensions,
-        common_lr=args.common_lr,
         settings=args.settings,
         workers=args.workers,
-        out=str(Path(args.out).with_name(f"{Path(args.out).stem}_L{filler}.json")),
+        out=str(Path(args.out).with_name(f"{Path(args.out).stem}_{case_name(kind, axis, filler)}.json")),
     )
-    return {**run, "prompts": ["011", "100"], **TINY_RUN} if args.tiny else run
+    if axis == "tokens":  # the provisional B; a run that collapses to short responses stops at 4x the nominal steps
+        run.update(
+            token_budget=args.responses * length,
+            budget=args.per_iteration * length,
+            iterations=4 * math.ceil(args.responses / args.per_iteration),
+        )
+    else:
+        run.update(samples=args.samples, iterations=args.steps)
+    return {**run, **TINY_RUN} if args.tiny else run
 
 
 def flags(run: dict) -> list[str]:
     """learning_exact.py's command-line flags for the settings `run` holds.
 
-    >>> flags({"task": "critical", "tuning_seeds": [100, 101], "common_lr": 0.001})
-    ['--task', 'critical', '--tuning-seeds', '100', '101', '--common-lr', '0.001']
+    >>> flags({"task": "critical", "tuning_seeds": [100, 101], "budget_share": 0.5})
+    ['--task', 'critical', '--tuning-seeds', '100', '101', '--budget-share', '0.5']
     """
     words = []
     for name, value in run.items():
@@ -121,17 +183,17 @@ def flags(run: dict) -> list[str]:
 
 
 def earlier_run(run: dict) -> dict | None:
-    """The results this L's run wrote before, when its JSON holds exactly the settings `run` gives it and was computed
-    by the code as it is now (exact_toy.code_hash of learning_exact.py and what it imports: the same hash, whatever
-    the commit); else None. An interrupted sweep goes on from the next L, and a longer list of L reuses the shorter
-    one's runs."""
+    """The results this case's run wrote before, when its JSON was made with exactly the settings `run` gives it
+    (before --budget-share fixed the length: the command's own flags) by the code as it is now (exact_toy.code_hash of
+    learning_exact.py and what it imports: the same hash, whatever the commit); else None. An interrupted sweep goes
+    on from the next case, and a longer list of L reuses the shorter one's cases."""
     path = Path(run["out"])
     try:
         results = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    saved = results.get("settings") or {}
-    if {name: saved.get(name) for name in run} != json.loads(json.dumps(rounded(run))):
+    given = results.get("given_settings") or {}
+    if {name: given.get(name) for name in run} != json.loads(json.dumps(rounded(run))):
         return None
     made = results.get("machine") or {}
     if made.get("code_hash") != toy.code_hash(EXPERIMENT):
@@ -149,85 +211,96 @@ def run_learning_exact(run: dict) -> dict:
     return json.loads(Path(run["out"]).read_text())
 
 
-def leads(results: dict) -> dict:
-    """Per setting of one L's results: its rate, area and J at B, and those minus GRPO's (paired by seed) at the
-    tuned rates and at the common rate."""
-    table = {}
-    for kind, summary, differences in (
-        ("tuned", results["summary"], results["differences"]),
-        ("common", results["common_rate"]["summary"], results["common_rate"]["differences"]),
-    ):
-        for name, row in summary.items():
-            versus = differences.get(f"{name} - grpo", {})
-            table.setdefault(name, {})[kind] = {
-                "lr": row["lr"],
-                "J0": row["J0"],
-                "auc": row["auc"],
-                "J_B": row["J_100%"],
-                "auc_minus_grpo": versus.get("auc"),
-                "J_B_minus_grpo": versus.get("100%"),
-            }
-        depth = differences.get("spo_tree_depth - spo_tree_uniform")
-        if depth:
-            table.setdefault("spo_tree_depth - spo_tree_uniform", {})[kind] = {
-                "auc": depth["auc"],
-                "J_B": depth["100%"],
-            }
-    return table
-
-
-def seed_leads(results: dict, kind: str) -> dict[str, np.ndarray]:
-    """[seeds] per setting: its area under J to B minus GRPO's on the same seed, from one L's saved curves ("tuned"
-    rates or the "common" rate)."""
-    curves = results["curves"] if kind == "tuned" else results["common_rate"]["curves"]
-    budget = results["settings"]["token_budget"]
-    reference = np.array([area_under(run, budget) for run in curves["grpo"]])
+def seed_areas(results: dict) -> dict[str, np.ndarray]:
+    """[seeds] per setting: the area under J to the case's length on its axis (tokens, or steps on the samples
+    axis), from its saved curves at the tuned rates."""
+    settings = results["settings"]
+    steps = bool(settings.get("samples"))
+    length = settings["iterations"] if steps else settings["token_budget"]
     return {
-        name: np.array([area_under(run, budget) for run in runs]) - reference
-        for name, runs in curves.items()
-        if name != "grpo"
+        name: np.array([area_under(in_steps(run) if steps else run, length) for run in runs])
+        for name, runs in results["curves"].items()
     }
 
 
-def trend(first: dict, last: dict, resamples: int = 2000, seed: int = 0) -> dict:
-    """Whether a setting's lead over GRPO grows with L: per setting and kind, [mean, low, high] of (its lead at the
-    longest L) - (its lead at the shortest), the 95 % interval from resampling each L's seeds on their own (the two
-    L's runs start from different policies: unpaired).
+def leads(results: dict, resamples: int = 2000) -> dict:
+    """Per setting of one case: its size, rate, samples and tokens per iteration, area and J at the length, those
+    minus GRPO's (paired by seed), and the lead as a share of the reachable gain, (area - GRPO's) / (1 - J0), paired
+    95 % interval."""
+    areas, table = seed_areas(results), {}
+    for name, row in results["summary"].items():
+        versus = results["differences"].get(f"{name} - grpo", {})
+        scale = 1.0 - row["J0"]
+        runs = results["curves"][name]
+        table[name] = {
+            "size": row["size"],
+            "lr": row["lr"],
+            "at_edge": results["sweep"][name]["at_edge"],
+            "samples_per_iteration": float(np.mean([s.get("samples", 0.0) for r in runs for s in r["stats"]])),
+            "tokens_per_iteration": row["tokens_per_iteration"],
+            "iterations": row["iterations"],
+            "J0": row["J0"],
+            "auc": row["auc"],
+            "J_B": row["J_100%"],
+            "auc_minus_grpo": versus.get("auc"),
+            "J_B_minus_grpo": versus.get("100%"),
+            "share_of_gain": (
+                paired_interval(areas[name] / scale, areas["grpo"] / scale, resamples, seed=0)
+                if name != "grpo"
+                else None
+            ),
+        }
+    depth = results["differences"].get("spo_tree_depth - spo_tree_uniform")
+    if depth:
+        table["spo_tree_depth - spo_tree_uniform"] = {"auc": depth["auc"], "J_B": depth["100%"]}
+    return table
 
-    >>> run = lambda areas: {"settings": {"token_budget": 1}, "curves": {n: [{"J": [a, a], "tokens": [1.0]} for a in v]
-    ...     for n, v in areas.items()}, "common_rate": {"curves": {"grpo": [{"J": [0.5, 0.5], "tokens": [1.0]}] * 2,
-    ...     "spo": [{"J": [0.5, 0.5], "tokens": [1.0]}] * 2}}}
-    >>> trend(run({"grpo": [0.5, 0.5], "spo": [0.4, 0.6]}), run({"grpo": [0.5, 0.5], "spo": [0.7, 0.7]}))["tuned"]
-    {'spo': [0.2, 0.1, 0.3]}
+
+def trend(first: dict, last: dict, resamples: int = 2000, seed: int = 0) -> dict:
+    """Whether a setting's lead over GRPO grows with L: per setting, [mean, low, high] of (its lead at the longest L)
+    - (its lead at the shortest), each lead (area - GRPO's area) / (1 - J0) per seed (a share of the reachable gain),
+    the 95 % interval from resampling each L's seeds on their own (the two L's runs start from different policies:
+    unpaired).
+
+    >>> run = lambda j0, areas: {"settings": {"token_budget": 1}, "summary": {"grpo": {"J0": j0}},
+    ...     "curves": {n: [{"J": [a, a], "tokens": [1.0]} for a in v] for n, v in areas.items()}}
+    >>> trend(run(0.5, {"grpo": [0.5, 0.5], "spo": [0.4, 0.6]}), run(0.6, {"grpo": [0.6, 0.6], "spo": [0.72, 0.72]}))
+    {'spo': [0.3, 0.1, 0.5]}
     """
     rng, result = np.random.default_rng(seed), {}
-    for kind in ("tuned", "common"):
-        low_leads, high_leads = seed_leads(first, kind), seed_leads(last, kind)
-        result[kind] = {}
-        for name in low_leads:
-            a, b = high_leads[name], low_leads[name]
-            draws = rng.choice(a, (resamples, len(a))).mean(1) - rng.choice(b, (resamples, len(b))).mean(1)
-            low, high = np.percentile(draws, [2.5, 97.5])
-            result[kind][name] = [round(float(a.mean() - b.mean()), 6), round(float(low), 6), round(float(high), 6)]
+    low_areas, high_areas = seed_areas(first), seed_areas(last)
+    low_scale, high_scale = 1 - first["summary"]["grpo"]["J0"], 1 - last["summary"]["grpo"]["J0"]
+    for name in low_areas:
+        if name == "grpo" or name not in high_areas:
+            continue
+        a = (high_areas[name] - high_areas["grpo"]) / high_scale
+        b = (low_areas[name] - low_areas["grpo"]) / low_scale
+        draws = rng.choice(a, (resamples, len(a))).mean(1) - rng.choice(b, (resamples, len(b))).mean(1)
+        low, high = np.percentile(draws, [2.5, 97.5])
+        result[name] = [round(float(a.mean() - b.mean()), 6), round(float(low), 6), round(float(high), 6)]
     return result
 
 
 def plot(summary: dict, path: Path) -> None:
-    """Each setting's area under J minus GRPO's against L, with paired 95 % intervals: tuned rates, common rate."""
+    """Each setting's lead over GRPO as a share of the reachable gain against L, paired 95 % intervals: one panel per
+    regime and axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fillers = [int(f) for f in summary["by_filler"]]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    names = [n for n in summary["by_filler"][str(fillers[0])] if n != "grpo" and " - " not in n]
-    for axis, kind in zip(axes, ("tuned", "common")):
+    cases = summary["cases"]
+    panels = [(kind, axis) for kind in cases for axis in cases[kind]]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), sharey=True, squeeze=False)
+    for axis_plot, (kind, axis) in zip(axes[0], panels):
+        by_filler = cases[kind][axis]
+        fillers = sorted(int(f) for f in by_filler)
+        names = [n for n in by_filler[str(fillers[0])]["leads"] if n != "grpo" and " - " not in n]
         for offset, name in enumerate(names):
-            rows = [summary["by_filler"][str(f)][name][kind]["auc_minus_grpo"] for f in fillers]
+            rows = [by_filler[str(f)]["leads"][name]["share_of_gain"] for f in fillers]
             x = [f + 0.08 * (offset - len(names) / 2) for f in fillers]
             color, style = toy.PALETTE.get(name, ("gray", "-"))
-            axis.errorbar(
+            axis_plot.errorbar(
                 x,
                 [r[0] for r in rows],
                 yerr=[[r[0] - r[1] for r in rows], [r[2] - r[0] for r in rows]],
@@ -237,63 +310,98 @@ def plot(summary: dict, path: Path) -> None:
                 capsize=2,
                 label=name,
             )
-        axis.axhline(0, color="black", linewidth=0.8)
-        axis.set_xticks(fillers)
-        axis.set_xlabel("filler bits L (tokens that do not decide the reward)")
-        axis.set_title(
-            "tuned rates (area under J to B)" if kind == "tuned" else f"common rate {summary['common_lr']:g}"
-        )
-    axes[0].set_ylabel("area under J to B, minus GRPO's (95 % paired CI)")
-    axes[0].legend(fontsize=7)
+        axis_plot.axhline(0, color="black", linewidth=0.8)
+        axis_plot.set_xticks(fillers)
+        axis_plot.set_xlabel("filler bits L")
+        axis_plot.set_title(f"{kind} fillers, equal {'sampled tokens' if axis == 'tokens' else 'samples and steps'}")
+    axes[0][0].set_ylabel("(area - GRPO's) / (1 - J0), paired 95 % CI")
+    axes[0][0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
+def validate(args: Args) -> None:
+    """Every problem with the settings in one UsageError line, before any case runs."""
+    problems = ranges.problems(args)
+    if not args.tiny and min(args.fillers) < 3:
+        problems.append(f"--fillers {min(args.fillers)}: at least 3 (SPO-tree's 3 levels of 2-token segments)")
+    if "grpo" not in args.settings:
+        problems.append("--settings must hold grpo (the reference, and what fixes each case's length)")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
 def main(args: Args) -> dict:
     if args.tiny:
         args = dataclasses.replace(args, **TINY)
+    validate(args)
     started = time.time()
     code = toy.machine("experiments/learning_critical.py", EXPERIMENT)  # the code as it starts
-    by_filler, files, made, ends = {}, {}, {}, []  # ends: the shortest and the longest L's results
-    for filler in args.fillers:
-        length = filler + 2
-        print(f"--- L = {filler}: horizon {length}, B = {args.responses * length} tokens per prompt", flush=True)
-        run = run_args(filler, args)
-        results = earlier_run(run) or run_learning_exact(run)
-        by_filler[str(filler)] = leads(results)
-        files[str(filler)] = run["out"]
-        made[str(filler)] = {key: results["machine"].get(key) for key in ("commit", "tree_modified", "code_hash")}
-        ends = [ends[0] if ends else results, results]
+    cases, trends, maps, files, made = {}, {}, {}, {}, {}
+    for kind in args.filler_kinds:
+        for axis in args.axes:
+            ends = []  # the shortest and the longest L's results
+            for filler in args.fillers:
+                name = case_name(kind, axis, filler)
+                print(f"--- {name}: {kind} fillers, the {axis} axis, L {filler} (horizon {filler + 2})", flush=True)
+                run = run_args(kind, axis, filler, args)
+                results = earlier_run(run) or run_learning_exact(run)
+                cases.setdefault(kind, {}).setdefault(axis, {})[str(filler)] = {
+                    "length": results["length_from_grpo"],
+                    "leads": leads(results),
+                }
+                maps.setdefault(kind, {})[str(filler)] = results["policy"]["position_map"]
+                files[name] = run["out"]
+                made[name] = {key: results["machine"].get(key) for key in ("commit", "tree_modified", "code_hash")}
+                ends = [ends[0] if ends else results, results]
+            trends.setdefault(kind, {})[axis] = trend(*ends)
     summary = rounded(
         {
             "command": " ".join(["python"] + sys.argv),
             "settings": asdict(args),
-            "common_lr": args.common_lr,
             "files": files,
-            "code_by_filler": made,  # each L's JSON's own code: reused ones keep the commit that computed them
+            "code_by_case": made,  # each case's JSON's own code: reused ones keep the commit that computed them
             "seconds": time.time() - started,
             "machine": code,
-            "by_filler": by_filler,
-            "trend": {"from_filler": args.fillers[0], "to_filler": args.fillers[-1], **trend(*ends)},
+            "advantage_maps": maps,  # per regime and L: per response position, the start policy's true |A*| and
+            "cases": cases,  # share of low-probability tokens
+            "trend": {"from_filler": args.fillers[0], "to_filler": args.fillers[-1], **trends},
         }
     )
     output = Path(args.out)
     output.write_text(json.dumps(summary, indent=1))
     plot(summary, output.with_suffix(".png"))
-    print("\narea under J to B minus GRPO's [95 % paired CI], tuned rates | common rate:")
-    for filler, table in by_filler.items():
-        for name, row in table.items():
-            if name == "grpo" or " - " in name:
-                continue
-            cells = [row[k]["auc_minus_grpo"] for k in ("tuned", "common")]
-            print(f"L {filler:>2}  {name:<18}" + " | ".join(f"{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]" for c in cells))
-    print(f"\nlead at L {args.fillers[-1]} minus lead at L {args.fillers[0]} (area, unpaired 95 % CI), tuned | common:")
-    for name, change in summary["trend"]["tuned"].items():
-        cells = [change, summary["trend"]["common"][name]]
-        print(f"{name:<18}" + " | ".join(f"{c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]" for c in cells))
+    print_summary(summary)
     print(f"{summary['seconds']:.0f}s -> {output} and {output.with_suffix('.png')}")
     return summary
+
+
+def print_summary(summary: dict) -> None:
+    """Per case: the length, then each setting's size, rate and lead as a share of the reachable gain; the trends."""
+    for kind, by_axis in summary["cases"].items():
+        for axis, by_filler in by_axis.items():
+            for filler, case in by_filler.items():
+                length = case["length"]
+                unit = "steps" if axis == "samples" else "tokens"
+                print(
+                    f"\n{kind} fillers, {axis} axis, L {filler}: {length['length']} {unit} (GRPO lr "
+                    f"{length['grpo_lr']:g}{'' if length['reached'] else ', half gain not reached'})"
+                )
+                for name, row in case["leads"].items():
+                    if " - " in name:
+                        continue
+                    share = row["share_of_gain"]
+                    cell = f"{share[0]:+.3f} [{share[1]:+.3f}, {share[2]:+.3f}]" if share else "reference"
+                    print(f"  {name:<18} size {row['size']:>3} lr {row['lr']:<8g} area {row['auc'][0]:.3f}  {cell}")
+    print(
+        f"\nlead at L {summary['trend']['to_filler']} minus lead at L {summary['trend']['from_filler']} "
+        "(share of the reachable gain, unpaired 95 % CI):"
+    )
+    for kind in summary["cases"]:
+        for axis, changes in summary["trend"][kind].items():
+            for name, c in changes.items():
+                print(f"  {kind:<10} {axis:<8} {name:<18} {c[0]:+.3f} [{c[1]:+.3f}, {c[2]:+.3f}]")
 
 
 if __name__ == "__main__":

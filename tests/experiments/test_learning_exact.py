@@ -245,42 +245,102 @@ def test_a_token_budget_run_stops_at_the_budget_and_reports_the_common_rate(tmp_
 
 
 @pytest.mark.slow
-def test_the_critical_sweep_runs_every_filler_length_and_pairs_against_grpo(tmp_path):
+def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_the_same_code_made(tmp_path):
     import learning_critical as lc
 
-    saved = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=str(tmp_path / "critical.json")))
-    assert set(saved["by_filler"]) == {"1", "2"} and (tmp_path / "critical.png").stat().st_size > 10_000
-    for filler, table in saved["by_filler"].items():
-        run = json.loads((tmp_path / f"critical_L{filler}.json").read_text())
-        length = int(filler) + 2
-        assert run["settings"]["task"] == "critical" and run["settings"]["horizon"] == length
-        assert run["settings"]["token_budget"] == 20 * length and run["settings"]["budget"] == 4 * length
-        assert table["spo_chain_int5"]["tuned"]["auc_minus_grpo"] == run["differences"]["spo_chain_int5 - grpo"]["auc"]
-        common = run["common_rate"]["differences"]["ppo_lam1 - grpo"]["100%"]
-        assert table["ppo_lam1"]["common"]["J_B_minus_grpo"] == common
-        assert table["grpo"]["tuned"]["auc_minus_grpo"] is None  # the reference has no difference
-    assert saved["trend"]["from_filler"] == 1 and saved["trend"]["to_filler"] == 2
-    first, last = (json.loads(Path(saved["files"][f]).read_text()) for f in ("1", "2"))
-    for kind in ("tuned", "common"):  # the lead's change, L 1 to 2: the per-seed means' difference (3 digits kept)
-        change = (
-            lc.seed_leads(last, kind)["spo_tree_depth"].mean() - lc.seed_leads(first, kind)["spo_tree_depth"].mean()
+    out = str(tmp_path / "critical.json")
+    saved = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=out))
+    tiny = dataclasses.replace(lc.Args(), **lc.TINY, tiny=True, out=out)
+    assert (tmp_path / "critical.png").stat().st_size > 10_000
+    assert set(saved["cases"]) == {"coin", "confident"} and set(saved["advantage_maps"]) == {"coin", "confident"}
+    for kind, axis, filler in itertools.product(("coin", "confident"), ("tokens", "samples"), (1, 2)):
+        name, length = lc.case_name(kind, axis, filler), filler + 2
+        run = json.loads(Path(saved["files"][name]).read_text())
+        case = saved["cases"][kind][axis][str(filler)]
+        assert run["settings"]["filler_kind"] == kind and run["settings"]["horizon"] == length
+        given, fixed = run["given_settings"], run["length_from_grpo"]
+        assert fixed == case["length"] and fixed["length"] <= fixed["provisional"]
+        if axis == "tokens":  # B fixed from GRPO; the per-iteration size from the token budget
+            assert given["token_budget"] == 24 * length and run["settings"]["token_budget"] == fixed["length"]
+            assert run["settings"]["budget"] == 4 * length and not run["settings"]["samples"]
+        else:  # equal samples and steps: G 4, and every run makes exactly the fixed number of steps
+            assert given["iterations"] == 6 and run["settings"]["iterations"] == fixed["length"]
+            assert case["leads"]["spo_chain_int1"]["size"] == 4 and case["leads"]["spo_tree_depth"]["size"] == 2
+            assert all(len(r["J"]) == fixed["length"] + 1 for runs in run["curves"].values() for r in runs)
+            assert case["leads"]["spo_chain_int1"]["samples_per_iteration"] == 4  # G responses a prompt
+            # at most b + b^2 edges a prompt: update_policy drops the edges whose advantage is 0
+            assert 0 < case["leads"]["spo_tree_depth"]["samples_per_iteration"] <= 6
+        reached = np.mean(
+            [
+                measures.at_tokens(measures.in_steps(r) if axis == "samples" else r, fixed["length"])
+                for r in run["sweep_curves"]["grpo"]
+                if r["lr"] == fixed["grpo_lr"]
+            ]
         )
-        low, high = saved["trend"][kind]["spo_tree_depth"][1:]
-        assert saved["trend"][kind]["spo_tree_depth"][0] == pytest.approx(change, rel=5e-3) and low <= change <= high
-    (tmp_path / "critical_L2.json").write_text("{")  # an interrupted write: run again; L 1 is read back
-    again = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=str(tmp_path / "critical.json")))
-    assert again["by_filler"] == saved["by_filler"]
-    tiny = dataclasses.replace(lc.Args(), **lc.TINY, tiny=True, out=str(tmp_path / "critical.json"))
+        if fixed["reached"]:
+            assert reached >= fixed["target_J"] - 1e-6  # measured on the provisional runs
+        for setting, row in case["leads"].items():
+            if setting != "grpo" and " - " not in setting:  # the lead as a share of the reachable gain, per seed
+                areas = lc.seed_areas(run)
+                share = (areas[setting] - areas["grpo"]).mean() / (1 - row["J0"])
+                assert row["share_of_gain"][0] == pytest.approx(share, abs=1e-5)
+                assert row["auc_minus_grpo"] == run["differences"][f"{setting} - grpo"]["auc"]
+        assert saved["advantage_maps"][kind][str(filler)] == run["policy"]["position_map"]
+        assert saved["code_by_case"][name]["code_hash"] == toy.code_hash(lc.EXPERIMENT)
+    first, last = (json.loads(Path(saved["files"][f"confident_samples_L{f}"]).read_text()) for f in (1, 2))
+    change = saved["trend"]["confident"]["samples"]["spo_chain_int1"]
+    expected = [
+        ((a := lc.seed_areas(r))["spo_chain_int1"] - a["grpo"]).mean() / (1 - r["summary"]["grpo"]["J0"])
+        for r in (last, first)
+    ]
+    assert change[0] == pytest.approx(expected[0] - expected[1], abs=1e-5) and change[1] <= change[0] <= change[2]
+    # reuse: an interrupted write runs again, the others are read back; other settings or other code run again
+    damaged = Path(saved["files"]["coin_samples_L2"])
+    damaged.write_text("{")
+    again = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=out))
+    assert again["cases"] == saved["cases"]
     assert (
-        lc.earlier_run(lc.run_args(1, tiny))["summary"] == json.loads(Path(saved["files"]["1"]).read_text())["summary"]
+        lc.earlier_run(lc.run_args("coin", "tokens", 1, tiny))["summary"]
+        == json.loads(Path(saved["files"]["coin_tokens_L1"]).read_text())["summary"]
     )
-    assert lc.earlier_run(lc.run_args(1, dataclasses.replace(tiny, seeds=[5]))) is None  # other settings: run again
-    assert saved["code_by_filler"]["1"]["code_hash"] == toy.code_hash(lc.EXPERIMENT)
-    # the same settings from other code (another hash, whatever the commit): run again
-    results = json.loads(Path(saved["files"]["1"]).read_text())
-    results["machine"]["code_hash"] = "0" * 16
-    Path(saved["files"]["1"]).write_text(json.dumps(results))
-    assert lc.earlier_run(lc.run_args(1, tiny)) is None
+    assert lc.earlier_run(lc.run_args("coin", "tokens", 1, dataclasses.replace(tiny, seeds=[5]))) is None
+    results = json.loads(Path(saved["files"]["coin_tokens_L1"]).read_text())
+    results["machine"]["code_hash"] = "0" * 16  # the same settings from other code, whatever the commit
+    Path(saved["files"]["coin_tokens_L1"]).write_text(json.dumps(results))
+    assert lc.earlier_run(lc.run_args("coin", "tokens", 1, tiny)) is None
+
+
+def test_the_critical_sweep_refuses_what_cannot_run():
+    import learning_critical as lc
+
+    with pytest.raises(le.UsageError, match="at least 3"):
+        lc.validate(dataclasses.replace(lc.Args(), fillers=[2, 5]))
+    with pytest.raises(le.UsageError, match="grpo"):
+        lc.validate(dataclasses.replace(lc.Args(), settings=["spo_chain_int1"]))
+    for bad in (
+        dict(samples=8, token_budget=100),
+        dict(budget_share=0.5),
+        dict(budget_share=0.5, samples=8, settings=["ppo_lam1"]),
+    ):
+        with pytest.raises(le.UsageError):
+            le.validate(dataclasses.replace(le.Args(), **bad))
+
+
+def test_the_samples_axis_trains_every_setting_on_its_samples_for_equal_steps(world):
+    args = dataclasses.replace(ARGS, samples=6, iterations=3)
+    sizes = {name: 6 for name in toy.SETTINGS} | {"spo_tree_uniform": 2, "spo_tree_depth": 2}  # tree: 2 + 4 edges
+    assert le.plan_sizes(world.exacts, list(toy.SETTINGS), args)[0] == sizes
+    steps_world = le.World(world.model, world.exacts, sizes)
+    for name in toy.SETTINGS:
+        curve, _ = le.train_run(name, 1e-3, 0, steps_world, args)
+        assert len(curve["J"]) == 4 and len(curve["tokens"]) == 3  # equal steps, whatever the tokens
+        per_prompt = [stat["samples"] for stat in curve["stats"]]
+        if name.startswith("spo_tree"):  # the edges of a full tree at most: siblings that agree (advantage 0) drop
+            assert all(0 <= n <= 6 for n in per_prompt) and sum(per_prompt) > 0, (name, per_prompt)
+        else:
+            assert per_prompt == [6, 6, 6], name
+        steps = le.rate_score(curve, args)  # the area under J against steps: the trapezoid over the 3 steps
+        assert steps == pytest.approx((curve["J"][0] / 2 + sum(curve["J"][1:3]) + curve["J"][3] / 2) / 3)
 
 
 def test_the_code_hash_changes_exactly_with_the_code_a_run_imports(tmp_path, monkeypatch):
