@@ -142,6 +142,10 @@ class Args:
     at the length given (provisional) on --tuning-seeds, then the length is where its mean curve at the chosen rate
     first reaches J0 + s (1 - J0), s of the reachable gain (the length given if it never does); every setting, GRPO
     included, is then tuned at that length"""
+    min_iterations: ranges.NonNegativeInt = 0
+    """with --budget-share: the length is at least this many iterations (steps on the samples axis; tokens: this x
+    --budget), so a gain GRPO reaches in Adam's first few steps (each near lr x sign(gradient), whatever the
+    gradient's quality) does not set a run too short to tell gradients apart"""
     common_lr: ranges.NonNegativeFloat = 0.0
     """> 0: every setting also runs at this one learning rate on the reported seeds (no tuning), reported beside"""
     budget: ranges.PositiveInt = 128
@@ -703,26 +707,30 @@ def rate_score(curve: dict, args: Args) -> float:
 def length_from_grpo(curves: list[dict], args: Args) -> dict:
     """--budget-share s: the axis length at which the mean of GRPO's `curves` (its tuning runs at the chosen rate,
     from the provisional length) first reaches J0 + s (1 - J0): tokens rounded up to a whole token, or whole steps;
-    the provisional length where it never does.
+    the provisional length where it never does; at least --min-iterations iterations' worth, at most the provisional.
 
     >>> runs = [{"J": [0.5, 0.6, 0.9], "tokens": [10.0, 10.0]}, {"J": [0.5, 0.8, 0.9], "tokens": [10.0, 10.0]}]
     >>> length_from_grpo(runs, replace(Args(), token_budget=20, budget_share=0.5))["length"]  # 0.75 at 12.5 tokens
     13
     >>> length_from_grpo(runs, replace(Args(), samples=4, iterations=2, budget_share=0.5))["length"]
     2
+    >>> length_from_grpo(runs, replace(Args(), token_budget=20, budget=8, budget_share=0.5, min_iterations=2))
+    {'provisional': 20, 'J0': 0.5, 'target_J': 0.75, 'reached': True, 'crossing': 13, 'length': 16}
     """
     provisional, start = axis_length(args), float(np.mean([run["J"][0] for run in curves]))
     target = start + args.budget_share * (1 - start)
     grid = np.arange(provisional + 1, dtype=float) if args.samples else np.linspace(0, provisional, 4001)
     mean = np.mean([at_tokens(on_axis(run, args), grid) for run in curves], axis=0)
     reached = np.flatnonzero(mean >= target - 1e-12)
-    length = math.ceil(grid[reached[0]] - 1e-9) if len(reached) else provisional
+    crossing = math.ceil(grid[reached[0]] - 1e-9) if len(reached) else provisional
+    floor = args.min_iterations * (1 if args.samples else args.budget)
     return {
         "provisional": provisional,
         "J0": start,
         "target_J": target,
         "reached": bool(len(reached)),
-        "length": length,
+        "crossing": crossing,
+        "length": min(max(crossing, floor), provisional),
     }
 
 
@@ -1058,7 +1066,8 @@ def main(args: Args) -> dict:
         seconds["length"] = time.time() - step
         print(
             f"length from GRPO (lr {length['grpo_lr']:g}): {length['length']} {'steps' if args.samples else 'tokens'} "
-            f"({'reaches' if length['reached'] else 'never reaches, provisional kept:'} J {length['target_J']:.3f})",
+            f"({'reaches' if length['reached'] else 'never reaches, provisional kept:'} J {length['target_J']:.3f}"
+            f" at {length['crossing']}; at least {args.min_iterations} iterations' worth)",
             flush=True,
         )
 

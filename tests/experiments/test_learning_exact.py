@@ -272,13 +272,15 @@ def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_
             assert 0 < case["leads"]["spo_tree_depth"]["samples_per_iteration"] <= 6
         reached = np.mean(
             [
-                measures.at_tokens(measures.in_steps(r) if axis == "samples" else r, fixed["length"])
+                measures.at_tokens(measures.in_steps(r) if axis == "samples" else r, fixed["crossing"])
                 for r in run["sweep_curves"]["grpo"]
                 if r["lr"] == fixed["grpo_lr"]
             ]
         )
         if fixed["reached"]:
             assert reached >= fixed["target_J"] - 1e-6  # measured on the provisional runs
+        floor = 2 * (1 if axis == "samples" else run["settings"]["budget"])  # TINY's min_steps 2
+        assert fixed["length"] == min(max(fixed["crossing"], floor), fixed["provisional"])
         for setting, row in case["leads"].items():
             if setting != "grpo" and " - " not in setting:  # the lead as a share of the reachable gain, per seed
                 areas = lc.seed_areas(run)
