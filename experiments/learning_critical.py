@@ -360,7 +360,10 @@ def main(args: Args) -> dict:
                 }
                 maps.setdefault(kind, {})[str(filler)] = results["policy"]["position_map"]
                 files[name] = run["out"]
-                made[name] = {key: results["machine"].get(key) for key in ("commit", "tree_modified", "code_hash")}
+                made[name] = {
+                    key: results["machine"].get(key)
+                    for key in ("commit", "tree_modified", "imported_code_modified", "code_hash")
+                }
                 ends = [ends[0] if ends else results, results]
             trends.setdefault(kind, {})[axis] = trend(*ends)
     summary = rounded(
