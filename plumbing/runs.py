@@ -46,7 +46,8 @@ def code_commit(short: bool = False) -> str | None:
 
 def code_state() -> dict:
     """The code a benchmark's figures came from: {"commit": its short commit, "tree_modified": whether the checkout
-    held uncommitted changes (None outside a checkout)}. Every results file records it."""
+    held uncommitted changes (None outside a checkout)}. Every results file records it. New files in a results/
+    folder do not count: they are what a run writes (a sweep's earlier cases), not code."""
     try:
         status = subprocess.run(
             ["git", "status", "--porcelain"],
@@ -55,7 +56,8 @@ def code_state() -> dict:
             text=True,
             timeout=30,
         )
-        modified = bool(status.stdout.strip()) if status.returncode == 0 else None
+        changes = [line for line in status.stdout.splitlines() if not re.match(r"\?\? (.*/)?results/", line)]
+        modified = bool(changes) if status.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         modified = None
     return {"commit": code_commit(short=True), "tree_modified": modified}

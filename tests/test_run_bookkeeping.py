@@ -307,3 +307,21 @@ def test_a_run_whose_sigterm_was_dropped_mid_iteration_stops_with_the_resume_lin
     run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
     logged = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert 1 in logged and 2 not in logged  # stopped before iteration 2's update, at the update's safe point
+
+
+def test_a_runs_own_results_do_not_mark_the_tree_modified():
+    """code_state: a new file in a results/ folder (a sweep's earlier case) is output, not a code change; any other
+    new file is."""
+    from plumbing import runs
+
+    root = Path(__file__).resolve().parents[1]
+    before = runs.code_state()["tree_modified"]
+    output, code = root / "experiments" / "results" / "_probe_output.json", root / "_probe_code.py"
+    try:
+        output.write_text("{}")
+        assert runs.code_state()["tree_modified"] == before
+        code.write_text("")
+        assert runs.code_state()["tree_modified"] is True
+    finally:
+        output.unlink(missing_ok=True)
+        code.unlink(missing_ok=True)
