@@ -402,15 +402,20 @@ CRITICAL = dataclasses.replace(
 )
 
 
-@pytest.fixture(scope="module")
-def critical():
+def critical_world(settings) -> tuple:
+    """The critical task's pre-trained policy under `settings` and its enumerated Exact per prompt."""
     torch.manual_seed(0)
-    model, _ = toy.make_policy(CRITICAL)
+    model, _ = toy.make_policy(settings)
     exacts = [
-        toy.enumerate_exact(model, *toy.parse_prompt(text, "critical"), 6, CRITICAL.temperature, 64, "critical", 4)
-        for text in CRITICAL.prompts
+        toy.enumerate_exact(model, *toy.parse_prompt(text, "critical"), 6, settings.temperature, 64, "critical", 4)
+        for text in settings.prompts
     ]
     return model, exacts
+
+
+@pytest.fixture(scope="module")
+def critical():
+    return critical_world(CRITICAL)
 
 
 def test_critical_reward_is_the_key_bit_then_the_filler_then_eos():
@@ -488,13 +493,7 @@ CONFIDENT = dataclasses.replace(CRITICAL, filler_kind="confident")
 
 @pytest.fixture(scope="module")
 def confident():
-    torch.manual_seed(0)
-    model, _ = toy.make_policy(CONFIDENT)
-    exacts = [
-        toy.enumerate_exact(model, *toy.parse_prompt(text, "critical"), 6, CONFIDENT.temperature, 64, "critical", 4)
-        for text in CONFIDENT.prompts
-    ]
-    return model, exacts
+    return critical_world(CONFIDENT)
 
 
 def test_confident_filler_leaves_the_key_bit_the_only_uncertain_token(confident):
