@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
-from plumbing import runs  # noqa: E402
+from plumbing import UsageError, runs  # noqa: E402
 from plumbing.engines import Completion  # noqa: E402
 from plumbing.precision import FP32, cpu_description  # noqa: E402
 from plumbing.training import collate, micro_batches, response_logprobs  # noqa: E402
@@ -51,9 +51,12 @@ VOCAB = DIGITS + 1
 # decide the reward; the filler bits do not, so credit given to the whole response spreads over --filler irrelevant
 # tokens. A prompt's ids start with EOS as a start marker: without one the 2-layer policy cannot count positions after
 # a prompt such as 000 (its length was right 0.55-0.68 of the time on 000 and 111, 0.98-0.99 on the others; with it
-# 0.98-1.00 on every prompt at L 3-7).
+# 0.98-1.00 on every prompt at L 3-7). Even so, on one CPU (another float order) 500 steps at L 5 gave a
+# policy whose length was nearly always wrong: make_policy trains on until it is right (CRITICAL_LENGTH_RIGHT).
 CRITICAL = dict(digits=2, prompts=["000", "001", "010", "011", "100", "101", "110", "111"])
 CRITICAL_LENGTH_MISTAKES = 0.1  # share of the critical corpus with one filler bit too many or too few
+CRITICAL_LENGTH_RIGHT = 1 - CRITICAL_LENGTH_MISTAKES  # make_policy: every prompt's length right at least this often
+PRETRAIN_EXTENSION = 4  # make_policy, --task critical: at most this many times --pretrain-steps
 # --filler-kind: the share of 1s among the corpus's filler bits. coin: each a coin flip, so every filler token is a
 # low-probability one (p about 0.5); confident: nearly always 0, so at temperature 0.6 the policy gives each filler
 # token p > 0.99 and the key bit is the only uncertain token (SPO's regime: a few tokens decide, most are confident).
@@ -157,9 +160,13 @@ def corpus_row(args: ToySettings, rng: random.Random) -> list[int]:
     return prompt + [d + 1 for d in digits][: args.horizon - 1] + [EOS]
 
 
-def make_policy(args: ToySettings) -> tuple[LlamaForCausalLM, float]:
+def make_policy(args: ToySettings) -> tuple[LlamaForCausalLM, float, int]:
     """The tiny Llama (built from a config: no download), pre-trained on the corpus of every prompt of the task;
-    returns it in eval mode and its last pre-training loss."""
+    returns it in eval mode, its last pre-training loss and its pre-training steps. --task critical: one recipe at
+    every L and on every machine. After --pretrain-steps, pre-training goes on a tenth of them at a time, up to
+    PRETRAIN_EXTENSION times as many, until every prompt's response has the right length (length_right, exact, at the
+    sampling temperature) at least CRITICAL_LENGTH_RIGHT of the time, as often as the corpus makes it; a policy that
+    still misses it is refused (UsageError), since its reward would turn on the length rather than on the key bit."""
     prompt_length = PROMPT_LENGTH[args.task]
     config = LlamaConfig(
         vocab_size=TASK_DIGITS[args.task] + 1,
@@ -178,19 +185,53 @@ def make_policy(args: ToySettings) -> tuple[LlamaForCausalLM, float]:
     model = LlamaForCausalLM(config)
     rng, optimizer = random.Random(args.policy_seed), torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr)
     loss = torch.tensor(math.nan)
-    for _ in range(args.pretrain_steps):
-        rows = [corpus_row(args, rng) for _ in range(args.pretrain_batch)]
-        width = max(map(len, rows))
-        input_ids = torch.tensor([row + [EOS] * (width - len(row)) for row in rows])  # [batch, width]
-        attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])  # [batch, width]
-        labels = input_ids.masked_fill(attention == 0, -100)
-        labels[:, :prompt_length] = -100  # the prompt is given, not learned
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    return model, loss.item()
+
+    def pretrain(steps: int) -> None:
+        nonlocal loss
+        model.train()
+        for _ in range(steps):
+            rows = [corpus_row(args, rng) for _ in range(args.pretrain_batch)]
+            width = max(map(len, rows))
+            input_ids = torch.tensor([row + [EOS] * (width - len(row)) for row in rows])  # [batch, width]
+            attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])  # [batch, width]
+            labels = input_ids.masked_fill(attention == 0, -100)
+            labels[:, :prompt_length] = -100  # the prompt is given, not learned
+            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.eval()
+
+    pretrain(args.pretrain_steps)
+    steps = args.pretrain_steps
+    if args.task == "critical":
+        block = max(1, args.pretrain_steps // 10)
+        while True:
+            exacts = enumerate_prompts(model, args)
+            rights = {text: length_right(exact, args.filler) for text, exact in zip(args.prompts, exacts)}
+            worst = min(rights, key=rights.get)
+            if rights[worst] >= CRITICAL_LENGTH_RIGHT:
+                break
+            if steps + block > PRETRAIN_EXTENSION * args.pretrain_steps:
+                raise UsageError(
+                    f"the pre-trained policy gets the length right on prompt {worst} only {rights[worst]:.3f} of the "
+                    f"time after {steps} steps (the critical task needs {CRITICAL_LENGTH_RIGHT:g} on every prompt, "
+                    "or its reward turns on the length): pass another --policy-seed, or more --pretrain-steps"
+                )
+            pretrain(block)
+            steps += block
+    return model, loss.item(), steps
+
+
+def length_right(exact: Exact, filler: int) -> float:
+    """--task critical: the probability that a response ends with EOS right after the key bit and `filler` bits (the
+    length the reward asks for), whatever its bits.
+
+    >>> probs = [np.array([[0.0, 0.5, 0.5]]), np.array([[0.25, 0.5, 0.25]] * 2), np.array([[1.0, 0, 0]] * 4)]
+    >>> length_right(Exact([0], 0, probs, [np.ones(1), np.full(2, 0.5), np.array([2, 1, 2, 1]) / 8], [], digits=2), 1)
+    0.75
+    """
+    return float((exact.reach[filler + 1] * exact.probs[filler + 1][:, EOS]).sum())
 
 
 # ----------------------------------------------------------------------------------------------

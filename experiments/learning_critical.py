@@ -3,8 +3,10 @@ over the filler length L, on two axes and in two regimes.
 
 The task (exact_toy.CRITICAL): a prompt of three bits; the reward is 1 for the key bit (the prompt's first bit) as
 the first token, then exactly L bits of any value, then EOS. One pre-training recipe at every L (exact_toy.make_policy:
-500 steps; the key wrong in 45 % of the corpus, so P(key) is about a half; the length wrong in 10 %): the start
-policy's length is right on every prompt 0.98-1.00 of the time, so only the key decides its reward. Two regimes
+500 steps, then on, 50 at a time, up to 2,000, until every prompt's length is right at least 0.9 of the time, as
+often as the corpus makes it, else the case is refused; the key wrong in 45 % of the corpus, so P(key) is about a
+half): so only the key decides the start policy's reward (each case records its steps and every prompt's
+length_right). Two regimes
 (--filler-kinds): coin, every filler bit a coin flip in the corpus, so every filler token is uncertain (p about 0.5,
 below SPO's 0.9 threshold: each is a cutpoint and passes the probability mask); confident, the filler bits nearly
 always 0, so the policy is sure of every filler token (p > 0.99 at temperature 0.6) and the key is the one uncertain
@@ -354,7 +356,14 @@ def main(args: Args) -> dict:
                 print(f"--- {name}: {kind} fillers, the {axis} axis, L {filler} (horizon {filler + 2})", flush=True)
                 run = run_args(kind, axis, filler, args)
                 results = earlier_run(run) or run_learning_exact(run)
+                policy = results["policy"]
+                rights = policy.get("length_right") or {}
                 cases.setdefault(kind, {}).setdefault(axis, {})[str(filler)] = {
+                    "start_policy": {
+                        "J0": policy["expected_reward"],
+                        "pretrain_steps": policy.get("pretrain_steps"),
+                        "length_right_min": min(rights.values(), default=None),
+                    },
                     "length": results["length_from_grpo"],
                     "leads": leads(results),
                 }

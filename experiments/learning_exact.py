@@ -195,7 +195,8 @@ class Args:
     hidden_size: ranges.PositiveInt = 32
     """the tiny Llama's width (2 layers, 4 heads)"""
     pretrain_steps: ranges.NonNegativeInt = 500
-    """pre-training steps on exact_toy's synthetic corpus"""
+    """pre-training steps on exact_toy's synthetic corpus
+    (--task critical: more, up to 4x, until every prompt's length is right 0.9 of the time; exact_toy.make_policy)"""
     pretrain_batch: ranges.PositiveInt = 64
     """corpus sequences per pre-training step"""
     pretrain_lr: ranges.PositiveFloat = 3e-3
@@ -1037,7 +1038,7 @@ def main(args: Args) -> dict:
     names = list(dict.fromkeys(args.settings))
 
     # 1. The start policy (exact_toy's, pre-trained on its corpus), its exact tables, each setting's size.
-    model, pretrain_loss = toy.make_policy(toy_settings(args))
+    model, pretrain_loss, pretrain_steps = toy.make_policy(toy_settings(args))
     exacts = enumerate_policy(model, args)
     sizes, costs = plan_sizes(exacts, names, args)
     world = World(model, exacts, sizes)
@@ -1116,10 +1117,17 @@ def main(args: Args) -> dict:
             "estimate_seconds": estimate,
             "policy": {
                 "pretrain_loss": pretrain_loss,
+                "pretrain_steps": pretrain_steps,  # --task critical: more than --pretrain-steps where the length asked
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "expected_reward": toy.expected_reward(exacts),
                 "prompts": {text: float(exact.values[0][0]) for text, exact in zip(args.prompts, exacts)},
                 "expected_length": float(np.mean([exact.expected_length() for exact in exacts])),
+                # --task critical: per prompt, the probability that a response has the length the reward asks for
+                "length_right": (
+                    {text: toy.length_right(exact, args.filler) for text, exact in zip(args.prompts, exacts)}
+                    if args.task == "critical"
+                    else None
+                ),
                 # per response position, mean over prompts: the true |A*| and the share of low-probability tokens
                 "position_map": {
                     key: np.mean([exact.position_map(args.prob_threshold)[key] for exact in exacts], axis=0).tolist()

@@ -26,7 +26,7 @@ import grpo_baseline  # noqa: E402
 import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
-from plumbing import engines  # noqa: E402
+from plumbing import UsageError, engines  # noqa: E402
 from plumbing.training import collate, response_logprobs, sample_logprobs  # noqa: E402
 
 ARGS = dataclasses.replace(ce.Args(), **ce.TINY)  # horizon 4, prompts 21 and 13
@@ -44,7 +44,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def world():
     torch.manual_seed(0)
-    model, _ = toy.make_policy(ARGS)
+    model, *_ = toy.make_policy(ARGS)
     exacts = [
         toy.enumerate_exact(model, *toy.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64) for text in ARGS.prompts
     ]
@@ -405,7 +405,7 @@ CRITICAL = dataclasses.replace(
 def critical_world(settings) -> tuple:
     """The critical task's pre-trained policy under `settings` and its enumerated Exact per prompt."""
     torch.manual_seed(0)
-    model, _ = toy.make_policy(settings)
+    model, *_ = toy.make_policy(settings)
     exacts = [
         toy.enumerate_exact(model, *toy.parse_prompt(text, "critical"), 6, settings.temperature, 64, "critical", 4)
         for text in settings.prompts
@@ -526,6 +526,29 @@ def test_the_advantage_map_agrees_with_brute_force_sampling(confident):
                 assert abs(np.mean(samples) - table[key][k]) < spread, (exact.prompt, k, key)
         rewards = [toy.reward(exact, c.ids, c.finish_reason) for c in group]
         assert np.mean(rewards) == pytest.approx(exact.values[0][0], abs=4 * math.sqrt(0.25 / n))
+        right = np.mean([c.finish_reason == "stop" and len(c.ids) == 6 for c in group])  # key, 4 bits, EOS
+        assert right == pytest.approx(toy.length_right(exact, 4), abs=4 * math.sqrt(0.25 / n))
+
+
+def test_pre_training_goes_on_until_every_prompt_has_the_length_right():
+    """One recipe at every L: a policy whose length is still wrong after --pretrain-steps trains on, a tenth of them at
+    a time, until the length is right CRITICAL_LENGTH_RIGHT of the time on every prompt."""
+    settings = dataclasses.replace(
+        CRITICAL, filler=3, horizon=5, prompts=list(toy.CRITICAL["prompts"]), pretrain_steps=40
+    )
+    model, _, steps = toy.make_policy(settings)
+    assert 40 < steps <= toy.PRETRAIN_EXTENSION * 40 and steps % 4 == 0
+    rights = [toy.length_right(exact, 3) for exact in toy.enumerate_prompts(model, settings)]
+    assert min(rights) >= toy.CRITICAL_LENGTH_RIGHT
+    straight, _, again = toy.make_policy(dataclasses.replace(settings, pretrain_steps=steps))
+    assert again == steps  # trained straight for as many steps: the same policy, nothing more to do
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight.parameters()))
+
+
+def test_a_policy_that_never_gets_the_length_right_is_refused():
+    settings = dataclasses.replace(CRITICAL, filler=3, horizon=5, pretrain_steps=4)
+    with pytest.raises(UsageError, match=r"length right on prompt \d{3} only .* after 16 steps.*--policy-seed"):
+        toy.make_policy(settings)
 
 
 def test_the_exact_sampler_draws_bits(critical):

@@ -37,7 +37,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def world():
-    model, _ = toy.make_policy(le.toy_settings(ARGS))
+    model, *_ = toy.make_policy(le.toy_settings(ARGS))
     exacts = le.enumerate_policy(model, ARGS)
     sizes, _ = le.plan_sizes(exacts, list(toy.SETTINGS), ARGS)
     return le.World(model, exacts, sizes)
@@ -288,6 +288,9 @@ def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_
                 assert row["share_of_gain"][0] == pytest.approx(share, abs=1e-5)
                 assert row["auc_minus_grpo"] == run["differences"][f"{setting} - grpo"]["auc"]
         assert saved["advantage_maps"][kind][str(filler)] == run["policy"]["position_map"]
+        start = case["start_policy"]  # one recipe: the length right on every prompt, however many steps that took
+        assert start["length_right_min"] == min(run["policy"]["length_right"].values()) >= toy.CRITICAL_LENGTH_RIGHT
+        assert 200 <= start["pretrain_steps"] == run["policy"]["pretrain_steps"] <= 800  # TINY_RUN's 200, up to 4x
         assert saved["code_by_case"][name]["code_hash"] == toy.code_hash(lc.EXPERIMENT)
     first, last = (json.loads(Path(saved["files"][f"confident_samples_L{f}"]).read_text()) for f in (1, 2))
     change = saved["trend"]["confident"]["samples"]["spo_chain_int1"]
