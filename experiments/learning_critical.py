@@ -21,9 +21,11 @@ Two axes (--axes), each with its own rates (the best area under J on --tuning-se
            G responses, MC continuations not counted; SPO-tree: the branch factor whose 3-level tree has the number of
            edges closest to it, b 2 for 16: 14 edges), for S optimizer steps
 No floor: at each (regime, axis, L) the length (B or S) is where GRPO reaches half its reachable gain, J0 + 0.5
-(1 - J0) (learning_exact --budget-share): GRPO is swept at a provisional length (--responses x (L + 2) tokens, or
---steps), the length is fixed from its mean curve at the chosen rate, but at least --min-steps optimizer steps (16;
-tokens: 16 iterations' worth), and then every setting, GRPO included, is tuned at that length. The minimum: on the
+(1 - J0) (learning_exact --budget-share): GRPO is swept at a provisional length of --steps optimizer steps on both
+axes (80; tokens: 80 x --per-iteration x (L + 2) tokens, its G 64 for 80 iterations: at 2,000 x (L + 2), 31
+iterations, GRPO reached half its gain at no L with coin fillers), the length is fixed from its mean curve at the
+chosen rate, but at least --min-steps optimizer steps (16; tokens: 16 iterations' worth), and then every setting,
+GRPO included, is tuned at that length. The minimum: on the
 samples axis GRPO gains half in 4 steps (confident fillers, L 3), where Adam's update is still near lr x
 sign(gradient) and the areas rest on 3 points. SPO-tree has 3 levels of 2-token segments at every L (so L >= 3).
 Leads over GRPO are paired by seed; the trend reads them on a normalised scale, (area - GRPO's area) / (1 - J0), the
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -83,12 +84,11 @@ class Args:
     """tokens: equal sampled tokens; samples: equal policy-gradient samples and optimizer steps"""
     per_iteration: ranges.PositiveInt = 64
     """tokens axis: sampled tokens per prompt per iteration = this x (L + 2) (GRPO's G = this)"""
-    responses: ranges.PositiveInt = 2000
-    """tokens axis: the provisional B = this x (L + 2) sampled tokens per prompt (GRPO's length sweep)"""
     samples: ranges.PositiveInt = 16
     """samples axis: policy-gradient samples per prompt per iteration (G; SPO-tree: its tree's edges)"""
     steps: ranges.PositiveInt = 80
-    """samples axis: the provisional number of optimizer steps (GRPO's length sweep)"""
+    """the provisional length of GRPO's length sweep on both axes: this many optimizer steps (tokens axis: B = this x
+    the per-iteration tokens, 80 x 64 x (L + 2))"""
     budget_share: ranges.bounded(float, 0, 1, low_open=True, high_open=True) = 0.5
     """the length of each case is where GRPO's mean curve reaches J0 + this x (1 - J0) ..."""
     min_steps: ranges.NonNegativeInt = 16
@@ -126,7 +126,6 @@ class Args:
 TINY = dict(
     fillers=[1, 2],
     per_iteration=4,
-    responses=24,
     samples=4,
     steps=6,
     min_steps=2,
@@ -170,9 +169,9 @@ def run_args(kind: str, axis: str, filler: int, args: Args) -> dict:
     )
     if axis == "tokens":  # the provisional B; a run that collapses to short responses stops at 4x the nominal steps
         run.update(
-            token_budget=args.responses * length,
+            token_budget=args.steps * args.per_iteration * length,
             budget=args.per_iteration * length,
-            iterations=4 * math.ceil(args.responses / args.per_iteration),
+            iterations=4 * args.steps,
         )
     else:
         run.update(samples=args.samples, iterations=args.steps)
