@@ -20,14 +20,14 @@ Two axes (--axes), each with its own rates (the best area under J on --tuning-se
   samples  every setting trains on --samples policy-gradient samples per prompt per iteration (GRPO, SPO-chain, PPO:
            G responses, MC continuations not counted; SPO-tree: the branch factor whose 3-level tree has the number of
            edges closest to it, b 2 for 16: 14 edges), for S optimizer steps
-No floor: at each (regime, axis, L) the length (B or S) is where GRPO reaches half its reachable gain, J0 + 0.5
-(1 - J0) (learning_exact --budget-share): GRPO is swept at a provisional length of --steps optimizer steps on both
-axes (80; tokens: 80 x --per-iteration x (L + 2) tokens, its G 64 for 80 iterations: at 2,000 x (L + 2), 31
-iterations, GRPO reached half its gain at no L with coin fillers), the length is fixed from its mean curve at the
-chosen rate, but at least --min-steps optimizer steps (16; tokens: 16 iterations' worth), and then every setting,
-GRPO included, is tuned at that length. The minimum: on the
-samples axis GRPO gains half in 4 steps (confident fillers, L 3), where Adam's update is still near lr x
-sign(gradient) and the areas rest on 3 points. SPO-tree has 3 levels of 2-token segments at every L (so L >= 3).
+No floor: at each (regime, axis, L) the length (B or S) is where GRPO reaches half its reachable gain, J0 + 0.5 (1 - J0)
+(learning_exact --budget-share): GRPO is swept at a provisional length of --steps optimizer steps on both axes (80;
+tokens: 80 x --per-iteration x (L + 2) tokens, its G 64 for 80 iterations: at 2,000 x (L + 2), 31 iterations, GRPO
+reached half its gain at no L with coin fillers), the length is fixed from its mean curve at the chosen rate, but at
+least --min-steps optimizer steps (16; tokens: 16 iterations' worth), and then every setting, GRPO included, is tuned at
+that length. The minimum: on the samples axis GRPO gains half in 4-7 steps with confident fillers, where Adam's update
+is still near lr x sign(gradient) and the areas rest on 3 points. SPO-tree has 3 levels of 2-token segments at every L
+(so L >= 3).
 Leads over GRPO are paired by seed; the trend reads them on a normalised scale, (area - GRPO's area) / (1 - J0), the
 share of the reachable gain, from the shortest L to the longest (unpaired: different start policies).
 
@@ -93,7 +93,7 @@ class Args:
     """the length of each case is where GRPO's mean curve reaches J0 + this x (1 - J0) ..."""
     min_steps: ranges.NonNegativeInt = 16
     """... but at least this many optimizer steps (tokens axis: this x the per-iteration tokens): GRPO gains half in
-    4 steps on the samples axis at L 3 (confident), where Adam's update is still near lr x sign(gradient)"""
+    4-7 steps on the samples axis with confident fillers, where Adam's update is still near lr x sign(gradient)"""
     seeds: ranges.Seeds = field(default_factory=lambda: list(range(10)))
     """reported seeds (paired by seed)"""
     tuning_seeds: ranges.Seeds = field(default_factory=lambda: [1000, 1001, 1002])
@@ -169,7 +169,7 @@ def run_args(kind: str, axis: str, filler: int, args: Args) -> dict:
     )
     if axis == "tokens":  # the provisional B; a run that collapses to short responses stops at 4x the nominal steps
         run.update(
-            token_budget=args.steps * args.per_iteration * length,
+            token_budget=args.steps * args.per_iteration * length,  # GRPO's G for --steps iterations
             budget=args.per_iteration * length,
             iterations=4 * args.steps,
         )
