@@ -242,7 +242,7 @@ def accumulate_gradients(
         loss.backward()
         stats["loss"] += loss.item()
         for key in micro:
-            stats[key] += micro[key]
+            stats[key] = stats.get(key, 0.0) + micro[key]
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
     return stats
 
@@ -411,7 +411,8 @@ def main(args: Args) -> dict:
 
 
 def validate(args: Args) -> None:
-    problems = settings.setting_problems(args, ev.task_problems)  # the settings every script shares
+    # the settings every script shares
+    problems = settings.setting_problems(args, ev.task_problems, engines.backend_problems)
     problems += distributed.world_size_problems(
         args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
     )

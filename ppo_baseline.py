@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from transformers import Cache
 
 import eval as ev
 from plumbing import (
@@ -49,17 +50,15 @@ from plumbing.lora import plain_copy
 from plumbing.precision import FP32, Precision
 from plumbing.rollout_correction import correct_rollouts, rollout_metrics
 from plumbing.training import (
-    ValueModel,
     attach_old_logprobs,
     collate,
     make_optimizer,
     micro_batches,
     new_sample,
+    no_grad_batches,
     reseed,
     response_logprobs,
-    response_values,
     sample_logprobs,
-    sample_values,
 )
 
 
@@ -282,6 +281,76 @@ def value_loss(
 # The critic: the policy's backbone with a scalar value head
 
 
+class ValueModel(torch.nn.Module):
+    """V(s) for every position of a sequence: a transformer backbone (no LM head) and a linear value head (make_critic
+    builds it from the policy and sets the head's start)."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int, precision: Precision = FP32):
+        super().__init__()
+        self.backbone = backbone
+        self.precision = precision
+        self.value_head = torch.nn.Linear(
+            hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device
+        )
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache: Cache | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, Cache | None]:
+        """Values [rows, positions] of the positions given, value i = V(tokens up to i), and with use_cache=True the
+        KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the
+        sequence)."""
+        device = input_ids.device.type
+        with self.precision.autocast(device):  # fp32 weights; bf16 compute where `precision` chose it
+            out = self.backbone(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+            )
+        return self.value_head(out.last_hidden_state.float()).squeeze(-1), out.cache  # [rows, positions]
+
+
+def response_values(critic, batch: dict) -> torch.Tensor:
+    """V(s_{t-1}) for every response token y_t under a critic (a ValueModel): the value at the position of
+    the token before it
+    (the prompt's last token for y_0), the same positions whose logits give log pi(y_t). As in
+    response_logprobs, each distinct prompt runs once and its rows' responses continue its KV cache."""
+    prompt_len = batch["prompt_ids"].shape[1]
+    # As in response_logprobs: with activation checkpointing the backward pass recomputes one whole pass
+    if critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled():
+        values, _ = critic(batch["input_ids"], batch["attention_mask"], batch["positions"])  # [rows, P + R]
+        return values[:, prompt_len - 1 : -1]  # [rows, R]; the value after the last column belongs to no token
+    # [prompts, P]
+    prompt_values, cache = critic(batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True)
+    cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]
+    response_ids = batch["input_ids"][:, prompt_len:]
+    positions = batch["positions"][:, prompt_len:]
+    values, _ = critic(response_ids, batch["attention_mask"], positions, cache, use_cache=True)  # [rows, R]
+    return torch.cat([prompt_values[batch["prompt_of_row"], -1:], values[:, :-1]], dim=1)  # [rows, R]
+
+
+@torch.no_grad()
+def sample_values(critic, samples: list[dict], micro_batch_size: int, pad_id: int) -> list[torch.Tensor]:
+    """Per-sample values of the states before each response token (1-D CPU tensors), in passes sized to the GPU's
+    free memory as sample_logprobs' (micro-batches of `micro_batch_size` where nothing is sized: a CPU, --fsdp)."""
+    was_training = critic.training
+    critic.eval()
+    device = next(critic.parameters()).device
+    out: list[torch.Tensor] = [None] * len(samples)
+    for indices in no_grad_batches(critic, samples, micro_batch_size, critic.precision, config=critic.backbone.config):
+        values = response_values(critic, collate([samples[i] for i in indices], pad_id, device)).cpu()
+        for i, row in zip(indices, values):
+            out[i] = row[: len(samples[i]["response_ids"])]
+    critic.train(was_training)
+    return out
+
+
 def make_critic(policy, precision: Precision = FP32) -> ValueModel:
     """A critic initialised from the policy's weights: a separate copy of its backbone (the LM head is dropped) and a
     linear value head that starts at zero, so the untrained critic predicts 0 for every state: a neutral baseline
@@ -428,10 +497,14 @@ def accumulate_gradients(
         )
         critic_loss.backward()
         for key, value in {**micro, **critic_micro}.items():
-            stats[key] += value
+            stats[key] = stats.get(key, 0.0) + value
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
     stats["value_clip_frac"] = stats.pop("value_clip_count") / value_tokens
     return stats
+
+
+# What the critic's terms point to when an update is not finite (bookkeeping.non_finite_cause reads the policy's).
+NON_FINITE_CAUSES = {"value_loss": "the critic's values diverged (the advantages are the critic's): lower --critic-lr"}
 
 
 def update_policy(
@@ -483,6 +556,9 @@ def update_policy(
                 keys=("loss", "value_loss", "grad_norm", "critic_grad_norm"),
                 fix="lower --lr / --critic-lr",
                 temperature=args.temperature,
+                causes={
+                    "value_loss": "the critic's values diverged (the advantages are the critic's): lower --critic-lr"
+                },
             ):
                 optimizer.step()
                 critic_optimizer.step()
@@ -505,7 +581,8 @@ def main(args: Args) -> dict:
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
         return paper.dry_run(args, PAPER_SETTINGS, eval_task)
-    run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
+    # seed, precision, run directory, newest checkpoint, memory plan (for the policy and the critic)
+    run = bookkeeping.start_run(args, device, second_model=True)
     if run.finished:
         return run.finished  # resumed after its last iteration: reported, left as it is
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
@@ -602,7 +679,8 @@ def main(args: Args) -> dict:
 
 
 def validate(args: Args) -> None:
-    problems = settings.setting_problems(args, ev.task_problems)  # the settings every script shares
+    # the settings every script shares
+    problems = settings.setting_problems(args, ev.task_problems, engines.backend_problems)
     problems += distributed.world_size_problems(
         args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
     )
@@ -647,7 +725,7 @@ def iteration_metrics(
     if len(flat_returns) > 1 and flat_returns.var() > 0:
         metrics["losses/explained_variance"] = (1 - (flat_returns - flat_values).var() / flat_returns.var()).item()
     metrics |= rollout_metrics(rank_samples)  # entropy; the sampler against the trainer
-    return metrics | bookkeeping.loss_metrics(update_stats, ("value_loss", "value_clip_frac", "critic_grad_norm"))
+    return metrics | bookkeeping.loss_metrics(update_stats)
 
 
 def progress_line(iteration: int, metrics: dict) -> str:

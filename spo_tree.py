@@ -53,7 +53,6 @@ from plumbing import (
     models,
     paper,
     ranges,
-    runs,
     settings,
 )
 from plumbing.precision import FP32, Precision
@@ -664,7 +663,7 @@ def accumulate_gradients(
         loss.backward()
         stats["loss"] += loss.item()
         for key in micro:
-            stats[key] += micro[key]
+            stats[key] = stats.get(key, 0.0) + micro[key]
     stats["clip_frac"] = stats.pop("clip_count") / batch_tokens
     return stats
 
@@ -729,7 +728,7 @@ def main(args: Args) -> dict:
     branches = validate(args)
     eval_task = args.eval_task or ev.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
-        return paper.dry_run(args, PAPER_SETTINGS, eval_task, **paper.tree_shape(branches))
+        return paper.dry_run(args, PAPER_SETTINGS, eval_task, **tree_shape(branches))
     run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
     if run.finished:
         return run.finished  # resumed after its last iteration: reported, left as it is
@@ -771,9 +770,7 @@ def main(args: Args) -> dict:
         saved_probs = {}
         if book.saves_samples(iteration):  # p_t of the saved trees' nodes, before the update
             saved = trees[: args.save_questions]
-            saved_probs = runs.tree_node_probs(
-                model, saved, walk, args.micro_batch_size, args.temperature, pad_id, run.precision
-            )
+            saved_probs = tree_node_probs(model, saved, args.micro_batch_size, args.temperature, pad_id, run.precision)
 
         # 4. Replay buffer: at most --edges-per-question edges per question, then exactly --samples-per-iteration
         #    samples of them (each rank trains its share); reference log-probs, loss mask, whitened advantages.
@@ -824,12 +821,13 @@ def main(args: Args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Below main: this script's settings check, metrics and sample records
+# Below main: this script's settings check, tree size and shape, metrics and sample records
 
 
 def validate(args: Args) -> list[int]:
     """Check the configuration; return the branch factors of --tree."""
-    problems = settings.setting_problems(args, ev.task_problems)  # the settings every script shares first
+    # the settings every script shares first
+    problems = settings.setting_problems(args, ev.task_problems, engines.backend_problems)
     branches = []
     try:
         branches = parse_tree(args.tree)
@@ -840,7 +838,7 @@ def validate(args: Args) -> list[int]:
             f"--tree {args.tree}: depth {single[0]} has one child per node, whose advantage against its parent (its "
             "own value) is always 0, so its edges are never trained: give every depth 2 or more children"
         )
-    problems += settings.tree_size_problems(args, branches)  # depth, leaves, room for the last level
+    problems += tree_size_problems(args, branches)  # depth, leaves, room for the last level
     if args.advantage not in ADVANTAGES:
         problems.append(f"--advantage must be {' or '.join(ADVANTAGES)}, not {args.advantage!r}")
     # --fsdp: every rank must run as many forward/backward passes as the others (each gathers shards), so each trains
@@ -856,6 +854,53 @@ def validate(args: Args) -> list[int]:
     if problems:
         raise UsageError("; ".join(problems))
     return branches
+
+
+# Leaves per iteration a run may grow (stated in --tree's help)
+WARN_LEAVES = 50_000
+MAX_LEAVES = 1_000_000
+MAX_DEPTH = 100  # levels of --tree (viewer.py reads saved trees up to about 495 levels deep)
+
+
+def tree_size_problems(args: Args, branches: list[int]) -> list[str]:
+    """--tree against what a run can hold: at most MAX_DEPTH levels, room for the last level within --max-new-tokens
+    and --context, and a tree too large to grow refused (a problem line) or a large one warned about with an estimate.
+    Reads --tree, --questions, --segment-tokens, --max-new-tokens and --context."""
+    if not branches:
+        return []
+    problems = []
+    if len(branches) > MAX_DEPTH:
+        problems.append(
+            f"--tree has {len(branches)} levels: at most {MAX_DEPTH} (a saved tree nests one JSON level per depth)"
+        )
+    nodes_per_level = [args.questions * math.prod(branches[: d + 1]) for d in range(len(branches))]
+    leaves = nodes_per_level[-1]
+    budget = min(args.max_new_tokens, args.context)
+    before_last = (len(branches) - 1) * args.segment_tokens  # tokens on every path before the last level
+    tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(0, budget - before_last)
+    estimate = (
+        f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration "
+        f"(--questions {args.questions})"
+    )
+    if leaves > MAX_LEAVES:
+        problems.append(
+            f"{estimate}: over the {MAX_LEAVES:,}-leaf limit; use fewer or smaller branches or fewer --questions"
+        )
+    elif before_last >= budget:
+        problems.append(
+            f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates {before_last} tokens before "
+            "its last level, leaving no room within --max-new-tokens and --context: raise them or lower "
+            "--segment-tokens"
+        )
+    elif leaves > WARN_LEAVES:
+        warnings.warn(f"{estimate}: far beyond the paper's 6,912 leaves; expect long iterations", stacklevel=2)
+    return problems
+
+
+def tree_shape(branches: list[int]) -> dict:
+    """What --dry-run shows of --tree: the branch factors, and the nodes and leaves of a tree without early leaves."""
+    full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level
+    return {"branches": branches, "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1]}
 
 
 def iteration_metrics(
@@ -932,12 +977,43 @@ def sample_records(
             "reference": questions[i].answer,
             "prompt": questions[i].prompt,
             "prob_threshold": args.prob_threshold,
-            "tree": runs.tree_node_record(
-                tree, None, probs, tokenizer, lambda node: edge_advantages(node, args.advantage)
-            ),
+            "tree": tree_node_record(tree, None, probs, tokenizer, args.advantage),
         }
         for i, tree in enumerate(trees[: args.save_questions])
     ]
+
+
+def tree_node_probs(
+    model, trees: list[Node], micro_batch_size: int, temperature: float, pad_id: int, precision: Precision
+) -> dict[int, list[float]]:
+    """p_t of every token of every non-root node of `trees` (zero-advantage nodes too), keyed by id(node): what
+    --save-samples shows, computed before the update."""
+    nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
+    samples = [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes]
+    logps = sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
+    return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
+
+
+def tree_node_record(
+    node: Node, node_advantage: float | None, probs: dict[int, list[float]], tokenizer, advantage: str
+) -> dict:
+    """A saved node and its subtree, as viewer.py reads them: tokens, p_t (`probs`, by id(node)), value,
+    `node_advantage` (None for the root), reward and finish reason; its children's advantages by edge_advantages
+    with the --advantage baseline `advantage`."""
+    ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
+    return {
+        "token_ids": ids,
+        "tokens": engines.token_pieces(tokenizer, ids),
+        "probs": probs[id(node)] if node.depth else [],
+        "value": node.value,
+        "advantage": node_advantage,
+        "reward": node.reward,
+        "finish_reason": node.finish_reason,
+        "children": [
+            tree_node_record(child, child_advantage, probs, tokenizer, advantage)
+            for child, child_advantage in zip(node.children, edge_advantages(node, advantage))
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ import ppo_baseline  # noqa: E402
 import spo_chain  # noqa: E402
 import spo_tree  # noqa: E402
 from conftest import make_tokenizer  # noqa: E402
-from plumbing import cli, engines, files, lora, memory, models, ranges, runs, training, vllm_preflight  # noqa: E402
+from plumbing import cli, engines, files, lora, memory, models, ranges, run_lock, training, vllm_preflight  # noqa: E402
 from plumbing.memory import GiB, model_shape  # noqa: E402
 from plumbing.precision import choose_precision, gpu_has_bf16  # noqa: E402
 from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
@@ -325,7 +325,7 @@ def run_script(name: str, args: Args) -> dict:
     try:
         summary = module.main(parsed)
     finally:
-        runs.release_run()  # what the script's __main__ does (cli.run_cli): the run directory's lock
+        run_lock.release_run()  # what the script's __main__ does (cli.run_cli): the run directory's lock
     lines = files.read_log(Path(summary["run_dir"]) / "metrics.jsonl")
     train = [m for m in lines if "charts/reward" in m]
     start = files.read_log(Path(summary["run_dir"]) / "starts.jsonl")[0]

@@ -92,7 +92,7 @@ def cell(module, run: str, total_gib: int, model: str | None = None, lora_rank: 
             backend="vllm",
             beta=settings["beta"],
             requested={},
-            critic=module is ppo_baseline,
+            second_model=module is ppo_baseline,
             adapters=memory.adapter_params(shape, lora_rank) if lora_rank else 0,
         )
     except UsageError:

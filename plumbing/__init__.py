@@ -6,13 +6,13 @@ its docstring (README, "From the paper to the code").
 
   bookkeeping.py     what every main() does around the algorithm: the run's start, the iterations' bar, clock and
                      time budget, the metrics log, sample files, evaluation, the non-finite guard, the closing line
-  settings.py        TrainArgs (the settings every script shares), their checks (and --tree's size), what a resume
-                     may change
+  settings.py        TrainArgs (the settings every script shares), their checks (the task and backend checks passed
+                     in), what a resume may change
   ranges.py          each numeric setting's valid range, declared on its field, shown in --help, checked once
   cli.py             the command line: tyro, one-line errors, Ctrl-C and SIGTERM
   paper.py           the paper's two setups, --dry-run against PAPER_SETTINGS, the README's settings table
-  runs.py            the run directory: found or created, locked, args.json and starts.jsonl, metrics, samples (the
-                     records the viewer reads)
+  runs.py            the run directory: found or created, args.json and starts.jsonl, metrics, samples (the records
+                     the viewer reads; it runs no model); run_lock.py: its lock and the run this process works in
   checkpoints.py     atomic checkpoints and finding the newest whole one
   files.py           reading files so that damage is one line; atomic writes; append-only logs with torn tails
   models.py          aliases, the offline SmolLM2, loading the policy and the frozen reference model
@@ -20,8 +20,7 @@ its docstring (README, "From the paper to the code").
   chat_templates.py  chat templates rendered in a bounded worker process (time, memory, size)
   memory.py          the `auto` memory settings, from the device's free memory and the model's shape
   precision.py       the bf16 / fp32 choice, as a value passed to what computes
-  training.py        log-probs of responses (values under PPO's critic), micro-batching and collate, reseeding, the
-                     optimizer
+  training.py        log-probs of responses, micro-batching and collate, reseeding, the optimizer
   rollout_correction.py  --rollout-correction's weights on the loss; the sampler against the trainer per
                      token (sampler/*); the policy's entropy
   lora.py            LoRA adapters (peft): frozen base, adapter checkpoints, the base as the reference, the merge
@@ -32,6 +31,15 @@ its docstring (README, "From the paper to the code").
   distributed.py     torchrun: collectives over ranks, FSDP2
   grading.py         math-verify in sandboxed worker processes (imports no torch); final_answer.py: which part of a
                      response it grades (the last stated answer; hedges, lists and cut boxes score 0)
+
+Floors (the floor-plan test holds at most 6; a module importing no other plumbing module is floor 1):
+  1  precision, ranges, files, completions, distributed, chat_templates, final_answer, run_lock
+  2  model_dirs, lora, grading, rollout_correction, vllm_preflight, settings
+  3  models
+  4  hf_engine, checkpoints, memory, paper
+  5  vllm_engine, training, runs, cli
+  6  engines, bookkeeping
+No module here defines a critic, a tree or a cutpoint: each algorithm's pieces are in its script.
 
 This file imports nothing, so that grading.py's worker processes load only what grading needs.
 """

@@ -50,17 +50,18 @@ class Run:
     """a resumed run already at --iterations: its summary, and nothing else is set or written"""
 
 
-def start_run(args, device) -> Run:
+def start_run(args, device, second_model: bool = False) -> Run:
     """Seed torch, choose and print the precision, find the run (--resume: its settings checked, its newest
     checkpoint), stop at a run that already finished, size the `auto` memory settings for this device and open the
-    run directory (lock, args.json as given, this start in starts.jsonl). main() then applies the plan to its args."""
+    run directory (lock, args.json as given, this start in starts.jsonl). main() then applies the plan to its args.
+    second_model: the script trains a second model in full beside the policy (memory.plan sizes for both)."""
     torch.manual_seed(args.seed)
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     run_dir, checkpoint, first_start = runs.locate_run(args)
     if (finished := runs.finished_run(run_dir, checkpoint, args.iterations)) is not None:
         return Run(run_dir, checkpoint, None, precision, None, finished)
-    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start)
+    plan = memory.size_run(args, device, precision, str(checkpoint or args.model), first_start, second_model)
     run_dir = runs.open_run(run_dir, args, precision.line, device, plan)
     state = checkpoints.load_trainer_state(checkpoint) if checkpoint else None
     return Run(run_dir, checkpoint, state, precision, plan)
@@ -206,31 +207,36 @@ class Loop:
         return runs.finish_run(self.run.dir, self.log_file, self.accuracy_before, self.accuracy_after, self.eval_task)
 
 
-def loss_metrics(update_stats: list[dict], also: tuple[str, ...] = ()) -> dict:
-    """The optimizer steps' loss, pg_loss, kl, kl_per_token, clip_frac, grad_norm and `also` stats, each averaged
-    over the steps taken (none: nothing), as losses/<key>; the loss's KL term (summed over a sequence's masked tokens,
-    mean over sequences) is named losses/kl_per_sequence, so that it is not taken for the per-token KL other
-    trainers log as their KL (losses/kl_per_token here)."""
-    if not update_stats:
-        return {}
-    keys = ("loss", "pg_loss", "kl", "kl_per_token", "clip_frac", "grad_norm", *also)
-    return {
-        f"losses/{'kl_per_sequence' if key == 'kl' else key}": sum(stats[key] for stats in update_stats)
-        / len(update_stats)
-        for key in keys
-    }
+def loss_metrics(update_stats: list[dict]) -> dict:
+    """Every statistic the optimizer steps report (the script's update: loss, pg_loss, kl, ... and whatever its loss
+    adds), each averaged over the steps that report it (no step taken: nothing), as losses/<key>; the loss's KL term
+    (summed over a sequence's masked tokens, mean over sequences) is named losses/kl_per_sequence, so that it is not
+    taken for the per-token KL other trainers log as their KL (losses/kl_per_token here).
+
+    >>> loss_metrics([{"loss": 1.0, "kl": 0.5, "my_stat": 2.0}, {"loss": 3.0, "kl": 0.5, "my_stat": 4.0}])
+    {'losses/loss': 2.0, 'losses/kl_per_sequence': 0.5, 'losses/my_stat': 3.0}
+    """
+    keys = dict.fromkeys(key for stats in update_stats for key in stats)  # first-seen order
+    averages = {}
+    for key in keys:
+        values = [stats[key] for stats in update_stats if key in stats]
+        averages[f"losses/{'kl_per_sequence' if key == 'kl' else key}"] = sum(values) / len(values)
+    return averages
 
 
 TINY_TEMPERATURE = 0.01  # below it, logits / temperature overflow where a logit is large (named as the likely cause)
 FP32_HINT = "compute in fp32 (--precision fp32) if it ran in bf16"
 
 
-def non_finite_cause(stats: dict, fix: str = "lower --lr", temperature: float | None = None) -> str:
+def non_finite_cause(
+    stats: dict, fix: str = "lower --lr", temperature: float | None = None, causes: dict[str, str] | None = None
+) -> str:
     """What a non-finite optimizer step points to, from which of its stats are inf or nan, and the setting to change.
-    The scripts' losses are pg_loss + beta * kl (PPO adds the critic's value_loss), with both log-ratios clamped to
-    [-10, 10], so a step size cannot overflow the ratio: a term that is not finite names the input that is not.
-    `fix`: the caller's answer when the stats name nothing; a `temperature` below TINY_TEMPERATURE comes first, since
-    every log-prob divides the logits by it.
+    The scripts' losses are pg_loss + beta * kl, with both log-ratios clamped to [-10, 10], so a step size cannot
+    overflow the ratio: a term that is not finite names the input that is not. `causes`: what a loss term the script
+    adds means when it is not finite, and the fix ({stat: cause}), read after kl and before pg_loss; a gradient norm
+    `<name>_grad_norm` is <name>'s. `fix`: the caller's answer when the stats name nothing; a `temperature` below
+    TINY_TEMPERATURE comes first, since every log-prob divides the logits by it.
 
     >>> nan = float("nan")
     >>> cause = non_finite_cause({"loss": nan, "pg_loss": nan, "kl": nan})
@@ -238,8 +244,10 @@ def non_finite_cause(stats: dict, fix: str = "lower --lr", temperature: float | 
     ('pg_loss = nan and kl = nan', True, True)
     >>> non_finite_cause({"loss": float("inf"), "pg_loss": 0.5, "kl": 3.0})
     'loss = pg_loss + beta * kl = inf while pg_loss and kl are finite: lower --beta'
-    >>> non_finite_cause({"loss": 0.5, "pg_loss": 0.5, "kl": 0.1, "value_loss": nan}, "lower --lr / --critic-lr")
-    "value_loss = nan: the critic's values diverged: lower --critic-lr"
+    >>> non_finite_cause({"loss": nan, "pg_loss": nan, "kl": 0.1, "aux": nan}, causes={"aux": "lower --aux-lr"})
+    'aux = nan, and pg_loss with it: lower --aux-lr'
+    >>> non_finite_cause({"loss": 0.5, "pg_loss": 0.5, "kl": 0.1, "aux_grad_norm": nan}).split(": ")[0]
+    "the losses are finite but the aux's gradient norm is not"
     >>> non_finite_cause({"loss": nan}, "lower --lr")
     'lower --lr'
     """
@@ -259,9 +267,10 @@ def non_finite_cause(stats: dict, fix: str = "lower --lr", temperature: float | 
             f"kl = {bad['kl']:g} while pg_loss is finite: the reference model's log-probs are not finite: "
             f"{FP32_HINT}, or check the reference model"
         )
-    if "value_loss" in bad:
-        also = ", and pg_loss with it (the advantages are the critic's)" if "pg_loss" in bad else ""
-        return f"value_loss = {bad['value_loss']:g}{also}: the critic's values diverged: lower --critic-lr"
+    for key, cause in (causes or {}).items():
+        if key in bad:
+            also = ", and pg_loss with it" if "pg_loss" in bad else ""
+            return f"{key} = {bad[key]:g}{also}: {cause}"
     if "pg_loss" in bad:
         return (
             f"pg_loss = {bad['pg_loss']:g} while kl is finite: the rollout's log-probs (old_logps) or the advantages "
@@ -269,8 +278,9 @@ def non_finite_cause(stats: dict, fix: str = "lower --lr", temperature: float | 
         )
     if "loss" in bad and "pg_loss" in stats and "kl" in stats:
         return f"loss = pg_loss + beta * kl = {bad['loss']:g} while pg_loss and kl are finite: lower --beta"
-    if "grad_norm" in bad or "critic_grad_norm" in bad:
-        which = "the policy's" if "grad_norm" in bad else "the critic's"
+    norms = [key for key in bad if key == "grad_norm" or key.endswith("_grad_norm")]
+    if norms:
+        which = "the policy's" if "grad_norm" in norms else f"the {norms[0].removesuffix('_grad_norm')}'s"
         return f"the losses are finite but {which} gradient norm is not: the backward pass overflowed: {FP32_HINT}"
     return fix
 
@@ -290,16 +300,17 @@ class NonFiniteGuard:
         keys: tuple[str, ...] = ("loss",),
         fix: str = "lower --lr",
         temperature: float | None = None,
+        causes: dict[str, str] | None = None,
     ) -> bool:
         """True when one of this optimizer step's `keys` of stats (its losses; a gradient norm, where the caller
         computed it first) is inf or nan, so the step is skipped; the third in a row raises UsageError (`fix`: the
-        setting to change where the stats name nothing)."""
+        setting to change where the stats name nothing; `causes`: non_finite_cause's)."""
         if all(math.isfinite(stats[key]) for key in keys):
             self.in_a_row = 0
             return False
         self.in_a_row += 1
         warnings.warn(f"iteration {iteration}: non-finite loss, update skipped")
         if self.in_a_row >= 3:
-            cause = non_finite_cause(stats, fix, temperature)
+            cause = non_finite_cause(stats, fix, temperature, causes)
             raise UsageError(f"three non-finite losses in a row: {cause}, or check the model and data")
         return True

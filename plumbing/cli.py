@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import tyro
 
-from plumbing import UsageError, checkpoints, distributed, files, runs, shown
+from plumbing import UsageError, checkpoints, distributed, files, run_lock, shown
 from plumbing.settings import saved_settings
 
 
@@ -84,18 +84,18 @@ def run_cli(main, args) -> None:
         code = 128 + (interrupt.signum if isinstance(interrupt, Terminated) else signal.SIGINT)
         if distributed.world_size() > 1:
             _end(_interrupted_message(), code)
-        runs.release_run()
+        run_lock.release_run()
         with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
             print(f"\n{shown(_interrupted_message())}", file=sys.stderr)
         sys.exit(code)
     finally:
-        runs.release_run()
+        run_lock.release_run()
 
 
 def _end(line: str, code: int) -> None:
     """Print `line` and end this process now (os._exit: gloo and NCCL can abort in their destructors once a peer is
     gone), its run's lock released."""
-    runs.release_run()
+    run_lock.release_run()
     with contextlib.suppress(OSError):
         print(f"\n{shown(line)}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
@@ -104,10 +104,10 @@ def _end(line: str, code: int) -> None:
 
 
 def _interrupted_message() -> str:
-    if not runs.active_run:
+    if not run_lock.active_run:
         return "interrupted before a run directory was made: nothing was kept"
-    run_dir, script = runs.active_run["run_dir"], runs.active_run["script"]
-    resume = distributed.resume_command(script, run_dir, runs.active_run.get("world_size", 1))
+    run_dir, script = run_lock.active_run["run_dir"], run_lock.active_run["script"]
+    resume = distributed.resume_command(script, run_dir, run_lock.active_run.get("world_size", 1))
     iteration = checkpoints.trained_iterations(run_dir)
     if iteration:
         return f"interrupted: {run_dir} keeps its checkpoint of iteration {iteration}; continue with: {resume}"
@@ -116,9 +116,9 @@ def _interrupted_message() -> str:
 
 def _discard_untrained_run() -> None:
     """Remove the directory of a run this process created if it never trained (no checkpoint, no training metrics)."""
-    if not runs.active_run.get("new"):
+    if not run_lock.active_run.get("new"):
         return
-    run_dir = runs.active_run["run_dir"]
+    run_dir = run_lock.active_run["run_dir"]
     try:
         trained = checkpoints.trained_iterations(run_dir) or any(
             record.get("iteration", 0) >= 1 for record in files.read_log(run_dir / "metrics.jsonl", "metrics log")
@@ -126,9 +126,9 @@ def _discard_untrained_run() -> None:
     except (UsageError, OSError):
         trained = True  # cannot tell: keep it
     if not trained:
-        runs.release_run()
+        run_lock.release_run()
         shutil.rmtree(run_dir, ignore_errors=True)
-        runs.active_run.clear()
+        run_lock.active_run.clear()
 
 
 def _resume_flag(argv: Sequence[str]) -> str | None:

@@ -8,13 +8,14 @@ run's context, before anything large is loaded.
     --sampler-batch-tokens     positions one batch of the HF sampler caches
 
 The formula (bytes; P parameters, L layers, hidden h, MLP width I, vocab V, r = KV heads / query heads):
-  training state     16 P   fp32 weights 4 P, gradients 4 P, AdamW's two moments 8 P (PPO: twice, for the critic;
-                            --fsdp over N ranks: divided by N, plus 4 P for the whole model the sampler gathers)
+  training state     16 P   fp32 weights 4 P, gradients 4 P, AdamW's two moments 8 P (twice with a second model
+                            trained in full, ppo_baseline.py's value model; --fsdp over N ranks: divided by N, plus
+                            4 P for the whole model the sampler gathers)
   autocast copies     2 P   the bf16 copies of the weights that autocast keeps during a forward/backward pass
   reference model     4 P   fp32, on the GPU (--reference-on-device) or moved in for its pass
   with --lora-rank    e P + 16 A   the frozen base (e: 2 in bf16), the A adapter parameters' fp32 weights, gradients
                             and moments (adapter_params); no reference model (the policy with its adapters off), no
-                            autocast copies of a bf16 base; PPO's critic as above; activations as above (LoRA's
+                            autocast copies of a bf16 base; a second model as above; activations as above (LoRA's
                             measure 5-10 % below: tests/test_memory.py)
   activations         per token of a micro-batch (micro-batch x context tokens at most), + 8 h for the final norm:
                       L (38 h + 6 r h + 8 I)        without checkpointing: what bf16 autocast saves for the backward
@@ -264,35 +265,37 @@ def plan(
     backend: str,
     beta: float,
     requested: dict,
-    critic: bool = False,
+    second_model: bool = False,
     fsdp_ranks: int = 1,
     element: int = 2,
     adapters: int = 0,
 ) -> Plan:
     """The memory knobs for one GPU with `total` bytes of which `free` are free, by the formula of this module's
     docstring. `requested`: the command line's values ("auto" or a value, which is kept). backend: the rollout engine
-    ("hf" or "vllm"). critic: PPO's value model (a second copy of the training state and activations). element: bytes
+    ("hf" or "vllm"). second_model: a second model trained in full beside the policy, with its own AdamW (a
+    second copy of the training state and activations). element: bytes
     of a bf16/fp16 value (2), or 4 where the GPU computes in fp32. adapters: LoRA's trainable parameters
     (adapter_params; 0: full fine-tuning). Raises UsageError when nothing fits."""
-    P, copies = shape.params, 2 if critic else 1
+    P, copies = shape.params, 2 if second_model else 1
     margin = 0.05 * total + GiB
     sharded = fsdp_ranks > 1
     # (training state, resident during rollout: weights + AdamW, autocast's bf16 weight copies during a pass) of a
     # model trained in full, and of the policy: with adapters, a frozen base of `element` bytes a parameter, the
-    # adapters' fp32 weights, gradients and moments. PPO's critic is trained in full either way (lora.plain_copy).
+    # adapters' fp32 weights, gradients and moments. A second model is trained in full either way (lora.plain_copy).
     full = (16 * P / fsdp_ranks, 12 * P / fsdp_ranks, (P / fsdp_ranks if sharded else P) * element)
     policy = (element * P + 16 * adapters, element * P + 12 * adapters, element * adapters) if adapters else full
     gathered = 4 * P if sharded else 0  # the whole model the sampler gathers
     state, resident_rollout, autocast_copies = (
-        mine + (theirs if critic else 0) + extra for mine, theirs, extra in zip(policy, full, (gathered, gathered, 0))
+        mine + (theirs if second_model else 0) + extra
+        for mine, theirs, extra in zip(policy, full, (gathered, gathered, 0))
     )
     reference = 4 * P if beta > 0 and not adapters else 0  # with adapters: the policy with its adapters off
 
-    # The no-grad passes (old log-probs, reference, PPO's values) run while the engine is awake: vLLM's share must
+    # The no-grad passes (old log-probs, reference, a second model's) run while the engine is awake: vLLM's share must
     # leave them the reference (resident, or its copy visiting), autocast's weight copies, an LM-head chunk and a
     # pass of at least one full-context row (no_grad_pass_bytes).
     per_position, once = no_grad_pass_bytes(shape, element, context, sharded)
-    if adapters and element == 2 and not critic:
+    if adapters and element == 2 and not second_model:
         once -= P * element  # a bf16 base: autocast copies no weights
     no_grad_reserve = reference + once + 4 * context * per_position  # `once` holds autocast's weight copies
 
@@ -375,14 +378,22 @@ KNOBS = (
 )
 
 
-def size_run(args, device, precision: Precision, model_path: str, first_start: dict | None = None) -> Plan:
+def size_run(
+    args,
+    device,
+    precision: Precision,
+    model_path: str,
+    first_start: dict | None = None,
+    second_model: bool = False,
+) -> Plan:
     """The plan for every memory knob of `args` (a training script's Args) on this device: a value given on the command
     line is kept, an `auto` one is computed. `args` is not changed: main() takes the plan's settings (its .line is
     printed and recorded in RUN/starts.jsonl; args.json keeps "auto").
 
     precision: what main() chose (bf16 values are 2 bytes, fp32 ones 4). model_path: the model the run trains (its
     config gives the shape). first_start: the run's first starts.jsonl entry when resuming: its sampler batch is kept,
-    so that a resumed run samples what the uninterrupted one would. Under torchrun every rank takes the same values,
+    so that a resumed run samples what the uninterrupted one would. second_model: the script trains a second model
+    in full beside the policy (plan). Under torchrun every rank takes the same values,
     from the least free memory of any rank."""
     # Before the run directory is made and before AutoConfig reads the model: a local model directory that is not a
     # model, or that asks for custom code, is refused here on any device (models.model_directory_problem).
@@ -417,7 +428,7 @@ def size_run(args, device, precision: Precision, model_path: str, first_start: d
             backend=vllm_preflight.resolve_backend(args.backend)[0],
             beta=args.beta,
             requested=requested,
-            critic=hasattr(args, "critic_lr"),
+            second_model=second_model,
             fsdp_ranks=distributed.world_size() if args.fsdp else 1,
             element=2 if device.type in precision.bf16 else 4,
             adapters=adapter_params(shape, rank, args.lora_target) if rank else 0,

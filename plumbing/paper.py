@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -79,10 +78,3 @@ def dry_run(args, paper_settings: dict[str, dict], eval_task: str, **resolved) -
         print(shown("resolved: " + ", ".join(f"{k} {format_setting(v)}" for k, v in extra.items())))
     print(f"{len(differences)} difference(s) from the paper; nothing was loaded (--dry-run)")
     return {"paper_run": run, "settings": settings, "paper": paper, "differences": differences, "resolved": resolved}
-
-
-def tree_shape(branches: list[int]) -> dict:
-    """What spo_tree.py's --dry-run shows of --tree: the branch factors, and the nodes and leaves of a tree without
-    early leaves."""
-    full_tree = [math.prod(branches[: d + 1]) for d in range(len(branches))]  # nodes per level
-    return {"branches": branches, "nodes_per_full_tree": sum(full_tree), "leaves_per_full_tree": full_tree[-1]}

@@ -1,8 +1,6 @@
-"""A training run's directory: found or created, locked, its args.json and starts.jsonl (every start and resume),
-its metrics log, sample files and closing line.
-
-Process-wide on purpose: `active_run`, the run this process works in, which cli.run_cli names when Ctrl-C or an
-error ends it.
+"""A training run's directory: found or created, locked (run_lock.py), its args.json and starts.jsonl (every start
+and resume), its metrics log, sample files and closing line. It runs no model: what a script saves of its samples
+(responses, SPO-tree's nodes) is built by the script; this module writes it.
 """
 
 from __future__ import annotations
@@ -10,21 +8,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import socket
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from plumbing import UsageError, checkpoints, distributed, engines, files, memory, models, shown, training
-from plumbing.precision import Precision
+from plumbing import UsageError, checkpoints, distributed, files, memory, models, shown
+from plumbing.completions import Completion, token_pieces
+from plumbing.run_lock import active_run, lock_run, release_run
 from plumbing.settings import check_resume_settings
-
-active_run: dict = {}  # the run directory main() is working in (record_start) and its lock, for cli.run_cli's messages
+from plumbing.vllm_preflight import resolve_backend
 
 
 def code_commit(short: bool = False) -> str | None:
@@ -105,6 +100,11 @@ def run_name(task: str, exp_name: str, seed: int, started: int) -> str:
     return f"{part(task)}__{part(exp_name)}__{seed}__{started}"
 
 
+# What a run records of its base model and task file at its first start (starts.jsonl), so that a resume may find them
+# at a new path: the model's config and weight headers, the task file's bytes.
+FINGERPRINTS = {"model": models.fingerprint, "task": files.file_fingerprint}
+
+
 def locate_run(args) -> tuple[Path, Path | None, dict | None]:
     """Where the run lives and what it starts from, before anything is written: (the run directory, its newest intact
     checkpoint, its first start's record in starts.jsonl). --resume RUN: RUN's settings are checked (only
@@ -120,7 +120,8 @@ def locate_run(args) -> tuple[Path, Path | None, dict | None]:
         raise UsageError(
             f"--resume {run_dir}: no checkpoint found there (expected {run_dir}/checkpoint/trainer_state.pt)"
         )
-    check_resume_settings(args, run_dir)  # the run owns its settings; only RESUMABLE_SETTINGS may change
+    # the run owns its settings; only RESUMABLE_SETTINGS may change, and a moved model or task file is checked
+    check_resume_settings(args, run_dir, FINGERPRINTS)
     if checkpoint is None:
         distributed.print0(
             f"--resume {run_dir}: no checkpoint: it starts over from --model (its metrics log starts anew)"
@@ -159,10 +160,10 @@ def open_run(run_dir: Path, args, precision_line: str, device, plan: memory.Plan
                 resumed=bool(args.resume),
                 precision_line=precision_line,
                 world_size=distributed.world_size(),
-                backend=engines.resolve_backend(args.backend)[0],
+                backend=resolve_backend(args.backend)[0],
                 device=str(device) if device is not None else None,
                 memory={**plan.settings(), "update_peak_gib": plan.peak_gb, "line": plan.line},
-                fingerprints={"model": models.fingerprint(args.model), "task": files.file_fingerprint(args.task)},
+                fingerprints={name: fingerprint(getattr(args, name)) for name, fingerprint in FINGERPRINTS.items()},
             )
         except UsageError as error:
             problem = str(error)
@@ -201,72 +202,6 @@ def make_new_directory(run_dir: Path) -> Path:
         except OSError as error:
             raise UsageError(f"cannot create the run directory {candidate}: {error.strerror or error}") from None
     raise UsageError(f"{run_dir} and 998 suffixed names are taken: give another --exp-name or --output-dir")
-
-
-def lock_run(run_dir: Path) -> None:
-    """Hold RUN/lock (host, PID, time) for this process's life. A lock held by a live process refuses this one with
-    one line naming both; one left by a dead process on this host (kill -9, a crash) is taken over with a warning."""
-    lock, me = (
-        run_dir / "lock",
-        {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")},
-    )
-    for _ in range(3):
-        try:
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(lock.read_text())
-            except (OSError, ValueError):
-                holder = {}  # being written this instant, or damaged
-            if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
-                break  # this process already holds it (a second main() in one process)
-            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
-                warnings.warn(
-                    f"{run_dir} was locked by process {holder['pid']}, which is no longer running: taking it over"
-                )
-                lock.unlink(missing_ok=True)
-                continue
-            if not holder:
-                time.sleep(0.5)
-                continue
-            raise UsageError(
-                f"{run_dir} is in use by process {holder.get('pid')} on {holder.get('host')} (since "
-                f"{holder.get('since')}); this process ({me['pid']} on {me['host']}) would mix its files with "
-                f"that run's: wait for it to end, or remove {lock} if that process is gone"
-            )
-        except OSError as error:
-            raise UsageError(f"cannot lock the run directory {run_dir}: {error.strerror or error}") from None
-        else:
-            with os.fdopen(descriptor, "w") as f:
-                f.write(json.dumps(me))
-            break
-    else:
-        raise UsageError(
-            f"cannot lock the run directory {run_dir}: {lock} is unreadable; remove it if no run is using it"
-        )
-    active_run["lock"] = lock
-
-
-def release_run() -> None:
-    """Remove this process's lock on its run directory (a no-op where it holds none)."""
-    lock = active_run.pop("lock", None)
-    if lock is None:
-        return
-    try:
-        if json.loads(lock.read_text()).get("pid") == os.getpid():
-            lock.unlink()
-    except (OSError, ValueError):
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
 
 
 def check_kept_row(row: dict, path: Path, number: int) -> None:
@@ -358,7 +293,7 @@ def response_record(
     iteration: int,
     question_index: int,
     question,
-    completion: engines.Completion,
+    completion: Completion,
     reward: float,
     sample: dict,
     advantages: list[float],
@@ -381,7 +316,7 @@ def response_record(
         "reward": reward,
         "finish_reason": completion.finish_reason,
         "token_ids": completion.ids,
-        "tokens": engines.token_pieces(tokenizer, completion.ids),
+        "tokens": token_pieces(tokenizer, completion.ids),
         "probs": sample["old_logps"].exp().tolist(),
         "advantages": advantages,
         "loss_mask": sample["loss_mask"].tolist(),
@@ -389,37 +324,6 @@ def response_record(
         "cutpoints": cutpoints,
         "cutpoint_values": cutpoint_values,
         "values": values,
-    }
-
-
-def tree_node_probs(
-    model, trees: list, walk, micro_batch_size: int, temperature: float, pad_id: int, precision: Precision
-) -> dict[int, list[float]]:
-    """p_t of every token of every non-root node of `trees` (zero-advantage nodes too; `walk(tree)` yields each node
-    with the ids before it, spo_tree.walk), keyed by id(node): what --save-samples shows, computed before the update."""
-    nodes = [(tree, node, before) for tree in trees for node, before in walk(tree)]
-    samples = [{"prompt_ids": tree.tokens + before, "response_ids": node.tokens} for tree, node, before in nodes]
-    logps = training.sample_logprobs(model, samples, micro_batch_size, temperature, pad_id, precision)
-    return {id(node): node_logps.exp().tolist() for (_, node, _), node_logps in zip(nodes, logps)}
-
-
-def tree_node_record(node, advantage: float | None, probs: dict[int, list[float]], tokenizer, advantages_of) -> dict:
-    """A saved SPO-tree node and its subtree, as viewer.py reads them: tokens, p_t (`probs`, by id(node)), value,
-    `advantage` (None for the root), reward and finish reason; `advantages_of(node)` gives its children's advantages
-    (spo_tree.edge_advantages)."""
-    ids = node.tokens if node.depth else []  # the root's tokens are the prompt, saved as text
-    return {
-        "token_ids": ids,
-        "tokens": engines.token_pieces(tokenizer, ids),
-        "probs": probs[id(node)] if node.depth else [],
-        "value": node.value,
-        "advantage": advantage,
-        "reward": node.reward,
-        "finish_reason": node.finish_reason,
-        "children": [
-            tree_node_record(child, child_advantage, probs, tokenizer, advantages_of)
-            for child, child_advantage in zip(node.children, advantages_of(node))
-        ],
     }
 
 

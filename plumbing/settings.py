@@ -10,17 +10,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import types
 import typing
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
-from plumbing import UsageError, distributed, engines, files, models, ranges
+from plumbing import UsageError, distributed, files, ranges
 
 # Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs, memory knobs
 # that leave the update unchanged (on a CPU in fp32 the numbers stay bit-identical), and three whose change shows in
@@ -110,8 +108,10 @@ def _fits(value, hint) -> bool:
     return isinstance(value, hint) if isinstance(hint, type) else True
 
 
-def check_resume_settings(args, run_dir: str | Path) -> None:
-    """Refuse to resume with a setting that changes the algorithm: only RESUMABLE_SETTINGS may differ."""
+def check_resume_settings(args, run_dir: str | Path, fingerprints: dict[str, Callable[[str], str | None]]) -> None:
+    """Refuse to resume with a setting that changes the algorithm: only RESUMABLE_SETTINGS may differ, and the
+    settings in `fingerprints` ({"model": its fingerprint function, "task": ...}, runs.FINGERPRINTS) may name a new
+    path when it holds what the run started with (check_moved)."""
     saved, current = asdict(saved_settings(type(args), run_dir)), asdict(args)
     if current["output_dir"] != saved["output_dir"]:
         distributed.print0(
@@ -121,9 +121,9 @@ def check_resume_settings(args, run_dir: str | Path) -> None:
     for name, effect in RESUMED_CHANGES.items():
         if saved[name] != current[name]:
             distributed.print0(f"--{name.replace('_', '-')} {current[name]} (the run had {saved[name]}): {effect}")
-    moved = [name for name in MOVABLE if saved[name] != current[name]]
+    moved = [name for name in fingerprints if saved[name] != current[name]]
     if moved:
-        check_moved(run_dir, {name: (saved[name], current[name]) for name in moved})
+        check_moved(run_dir, {name: (saved[name], current[name]) for name in moved}, fingerprints)
     changed = [k for k in saved if k not in RESUMABLE_SETTINGS and k not in moved and saved[k] != current[k]]
     if changed:
         given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
@@ -133,18 +133,18 @@ def check_resume_settings(args, run_dir: str | Path) -> None:
         )
 
 
-MOVABLE = {"model": models.fingerprint, "task": files.file_fingerprint}  # given anew on resume when they moved
-
-
-def check_moved(run_dir: str | Path, moved: dict[str, tuple[str, str]]) -> None:
+def check_moved(
+    run_dir: str | Path, moved: dict[str, tuple[str, str]], fingerprints: dict[str, Callable[[str], str | None]]
+) -> None:
     """A run whose base model or task file moved is resumed with --model / --task at the new path: allowed when the
     new one holds what the run started with (the fingerprint its first start recorded in starts.jsonl: the model's
-    config and weight headers, the task file's bytes), refused otherwise. `moved`: {name: (the run's, given)}."""
+    config and weight headers, the task file's bytes), refused otherwise. `moved`: {name: (the run's, given)};
+    `fingerprints`: {name: the function that fingerprints it}."""
     log = Path(run_dir) / "starts.jsonl"
     first = (files.read_log(log, "the run's start log") or [{}])[0] if log.exists() else {}
     recorded = first.get("fingerprints") or {}
     for name, (was, given) in moved.items():
-        flag, now = f"--{name}", MOVABLE[name](given)
+        flag, now = f"--{name}", fingerprints[name](given)
         if recorded.get(name) is None:
             raise UsageError(
                 f"--resume {run_dir}: {flag} {given!r} (the run has {was!r}) cannot be checked against the run, which "
@@ -158,16 +158,19 @@ def check_moved(run_dir: str | Path, moved: dict[str, tuple[str, str]]) -> None:
         distributed.print0(f"{flag} {given}: the run's {name} ({was}), found at a new path (fingerprint {now})")
 
 
-def setting_problems(args, task_problems: Callable[..., list[str]]) -> list[str]:
+def setting_problems(
+    args, task_problems: Callable[..., list[str]], backend_problems: Callable[[str], list[str]]
+) -> list[str]:
     """Problems with the settings every training script shares, found before anything is loaded.
 
     Reads the fields it finds on `args` (a script's Args); each problem names its flag and the fix.
-    `task_problems(name, flag=...)` checks a task name (eval.task_problems).
+    `task_problems(name, flag=...)` checks a task name (eval.task_problems); `backend_problems(backend)` checks
+    --backend (engines.backend_problems: whether its engine is installed), so that this module imports no engine.
     """
     problems = ranges.problems(args)  # every numeric setting against the range declared on its field
     get = lambda name: getattr(args, name, None)  # noqa: E731
     if get("backend") is not None:
-        problems += engines.backend_problems(args.backend)
+        problems += backend_problems(args.backend)
     if isinstance(args, TrainArgs):  # the batch, budget and cadence of every training run
         if (
             args.micro_batch_size != "auto"
@@ -353,44 +356,3 @@ class TrainArgs:
     """positions (rows x (prompt + new tokens)) one batch of the HF sampler caches; auto: 65,536 on a CPU, sized to
     free GPU memory at the run's first start and kept on resume (the batches decide which random draws a row gets,
     so a resumed run repeats only with the same value)"""
-
-
-# spo_tree.py: leaves per iteration (stated in --tree's help)
-WARN_LEAVES = 50_000
-MAX_LEAVES = 1_000_000
-MAX_DEPTH = 100  # levels of --tree (viewer.py reads saved trees up to about 495 levels deep)
-
-
-def tree_size_problems(args, branches: list[int]) -> list[str]:
-    """spo_tree.py's --tree against what a run can hold: at most MAX_DEPTH levels, room for the last level within
-    --max-new-tokens and --context, and a tree too large to grow refused (a problem line) or a large one warned about
-    with an estimate. `args`: spo_tree's Args (--tree, --questions, --segment-tokens, --max-new-tokens, --context)."""
-    if not branches:
-        return []
-    problems = []
-    if len(branches) > MAX_DEPTH:
-        problems.append(
-            f"--tree has {len(branches)} levels: at most {MAX_DEPTH} (a saved tree nests one JSON level per depth)"
-        )
-    nodes_per_level = [args.questions * math.prod(branches[: d + 1]) for d in range(len(branches))]
-    leaves = nodes_per_level[-1]
-    budget = min(args.max_new_tokens, args.context)
-    before_last = (len(branches) - 1) * args.segment_tokens  # tokens on every path before the last level
-    tokens = sum(n * args.segment_tokens for n in nodes_per_level[:-1]) + leaves * max(0, budget - before_last)
-    estimate = (
-        f"--tree {args.tree} grows up to {leaves:,} leaves and {tokens:,} generated tokens per iteration "
-        f"(--questions {args.questions})"
-    )
-    if leaves > MAX_LEAVES:
-        problems.append(
-            f"{estimate}: over the {MAX_LEAVES:,}-leaf limit; use fewer or smaller branches or fewer --questions"
-        )
-    elif before_last >= budget:
-        problems.append(
-            f"--tree {args.tree} with --segment-tokens {args.segment_tokens} generates {before_last} tokens before "
-            "its last level, leaving no room within --max-new-tokens and --context: raise them or lower "
-            "--segment-tokens"
-        )
-    elif leaves > WARN_LEAVES:
-        warnings.warn(f"{estimate}: far beyond the paper's 6,912 leaves; expect long iterations", stacklevel=2)
-    return problems

@@ -1,9 +1,9 @@
-"""Training mechanics the four scripts share: log-probs of responses under a model (and values under PPO's critic),
-micro-batching and collate (the update's micro-batches; the no-grad passes' batches, sized to free GPU memory),
-seeding an iteration, and the optimizer with its schedule.
+"""Training mechanics the four scripts share: log-probs of responses under a model, micro-batching and collate (the
+update's micro-batches; the no-grad passes' batches, sized to free GPU memory), seeding an iteration, and the
+optimizer with its schedule.
 
 A sample is a dict: prompt_ids and response_ids (token ids, exactly as sampled), and what the loss needs per
-response token (old_logps, ref_logps, advantages, loss_mask; PPO adds old_values and returns) as 1-D tensors.
+response token (old_logps, ref_logps, advantages, loss_mask, and whatever a script's loss adds) as 1-D tensors.
 """
 
 from __future__ import annotations
@@ -285,76 +285,6 @@ def sample_logprobs(
             entropies[i] = row_entropy[: len(samples[i]["response_ids"])]
     model.train(was_training)
     return (out, entropies) if entropy else out
-
-
-class ValueModel(torch.nn.Module):
-    """V(s) for every position of a sequence: a transformer backbone (no LM head) and a linear value head (PPO's
-    critic: ppo_baseline.make_critic builds it from the policy and sets the head's start)."""
-
-    def __init__(self, backbone: torch.nn.Module, hidden_size: int, precision: Precision = FP32):
-        super().__init__()
-        self.backbone = backbone
-        self.precision = precision
-        self.value_head = torch.nn.Linear(
-            hidden_size, 1, dtype=torch.float32, device=next(backbone.parameters()).device
-        )
-
-    def forward(
-        self,
-        input_ids,
-        attention_mask,
-        position_ids,
-        cache: Cache | None = None,
-        use_cache: bool = False,
-    ) -> tuple[torch.Tensor, Cache | None]:
-        """Values [rows, positions] of the positions given, value i = V(tokens up to i), and with use_cache=True the
-        KV cache with them added (`cache`: the KV cache of the positions before them, None when they start the
-        sequence)."""
-        device = input_ids.device.type
-        with self.precision.autocast(device):  # fp32 weights; bf16 compute where `precision` chose it
-            out = self.backbone(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-            )
-        return self.value_head(out.last_hidden_state.float()).squeeze(-1), out.cache  # [rows, positions]
-
-
-def response_values(critic, batch: dict) -> torch.Tensor:
-    """V(s_{t-1}) for every response token y_t under a critic (a ValueModel): the value at the position of
-    the token before it
-    (the prompt's last token for y_0), the same positions whose logits give log pi(y_t). As in
-    response_logprobs, each distinct prompt runs once and its rows' responses continue its KV cache."""
-    prompt_len = batch["prompt_ids"].shape[1]
-    # As in response_logprobs
-    if critic.backbone.is_activation_checkpointing and critic.training and torch.is_grad_enabled():
-        values, _ = critic(batch["input_ids"], batch["attention_mask"], batch["positions"])  # [rows, P + R]
-        return values[:, prompt_len - 1 : -1]  # [rows, R]; the value after the last column belongs to no token
-    # [prompts, P]
-    prompt_values, cache = critic(batch["prompt_ids"], batch["prompt_mask"], batch["prompt_positions"], use_cache=True)
-    cache.batch_select_indices(batch["prompt_of_row"])  # [prompts, ...] -> [rows, ...]
-    response_ids = batch["input_ids"][:, prompt_len:]
-    positions = batch["positions"][:, prompt_len:]
-    values, _ = critic(response_ids, batch["attention_mask"], positions, cache, use_cache=True)  # [rows, R]
-    return torch.cat([prompt_values[batch["prompt_of_row"], -1:], values[:, :-1]], dim=1)  # [rows, R]
-
-
-@torch.no_grad()
-def sample_values(critic, samples: list[dict], micro_batch_size: int, pad_id: int) -> list[torch.Tensor]:
-    """Per-sample values of the states before each response token (1-D CPU tensors), in passes sized to the GPU's
-    free memory as sample_logprobs' (micro-batches of `micro_batch_size` where nothing is sized: a CPU, --fsdp)."""
-    was_training = critic.training
-    critic.eval()
-    device = next(critic.parameters()).device
-    out: list[torch.Tensor] = [None] * len(samples)
-    for indices in no_grad_batches(critic, samples, micro_batch_size, critic.precision, config=critic.backbone.config):
-        values = response_values(critic, collate([samples[i] for i in indices], pad_id, device)).cpu()
-        for i, row in zip(indices, values):
-            out[i] = row[: len(samples[i]["response_ids"])]
-    critic.train(was_training)
-    return out
 
 
 def attach_old_logprobs(

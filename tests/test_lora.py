@@ -14,7 +14,7 @@ import grpo_baseline as grpo
 import ppo_baseline as ppo
 import spo_tree
 from conftest import killed_at_step, make_tiny_model, read_metrics, smoke_args, write_jsonl
-from plumbing import UsageError, lora, models, settings, training
+from plumbing import UsageError, engines, lora, models, settings, training
 from plumbing.engines import HFSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,9 +222,13 @@ def test_bad_lora_input_is_one_line_each(digits, tmp_path):
         adapted(model_dir, rank=99)
     with pytest.raises(UsageError, match="--lora-target nothing_here: .*give module names the model has"):
         adapted(model_dir, lora_target="nothing_here")
-    problems = settings.setting_problems(grpo.Args(lora_rank=4, fsdp=True), lambda *a, **k: [])
+    problems = settings.setting_problems(
+        grpo.Args(lora_rank=4, fsdp=True), lambda *a, **k: [], engines.backend_problems
+    )
     assert any("--fsdp with --lora-rank is not supported" in p and "leave out --fsdp (DDP" in p for p in problems)
-    vllm = settings.setting_problems(grpo.Args(lora_rank=4, backend="vllm"), lambda *a, **k: [])
+    vllm = settings.setting_problems(
+        grpo.Args(lora_rank=4, backend="vllm"), lambda *a, **k: [], engines.backend_problems
+    )
     assert not any("lora" in p for p in vllm), vllm  # vLLM samples the merged adapters (tests/test_lora_vllm.py)
     result = subprocess.run(
         [sys.executable, str(ROOT / "grpo_baseline.py"), "--lora-rank", "-1", "--output-dir", str(tmp_path)],

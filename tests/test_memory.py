@@ -206,7 +206,7 @@ def test_given_values_are_kept_and_a_warning_is_planned_when_they_exceed_the_est
 
 
 def test_ppo_counts_its_critic_and_fsdp_divides_the_state():
-    alone, ppo = long_cot_plan(141), long_cot_plan(141, critic=True)
+    alone, ppo = long_cot_plan(141), long_cot_plan(141, second_model=True)
     assert ppo.peak_gb > alone.peak_gb + 28  # a second fp32 training state
     with pytest.raises(UsageError):
         long_cot_plan(40)
@@ -274,7 +274,7 @@ def test_cuda_sizes_from_free_memory_and_the_models_config(monkeypatch, capsys):
 
 def test_a_run_records_its_sizing_keeps_auto_in_its_settings_and_resumes_with_its_sampler_batch(tmp_path, capsys):
     import grpo_baseline as grpo
-    from plumbing import runs, settings
+    from plumbing import run_lock, runs, settings
 
     def open_run(args):  # as each script's main() opens its run
         run_dir, checkpoint, first_start = runs.locate_run(args)
@@ -283,7 +283,7 @@ def test_a_run_records_its_sizing_keeps_auto_in_its_settings_and_resumes_with_it
 
     args = grpo.Args(output_dir=str(tmp_path), batch_size=6)
     run_dir, plan = open_run(args)
-    runs.release_run()
+    run_lock.release_run()
     saved = json.loads((run_dir / "args.json").read_text())
     assert saved["micro_batch_size"] == "auto" and saved["sampler_batch_tokens"] == "auto"
     assert plan.micro_batch_size == 6 and args.micro_batch_size == "auto"  # the plan resolves; args stays as given
@@ -295,7 +295,7 @@ def test_a_run_records_its_sizing_keeps_auto_in_its_settings_and_resumes_with_it
     resumed = settings.saved_settings(grpo.Args, run_dir)
     resumed.resume = str(run_dir)
     _, plan = open_run(resumed)
-    runs.release_run()
+    run_lock.release_run()
     assert plan.sampler_batch_tokens == 777
     assert json.loads((run_dir / "starts.jsonl").read_text().splitlines()[1])["memory"]["sampler_batch_tokens"] == 777
 

@@ -12,7 +12,7 @@ import grpo_baseline
 import ppo_baseline
 import spo_chain
 import spo_tree
-from plumbing import UsageError, checkpoints, cli, settings
+from plumbing import UsageError, checkpoints, cli, runs, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [spo_chain, spo_tree, grpo_baseline, ppo_baseline]
@@ -32,7 +32,7 @@ def test_resume_takes_the_runs_settings_and_explicit_safe_flags(module, tmp_path
     assert asdict(args) == {**asdict(saved), "resume": str(tmp_path / "run")}  # not the script's defaults
     args = cli.parse(module.Args, [f"--resume={tmp_path / 'run'}", "--iterations", "9", "--max-minutes", "5"])
     assert (args.iterations, args.max_minutes, args.model, args.lr) == (9, 5.0, "my/model", 3e-6)
-    settings.check_resume_settings(args, tmp_path / "run")  # safe changes pass
+    settings.check_resume_settings(args, tmp_path / "run", runs.FINGERPRINTS)  # safe changes pass
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
@@ -40,7 +40,7 @@ def test_resume_refuses_a_setting_that_changes_the_algorithm(module, tmp_path):
     _saved_run(module, tmp_path / "run")
     args = cli.parse(module.Args, ["--resume", str(tmp_path / "run"), "--seed", "8", "--lr", "1e-3"])
     with pytest.raises(UsageError, match=r"--seed 8 \(the run has 7\), --lr 0.001 \(the run has 3e-06\) would change"):
-        settings.check_resume_settings(args, tmp_path / "run")
+        settings.check_resume_settings(args, tmp_path / "run", runs.FINGERPRINTS)
 
 
 def test_resume_of_another_scripts_run_is_one_clear_error(tmp_path):

@@ -13,7 +13,7 @@ import ppo_baseline
 import spo_chain
 import spo_tree
 from conftest import make_tiny_model, smoke_args
-from plumbing import UsageError, checkpoints, cli, distributed, runs, settings
+from plumbing import UsageError, checkpoints, cli, distributed, run_lock, runs, settings
 
 
 def resume(script, run_dir: Path, *flags: str):
@@ -24,13 +24,13 @@ def resume(script, run_dir: Path, *flags: str):
     except UsageError as error:
         return None, f"error: {error}"
     finally:
-        runs.release_run()
+        run_lock.release_run()
 
 
 @pytest.fixture
 def finished_run(tiny_model_dir, gsm8k_jsonl, tmp_path) -> Path:
     summary = grpo_baseline.main(smoke_args(grpo_baseline, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=1))
-    runs.release_run()
+    run_lock.release_run()
     return Path(summary["run_dir"])
 
 
@@ -38,7 +38,7 @@ def finished_run(tiny_model_dir, gsm8k_jsonl, tmp_path) -> Path:
 def test_the_progress_bar_ends_on_the_iterations_run(script, tiny_model_dir, gsm8k_jsonl, tmp_path, capsys):
     """The bar's last state counts every iteration that ran: 2/2 after two, not the 1/2 a bar left by `break` shows."""
     script.main(smoke_args(script, tiny_model_dir, gsm8k_jsonl, tmp_path, iterations=2))
-    runs.release_run()
+    run_lock.release_run()
     counts = re.findall(r"iterations: +\d+%\|[^|]*\| (\d+)/(\d+)", capsys.readouterr().err)
     assert counts and counts[-1] == ("2", "2"), counts
 
@@ -186,7 +186,7 @@ def test_a_moved_model_and_task_file_are_given_anew_and_checked_against_the_run(
     model, task = make_tiny_model(tmp_path / "model"), tmp_path / "task.jsonl"
     shutil.copy(gsm8k_jsonl, task)
     summary = grpo_baseline.main(smoke_args(grpo_baseline, model, task, tmp_path / "runs", iterations=1))
-    runs.release_run()
+    run_lock.release_run()
     run_dir = Path(summary["run_dir"])
     model.rename(tmp_path / "moved-model")
     task.rename(tmp_path / "moved-task.jsonl")

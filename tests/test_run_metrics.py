@@ -213,8 +213,14 @@ def test_dry_run_shows_no_correction_as_the_papers(script, capsys):
 def test_vllm_at_top_p_below_one_refuses_the_correction(monkeypatch, capsys):
     # named on the command line: refused before anything loads
     args = grpo_baseline.Args(backend="vllm", top_p=0.9, rollout_correction="tis")
-    assert any("needs --top-p 1" in problem for problem in settings.setting_problems(args, ev.task_problems))
-    assert not any("--top-p" in p for p in settings.setting_problems(replace(args, top_p=1.0), ev.task_problems))
+    assert any(
+        "needs --top-p 1" in problem
+        for problem in settings.setting_problems(args, ev.task_problems, engines.backend_problems)
+    )
+    assert not any(
+        "--top-p" in p
+        for p in settings.setting_problems(replace(args, top_p=1.0), ev.task_problems, engines.backend_problems)
+    )
     # --backend auto that resolves to vLLM: refused once the engine is known
     engine = object.__new__(engines.VLLMSampler)
     monkeypatch.setattr(engines, "make_sampler", lambda *a, **k: engine)
@@ -275,3 +281,28 @@ def test_running_md_lists_every_metric_the_scripts_write(written_keys):
             assert any(pattern(row).fullmatch(key) for key in written_keys[letter]), (
                 f"RUNNING.md's row {row} names {SCRIPTS[letter].__name__}, whose run did not write it"
             )
+
+
+@pytest.mark.parametrize("script", SCRIPTS.values(), ids=lambda s: s.__name__)
+def test_a_new_loss_statistic_is_logged_with_no_plumbing_edit(
+    script, tiny_model_dir, gsm8k_jsonl, tmp_path, monkeypatch
+):
+    """Changing a script's loss is that script (and its RUNNING.md row): a statistic its policy_loss adds reaches
+    metrics.jsonl as losses/<name>, averaged over the optimizer steps, through no plumbing code."""
+    real = script.policy_loss
+
+    def with_a_new_statistic(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss, {**stats, "masked_tokens_seen": float(args[4].sum())}  # args[4]: the loss mask
+
+    monkeypatch.setattr(script, "policy_loss", with_a_new_statistic)
+    # a digits-only model whose trees have finished leaves, so that SPO-tree has edges to train on
+    model_dir = make_tiny_model(tmp_path / "model", alphabet="0123456789 ")
+    data = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
+    extra = {"samples_per_iteration": 0} if script is spo_tree else {}
+    args = smoke_args(script, model_dir, data, tmp_path / "runs", iterations=1, eval_before=False, **extra)
+    script.main(args)
+    [metrics_file] = (tmp_path / "runs").glob("*/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    [row] = [row for row in rows if row.get("iteration") == 1 and "losses/loss" in row]
+    assert row["losses/masked_tokens_seen"] >= 1 and math.isfinite(row["losses/masked_tokens_seen"])

@@ -8,7 +8,7 @@ import torch
 
 import grpo_baseline as grpo
 from conftest import make_tiny_model, read_metrics, smoke_args, write_jsonl
-from plumbing import checkpoints, runs
+from plumbing import checkpoints, run_lock
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
@@ -70,7 +70,7 @@ def test_an_interrupt_at_each_step_of_a_save_resumes_to_the_uninterrupted_number
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         interrupt_at(step, patch)
         grpo.main(smoke_args(grpo, *sevens, tmp_path / "runs", iterations=3))
-    runs.release_run()  # cli.run_cli's finally
+    run_lock.release_run()  # cli.run_cli's finally
     [run_dir] = (tmp_path / "runs").iterdir()
     left = sorted(p.name for p in run_dir.glob("checkpoint*"))
     assert left != ["checkpoint"] or step == STEPS[0], left  # the interrupt left the swap part-way

@@ -13,7 +13,7 @@ import pytest
 
 import eval as ev
 import grpo_baseline
-from plumbing import UsageError, checkpoints, files, memory, models, runs, settings
+from plumbing import UsageError, checkpoints, files, memory, models, run_lock, runs, settings
 from plumbing.precision import FP32
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,7 +254,7 @@ def test_new_runs_get_their_own_directory_lock_it_and_record_how_they_run(tmp_pa
     first = runs.open_run(run_dir, args, "precision: fp32", "cpu", memory.size_run(args, "cpu", FP32, args.model))
     lock = json.loads((first / "lock").read_text())
     assert lock["pid"] == os.getpid()
-    runs.release_run()
+    run_lock.release_run()
     assert not (first / "lock").exists()
     second = runs.make_new_directory(first)  # the same name in the same second: a suffix, never a shared directory
     assert second == first.with_name(first.name + "-2") and second.is_dir()
@@ -271,8 +271,8 @@ LOCK_HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from plumbing import runs
-runs.lock_run(Path({run!r}))
+from plumbing import run_lock
+run_lock.lock_run(Path({run!r}))
 print("locked", flush=True)
 time.sleep(60)
 """
@@ -289,21 +289,21 @@ def test_a_second_process_on_a_locked_run_is_refused_and_a_dead_ones_lock_is_tak
         with pytest.raises(
             UsageError, match=f"{run} is in use by process {holder.pid} on .*this process \\({os.getpid()} on"
         ):
-            runs.lock_run(run)
+            run_lock.lock_run(run)
     finally:
         holder.kill()
         holder.wait()
     with pytest.warns(UserWarning, match=f"locked by process {holder.pid}, which is no longer running: taking it over"):
-        runs.lock_run(run)  # kill -9 left the lock behind
+        run_lock.lock_run(run)  # kill -9 left the lock behind
     assert json.loads((run / "lock").read_text())["pid"] == os.getpid()
-    runs.release_run()
+    run_lock.release_run()
 
 
 SLEEPER = """
 import sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from plumbing import cli, runs
+from plumbing import cli, run_lock, runs
 def main(args):
     runs.record_start(Path({run!r}), resumed=False)
     print("started", flush=True)
