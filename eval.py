@@ -36,7 +36,7 @@ from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
 from plumbing.models import load_model
 from plumbing.precision import choose_precision
-from plumbing.settings import directory_problems
+from plumbing.settings import HELDOUT_SEED, directory_problems
 
 # ----------------------------------------------------------------------------------------------
 # Tasks
@@ -44,7 +44,6 @@ from plumbing.settings import directory_problems
 RHO_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
 RHO_STOP = "\n\n\nProblem:"  # the SFT model may start a new problem instead of emitting EOS
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-RG_TEST_SEED_OFFSET = 1_000_003  # reasoning-gym: neighbouring seeds give shifted copies of the same items
 RG_TEST_SIZE = 200  # reasoning-gym test draws (fewer after deduplication)
 
 
@@ -145,9 +144,10 @@ def _parse_rg_name(name: str) -> tuple[str, dict]:
     return dataset, config
 
 
-def _rg_rows(name: str, split: str, size: int, seed: int) -> list[dict]:
-    """reasoning-gym items. The test split is always the same RG_TEST_SIZE draws from a far seed, and
-    train drops every test question, so small task spaces (e.g. 1-digit sums) keep disjoint splits."""
+def _rg_rows(name: str, split: str, size: int, seed: int, heldout_seed: int = HELDOUT_SEED) -> list[dict]:
+    """reasoning-gym items. The test split is the same RG_TEST_SIZE draws for every run (`heldout_seed`, not the
+    run's seed: neighbouring seeds give shifted copies of the same items), and train (drawn with `seed`) drops every
+    test question, so small task spaces (e.g. 1-digit sums) keep disjoint splits."""
     import reasoning_gym
 
     dataset, config = _parse_rg_name(name)
@@ -158,7 +158,7 @@ def _rg_rows(name: str, split: str, size: int, seed: int) -> list[dict]:
         except Exception as error:
             raise UsageError(f"reasoning-gym cannot build {dataset!r} with {config}: {error}") from None
 
-    test = generate(seed + RG_TEST_SEED_OFFSET, RG_TEST_SIZE)
+    test = generate(heldout_seed, RG_TEST_SIZE)
     if split == "test":
         return test
     held_out = {row["question"] for row in test}
@@ -278,11 +278,13 @@ def load_task(
     limit: int | None = None,
     seed: int = 0,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    heldout_seed: int = HELDOUT_SEED,
 ) -> list[Example]:
     """Examples of a task: question, reference answer and, given a tokenizer, the prompt in the model's format.
 
     name: gsm8k | math (MATH train, MATH500 removed) | math500 | aime24 | rg:<dataset>[:key=value,...] | path.jsonl
-    split: "train" or "test" (math500/aime24 have one split; reasoning-gym test items come from a far seed).
+    split: "train" or "test" (math500/aime24 have one split; reasoning-gym test items are drawn with `heldout_seed`,
+    whatever `seed` draws the training items).
     limit: the first `limit` examples; a file is read, and references are checked, no further than they need.
     """
     if name == "gsm8k":
@@ -317,7 +319,7 @@ def load_task(
             for r in _hub_rows("HuggingFaceH4/aime_2024", None, "train")
         ]
     elif name.startswith("rg:"):
-        rows = _rg_rows(name, split, size=max(limit or 0, 10_000), seed=seed)
+        rows = _rg_rows(name, split, size=max(limit or 0, 10_000), seed=seed, heldout_seed=heldout_seed)
     elif name.endswith(".jsonl"):
         rows = ({**row, "answer": _gsm8k_answer(row["answer"])} for row in files.read_task_rows(name))
     else:
@@ -336,12 +338,18 @@ def default_eval_task(task: str) -> str:
 
 
 def load_examples(
-    task: str, eval_task: str, context: int, eval_limit: int | None, seed: int, tokenizer
+    task: str,
+    eval_task: str,
+    context: int,
+    eval_limit: int | None,
+    seed: int,
+    tokenizer,
+    heldout_seed: int = HELDOUT_SEED,
 ) -> tuple[list[Example], list[Example]]:
     """A training run's questions: the training split of `task` (prompts without room for a response within
     `context` dropped) and the held-out questions of `eval_task` (kept, scoring 0 as unfinished)."""
-    train_examples = load_task(task, "train", seed=seed)
-    held_out = load_task(eval_task, "test", limit=eval_limit, seed=seed)
+    train_examples = load_task(task, "train", seed=seed, heldout_seed=heldout_seed)
+    held_out = load_task(eval_task, "test", limit=eval_limit, seed=seed, heldout_seed=heldout_seed)
     if tokenizer is not None:  # one rendering of the chat template for both
         add_prompts(train_examples + held_out, tokenizer)
     if eval_task == task and task.endswith(".jsonl"):  # a file has no test split: say that "held-out" is not
@@ -444,6 +452,7 @@ def evaluate(
     context: int | None = None,
     sampler=None,
     seed: int = 0,
+    heldout_seed: int = HELDOUT_SEED,
 ) -> dict:
     """Accuracy of a model on a task: mean over samples, pass@samples, majority vote, truncation, length.
 
@@ -453,7 +462,7 @@ def evaluate(
     # take minutes to fail); it scores 0, counted in check_prompt_room's one warning.
     context = context or getattr(model.config, "max_position_embeddings", None)
     if examples is None:
-        examples = load_task(task, split, limit=limit, seed=seed, tokenizer=tokenizer)
+        examples = load_task(task, split, limit=limit, seed=seed, tokenizer=tokenizer, heldout_seed=heldout_seed)
         if context is not None:
             examples = check_prompt_room(examples, context, f"--task {task}", drop=False)
     sampler = sampler or HFSampler(model, tokenizer, seed=seed)
@@ -563,6 +572,9 @@ class EvalArgs:
     """hf | vllm | auto (vllm when installed and a GPU is present)"""
     seed: ranges.Seed = 0
     """sampling seed"""
+    heldout_seed: ranges.Seed = HELDOUT_SEED
+    """seed of a generated task's test questions (rg:*): the training scripts' default, so that a run's held-out
+    accuracy and this evaluation's are on the same questions"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """matmul precision on the CPU: auto = bf16 autocast where the CPU has AVX-512 BF16 or AMX, else fp32 (a GPU
     evaluates bf16 weights)"""
@@ -618,6 +630,7 @@ def main(args: EvalArgs) -> dict:
         context=args.context,
         sampler=sampler,
         seed=args.seed,
+        heldout_seed=args.heldout_seed,
     )
     safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "-", s).strip("-")  # noqa: E731
     output = distributed.broadcast(

@@ -131,21 +131,38 @@ def loss_mask(
 
 
 def whiten(
-    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    all_sum: Callable = lambda x: x,
+    mode: str = "centre-scale",
 ) -> torch.Tensor:
-    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
-    shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
-    `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
-    statistics are those of the whole batch.
+    """Normalise advantages over the masked tokens (--whiten); unmasked tokens are transformed too, but do not count in
+    the statistics. No masked token at all: returned unchanged. `all_sum` sums a tensor over the processes that share
+    the batch (distributed.all_sum under torchrun), so the statistics are those of the whole batch.
 
     Paper: policy optimization with the probability mask.
 
+    centre-scale (the paper's): shift and scale to mean 0, std 1 (std with ddof 0). When the mask nearly empties
+    (few tokens under the threshold, all with negative advantages), centring turns advantage-0 tokens positive.
+    scale: divide by the root mean square over the masked tokens, no shift, so an advantage of 0 stays 0 and every
+    sign is kept; all masked advantages 0: returned unchanged (nothing to scale by). none: returned unchanged.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]))  # the zeros turn positive
+    tensor([ 0.7071,  0.7071, -1.4142,  3.5355])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]), mode="scale")  # RMS sqrt(3)
+    tensor([ 0.0000,  0.0000, -1.7321,  2.3094])
     """
+    if mode == "none":
+        return advantages
     count, total = all_sum(torch.stack([mask.sum().to(advantages.dtype), (advantages * mask).sum()]))
     if count == 0:
         return advantages
+    if mode == "scale":
+        rms = (all_sum((advantages**2 * mask).sum()) / count).sqrt()
+        return advantages if rms == 0 else advantages / (rms + eps)
     mean = total / count
     std = (all_sum(((advantages - mean) ** 2 * mask).sum()) / count).sqrt()
     return (advantages - mean) / (std + eps)
@@ -255,11 +272,11 @@ def attach_targets(
     args: Args,
     pad_id: int,
     precision: Precision = FP32,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, dict]:
     """Set what the loss needs on every sample: "old_logps" (one no-grad pass, which sets "entropy" too),
     "ref_logps" (the frozen reference model's, when beta > 0), "loss_mask" and "advantages" (the response's group
     advantage on each token, whitened over the masked tokens of the whole iteration batch, all ranks included).
-    Returns the flat loss mask over all response tokens."""
+    Returns the flat loss mask over all response tokens and the whitening's counts (bookkeeping.whitening_metrics)."""
     lengths = [len(s["response_ids"]) for s in samples]
     attach_old_logprobs(model, samples, args.micro_batch_size, args.temperature, pad_id, precision)
     flat_probs = torch.cat([s["old_logps"] for s in samples]).exp()  # p_t of every response token
@@ -272,13 +289,12 @@ def attach_targets(
                 samples, sample_logprobs(reference, samples, args.micro_batch_size, args.temperature, pad_id, precision)
             ):
                 s["ref_logps"] = logps
-    flat_advantages = whiten(
-        torch.repeat_interleave(advantages, torch.tensor(lengths)), flat_mask, all_sum=distributed.all_sum
-    )
+    raw = torch.repeat_interleave(advantages, torch.tensor(lengths))  # [all response tokens]
+    flat_advantages = whiten(raw, flat_mask, all_sum=distributed.all_sum, mode=args.whiten)
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"] = mask
         s["advantages"] = advantage
-    return flat_mask
+    return flat_mask, bookkeeping.whitening_metrics(raw, flat_advantages, flat_mask)
 
 
 def update_policy(
@@ -344,7 +360,7 @@ def main(args: Args) -> dict:
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
     model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, precision=run.precision)
     train_examples, eval_examples = ev.load_examples(
-        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer, args.heldout_seed
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
     sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
@@ -376,7 +392,7 @@ def main(args: Args) -> dict:
         #    pi_old and the reference model's log-probs come from one no-grad pass each.
         advantages = group_advantages(rewards, args.group_size)
         samples = [new_sample(questions[i // args.group_size].prompt_ids, c) for i, c in enumerate(completions)]
-        flat_mask = attach_targets(samples, advantages, model, reference, args, pad_id, run.precision)
+        flat_mask, whitening = attach_targets(samples, advantages, model, reference, args, pad_id, run.precision)
         correct_rollouts(samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
         # 4. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
@@ -394,6 +410,7 @@ def main(args: Args) -> dict:
         metrics = iteration_metrics(
             rewards, completions, samples, flat_mask, args.group_size, update_stats, lr, seconds
         )
+        metrics |= whitening  # the loss-masked tokens and what the whitening moved
         book.log(iteration, metrics, progress_line(iteration, metrics))
         if book.saves_samples(iteration):  # rank 0's questions
             records = sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args)

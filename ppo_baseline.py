@@ -174,21 +174,38 @@ def loss_mask(
 
 
 def whiten(
-    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    all_sum: Callable = lambda x: x,
+    mode: str = "centre-scale",
 ) -> torch.Tensor:
-    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
-    shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
-    `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
-    statistics are those of the whole batch.
+    """Normalise advantages over the masked tokens (--whiten); unmasked tokens are transformed too, but do not count in
+    the statistics. No masked token at all: returned unchanged. `all_sum` sums a tensor over the processes that share
+    the batch (distributed.all_sum under torchrun), so the statistics are those of the whole batch.
 
     Paper: policy optimization with the probability mask.
 
+    centre-scale (the paper's): shift and scale to mean 0, std 1 (std with ddof 0). When the mask nearly empties
+    (few tokens under the threshold, all with negative advantages), centring turns advantage-0 tokens positive.
+    scale: divide by the root mean square over the masked tokens, no shift, so an advantage of 0 stays 0 and every
+    sign is kept; all masked advantages 0: returned unchanged (nothing to scale by). none: returned unchanged.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]))  # the zeros turn positive
+    tensor([ 0.7071,  0.7071, -1.4142,  3.5355])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]), mode="scale")  # RMS sqrt(3)
+    tensor([ 0.0000,  0.0000, -1.7321,  2.3094])
     """
+    if mode == "none":
+        return advantages
     count, total = all_sum(torch.stack([mask.sum().to(advantages.dtype), (advantages * mask).sum()]))
     if count == 0:
         return advantages
+    if mode == "scale":
+        rms = (all_sum((advantages**2 * mask).sum()) / count).sqrt()
+        return advantages if rms == 0 else advantages / (rms + eps)
     mean = total / count
     std = (all_sum(((advantages - mean) ** 2 * mask).sum()) / count).sqrt()
     return (advantages - mean) / (std + eps)
@@ -414,12 +431,18 @@ def add_old_logprobs_and_values(
 
 
 def add_advantages_and_returns(
-    samples: list[dict], rewards: torch.Tensor, gamma: float, lam: float, prob_threshold: float, prob_mask: bool
-) -> torch.Tensor:
+    samples: list[dict],
+    rewards: torch.Tensor,
+    gamma: float,
+    lam: float,
+    prob_threshold: float,
+    prob_mask: bool,
+    whiten_mode: str = "centre-scale",
+) -> tuple[torch.Tensor, dict]:
     """GAE over the whole iteration batch, from each sample's old_values and its reward (rewards[i], on the last
     response token); stores each sample's loss_mask, advantages (whitened over the masked tokens of the whole batch,
-    all ranks included) and returns (the critic's targets). Returns the GAE advantages before whitening, [N, T]
-    right-padded."""
+    all ranks included, by --whiten's `whiten_mode`) and returns (the critic's targets). Returns the GAE advantages
+    before whitening, [N, T] right-padded, and the whitening's counts (bookkeeping.whitening_metrics)."""
     lengths = torch.tensor([len(s["response_ids"]) for s in samples])
     old_values = torch.nn.utils.rnn.pad_sequence([s["old_values"] for s in samples], batch_first=True)  # [N, T]
     response_mask = torch.arange(old_values.shape[1])[None] < lengths[:, None]  # [N, T]
@@ -435,7 +458,8 @@ def add_advantages_and_returns(
         prob_mask,
         all_sum=distributed.all_sum,
     )
-    flat_advantages = whiten(advantages[response_mask], flat_mask, all_sum=distributed.all_sum)
+    raw = advantages[response_mask]  # [all response tokens]
+    flat_advantages = whiten(raw, flat_mask, all_sum=distributed.all_sum, mode=whiten_mode)
     flat_returns = returns[response_mask]
     split = lengths.tolist()
     for s, mask, whitened, targets in zip(
@@ -444,7 +468,7 @@ def add_advantages_and_returns(
         s["loss_mask"] = mask
         s["advantages"] = whitened
         s["returns"] = targets
-    return advantages
+    return advantages, bookkeeping.whitening_metrics(raw, flat_advantages, flat_mask)
 
 
 def accumulate_gradients(
@@ -590,7 +614,7 @@ def main(args: Args) -> dict:
     model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, False, run.precision)
     critic = load_critic(args, model, run.checkpoint, device, run.precision)
     train_examples, eval_examples = ev.load_examples(
-        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer, args.heldout_seed
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
     sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
@@ -626,8 +650,8 @@ def main(args: Args) -> dict:
             samples, model, reference, critic, args.micro_batch_size, args.temperature, pad_id, run.precision
         )
         # [N, T], before whitening
-        advantages = add_advantages_and_returns(
-            samples, rewards, args.gamma, args.lam, args.prob_threshold, args.prob_mask
+        advantages, whitening = add_advantages_and_returns(
+            samples, rewards, args.gamma, args.lam, args.prob_threshold, args.prob_mask, args.whiten
         )
         correct_rollouts(samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
@@ -657,6 +681,7 @@ def main(args: Args) -> dict:
         lr = scheduler.get_last_lr()[0]
         critic_lr = critic_scheduler.get_last_lr()[0]
         metrics = iteration_metrics(rewards, completions, samples, update_stats, lr, critic_lr, seconds)
+        metrics |= whitening  # the loss-masked tokens and what the whitening moved
         book.log(iteration, metrics, progress_line(iteration, metrics))
         if book.saves_samples(iteration):  # rank 0's questions
             records = sample_records(iteration, questions, completions, rewards, advantages, samples, tokenizer, args)

@@ -198,21 +198,38 @@ def loss_mask(
 
 
 def whiten(
-    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    all_sum: Callable = lambda x: x,
+    mode: str = "centre-scale",
 ) -> torch.Tensor:
-    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
-    shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
-    `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
-    statistics are those of the whole batch.
+    """Normalise advantages over the masked tokens (--whiten); unmasked tokens are transformed too, but do not count in
+    the statistics. No masked token at all: returned unchanged. `all_sum` sums a tensor over the processes that share
+    the batch (distributed.all_sum under torchrun), so the statistics are those of the whole batch.
 
     Paper: policy optimization with the probability mask.
 
+    centre-scale (the paper's): shift and scale to mean 0, std 1 (std with ddof 0). When the mask nearly empties
+    (few tokens under the threshold, all with negative advantages), centring turns advantage-0 tokens positive.
+    scale: divide by the root mean square over the masked tokens, no shift, so an advantage of 0 stays 0 and every
+    sign is kept; all masked advantages 0: returned unchanged (nothing to scale by). none: returned unchanged.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]))  # the zeros turn positive
+    tensor([ 0.7071,  0.7071, -1.4142,  3.5355])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]), mode="scale")  # RMS sqrt(3)
+    tensor([ 0.0000,  0.0000, -1.7321,  2.3094])
     """
+    if mode == "none":
+        return advantages
     count, total = all_sum(torch.stack([mask.sum().to(advantages.dtype), (advantages * mask).sum()]))
     if count == 0:
         return advantages
+    if mode == "scale":
+        rms = (all_sum((advantages**2 * mask).sum()) / count).sqrt()
+        return advantages if rms == 0 else advantages / (rms + eps)
     mean = total / count
     std = (all_sum(((advantages - mean) ** 2 * mask).sum()) / count).sqrt()
     return (advantages - mean) / (std + eps)
@@ -394,11 +411,16 @@ def accumulate_gradients(
 
 
 def attach_advantages(
-    samples: list[dict], advantages: list[list[float]], flat_probs: torch.Tensor, prob_threshold: float, prob_mask: bool
-) -> torch.Tensor:
+    samples: list[dict],
+    advantages: list[list[float]],
+    flat_probs: torch.Tensor,
+    prob_threshold: float,
+    prob_mask: bool,
+    whiten_mode: str = "centre-scale",
+) -> tuple[torch.Tensor, dict]:
     """Set each sample's "loss_mask" and "advantages" (its chain advantages, whitened over the masked tokens of the
-    whole iteration batch, all ranks included); `flat_probs` holds p_t of every response token. Returns the flat
-    loss mask."""
+    whole iteration batch, all ranks included, by --whiten's `whiten_mode`); `flat_probs` holds p_t of every response
+    token. Returns the flat loss mask and the whitening's counts (bookkeeping.whitening_metrics)."""
     lengths = [len(s["response_ids"]) for s in samples]
     flat_advantages = torch.tensor([a for response in advantages for a in response])  # [all response tokens]
     flat_mask = loss_mask(
@@ -408,11 +430,11 @@ def attach_advantages(
         prob_mask,
         all_sum=distributed.all_sum,
     )
-    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum)
-    for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
+    whitened = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum, mode=whiten_mode)
+    for s, mask, advantage in zip(samples, flat_mask.split(lengths), whitened.split(lengths)):
         s["loss_mask"] = mask
         s["advantages"] = advantage
-    return flat_mask
+    return flat_mask, bookkeeping.whitening_metrics(flat_advantages, whitened, flat_mask)
 
 
 def update_policy(
@@ -475,7 +497,7 @@ def main(args: Args) -> dict:
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
     model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, precision=run.precision)
     train_examples, eval_examples = ev.load_examples(
-        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer, args.heldout_seed
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
     sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
@@ -532,7 +554,9 @@ def main(args: Args) -> dict:
             chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
             for p, cuts, v, reward in zip(probs, cutpoints, values, rewards)
         ]
-        flat_mask = attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
+        flat_mask, whitening = attach_advantages(
+            samples, advantages, flat_probs, args.prob_threshold, args.prob_mask, args.whiten
+        )
         correct_rollouts(samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
         # 7. Update: epochs x shuffled batches x micro-batches (the rollout engine sleeps meanwhile).
@@ -550,6 +574,7 @@ def main(args: Args) -> dict:
         metrics = iteration_metrics(
             rewards, completions, samples, flat_mask, cutpoints, flat_values, mc_stats, update_stats, lr, seconds
         )
+        metrics |= whitening  # the loss-masked tokens and what the whitening moved
         book.log(iteration, metrics, progress_line(iteration, metrics))
         if book.saves_samples(iteration):  # rank 0's questions
             records = sample_records(

@@ -436,21 +436,38 @@ def loss_mask(
 
 
 def whiten(
-    advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_sum: Callable = lambda x: x
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-8,
+    all_sum: Callable = lambda x: x,
+    mode: str = "centre-scale",
 ) -> torch.Tensor:
-    """Shift and scale advantages to mean 0, std 1 over the masked tokens (std with ddof 0); unmasked tokens are
-    shifted and scaled too, but do not count in the statistics. No masked token at all: returned unchanged.
-    `all_sum` sums a tensor over the processes that share the batch (distributed.all_sum under torchrun), so the
-    statistics are those of the whole batch.
+    """Normalise advantages over the masked tokens (--whiten); unmasked tokens are transformed too, but do not count in
+    the statistics. No masked token at all: returned unchanged. `all_sum` sums a tensor over the processes that share
+    the batch (distributed.all_sum under torchrun), so the statistics are those of the whole batch.
 
     Paper: policy optimization with the probability mask.
 
+    centre-scale (the paper's): shift and scale to mean 0, std 1 (std with ddof 0). When the mask nearly empties
+    (few tokens under the threshold, all with negative advantages), centring turns advantage-0 tokens positive.
+    scale: divide by the root mean square over the masked tokens, no shift, so an advantage of 0 stays 0 and every
+    sign is kept; all masked advantages 0: returned unchanged (nothing to scale by). none: returned unchanged.
+
     >>> whiten(torch.tensor([1., 3., 5., 100.]), torch.tensor([True, True, True, False]))
     tensor([-1.2247,  0.0000,  1.2247, 59.4001])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]))  # the zeros turn positive
+    tensor([ 0.7071,  0.7071, -1.4142,  3.5355])
+    >>> whiten(torch.tensor([0., 0., -3., 4.]), torch.tensor([True, True, True, False]), mode="scale")  # RMS sqrt(3)
+    tensor([ 0.0000,  0.0000, -1.7321,  2.3094])
     """
+    if mode == "none":
+        return advantages
     count, total = all_sum(torch.stack([mask.sum().to(advantages.dtype), (advantages * mask).sum()]))
     if count == 0:
         return advantages
+    if mode == "scale":
+        rms = (all_sum((advantages**2 * mask).sum()) / count).sqrt()
+        return advantages if rms == 0 else advantages / (rms + eps)
     mean = total / count
     std = (all_sum(((advantages - mean) ** 2 * mask).sum()) / count).sqrt()
     return (advantages - mean) / (std + eps)
@@ -591,12 +608,14 @@ def attach_targets(
     prob_threshold: float,
     prob_mask: bool,
     precision: Precision = FP32,
-) -> None:
+    whiten_mode: str = "centre-scale",
+) -> dict:
     """Set what the loss needs on every sample: "ref_logps" (the frozen reference model's log-probs; the old ones
     when there is no reference model, beta = 0), "loss_mask" (response tokens, with the probability mask only
     those with p_t < prob_threshold) and "advantages" (the edge's advantage on each token, whitened over the
     masked tokens of all samples, of every rank under torchrun, then times the edge's "weight" when it has one:
-    --edge-weight depth). A sample listed twice (fill_samples) counts twice in the whitening."""
+    --edge-weight depth; --whiten's `whiten_mode`). A sample listed twice (fill_samples) counts twice in the
+    whitening. Returns the whitening's counts (bookkeeping.whitening_metrics)."""
     edges = list({id(s): s for s in samples}.values())  # each edge once: a repeat is the same dict
     for s in edges:
         s["ref_logps"] = s["old_logps"]
@@ -610,11 +629,12 @@ def attach_targets(
     flat_probs = torch.cat([s["old_logps"] for s in samples] or [torch.zeros(0)]).exp()  # [tokens], p_t
     every_token = torch.ones_like(flat_probs, dtype=torch.bool)
     flat_mask = loss_mask(every_token, flat_probs, prob_threshold, prob_mask, all_sum=distributed.all_sum)
-    flat_advantages = torch.repeat_interleave(
+    raw = torch.repeat_interleave(
         torch.tensor([s["advantage"] for s in samples]), torch.tensor(lengths, dtype=torch.long)
     )
     # Whitened over the whole iteration batch's masked tokens
-    flat_advantages = whiten(flat_advantages, flat_mask, all_sum=distributed.all_sum)
+    flat_advantages = whiten(raw, flat_mask, all_sum=distributed.all_sum, mode=whiten_mode)
+    whitening = bookkeeping.whitening_metrics(raw, flat_advantages, flat_mask)
     # --edge-weight depth (edge_weights): each edge's weight scales its whitened advantage, which is the surrogate's
     # per-token weight (w > 0 factors out of PPO-clip's min); the KL term and the token count stay unweighted.
     flat_weights = torch.repeat_interleave(
@@ -625,6 +645,7 @@ def attach_targets(
     for s, mask, advantage in zip(samples, flat_mask.split(lengths), flat_advantages.split(lengths)):
         s["loss_mask"] = mask
         s["advantages"] = advantage
+    return whitening
 
 
 def accumulate_gradients(
@@ -735,7 +756,7 @@ def main(args: Args) -> dict:
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
     model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, precision=run.precision)
     train_examples, eval_examples = ev.load_examples(
-        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer
+        args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer, args.heldout_seed
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
     sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
@@ -782,7 +803,7 @@ def main(args: Args) -> dict:
         # buffer: what stays for later iterations (the checkpoint keeps it)
         samples, buffer = fill_samples(taken, buffer, args.samples_per_iteration, rng)
         rank_samples = distributed.shard(samples)
-        attach_targets(
+        whitening = attach_targets(
             rank_samples,
             reference,
             args.micro_batch_size,
@@ -791,6 +812,7 @@ def main(args: Args) -> dict:
             args.prob_threshold,
             args.prob_mask,
             run.precision,
+            args.whiten,
         )
         correct_rollouts(rank_samples, args.rollout_correction, args.rollout_cap)  # beyond the paper; none: the paper's
 
@@ -809,6 +831,7 @@ def main(args: Args) -> dict:
         metrics = iteration_metrics(
             trees, samples, buffer, rank_samples, nonzero_edges, iteration, update_stats, lr, seconds, level_seconds
         )
+        metrics |= whitening  # the loss-masked tokens and what the whitening moved
         book.log(iteration, metrics, progress_line(iteration, metrics, level_seconds))
         if book.saves_samples(iteration):
             book.write_samples(iteration, sample_records(iteration, trees, questions, saved_probs, tokenizer, args))

@@ -553,7 +553,7 @@ def run_ppo(model, sampler, exacts, group_size: int, args: Args, lam: float) -> 
         precision=FP32,
     )
     # [N, T]
-    gae = ppo_baseline.add_advantages_and_returns(
+    gae, _ = ppo_baseline.add_advantages_and_returns(
         samples, torch.tensor(rewards), gamma=1.0, lam=lam, prob_threshold=args.prob_threshold, prob_mask=False
     )
     advantages = [gae[i, : len(s["response_ids"])].tolist() for i, s in enumerate(samples)]

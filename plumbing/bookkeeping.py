@@ -224,6 +224,21 @@ def loss_metrics(update_stats: list[dict]) -> dict:
     return averages
 
 
+def whitening_metrics(raw: torch.Tensor, whitened: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The iteration's loss-masked token count and how many of those tokens had advantage 0 before the whitening
+    (--whiten) and a positive one after it (centring moves them when the masked mean is negative), over every rank's
+    tokens; `raw`, `whitened`, `mask`: this rank's flat tokens.
+
+    >>> raw, whitened = torch.tensor([0.0, 0.0, -3.0, 4.0]), torch.tensor([0.7, 0.7, -1.4, 3.5])
+    >>> whitening_metrics(raw, whitened, torch.tensor([1, 1, 1, 0]))
+    {'charts/loss_mask_tokens': 3, 'charts/zero_advantages_made_positive': 2}
+    """
+    mask = mask.bool()
+    counts = torch.stack([mask.sum(), ((raw == 0) & (whitened > 0) & mask).sum()])
+    masked, made_positive = distributed.all_sum(counts).tolist()
+    return {"charts/loss_mask_tokens": masked, "charts/zero_advantages_made_positive": made_positive}
+
+
 TINY_TEMPERATURE = 0.01  # below it, logits / temperature overflow where a logit is large (named as the likely cause)
 FP32_HINT = "compute in fp32 (--precision fp32) if it ran in bf16"
 

@@ -15,7 +15,7 @@ from plumbing import models, shown
 # Each script's PAPER_SETTINGS adds what its algorithm sets.
 # fmt: off
 OPTIMIZATION = dict(lr=1e-6, warmup_ratio=0.03, weight_decay=0.0, max_grad_norm=1.0, clip_eps=0.2, beta=1e-4,
-                    rollout_correction="none", lora_rank=0)
+                    rollout_correction="none", lora_rank=0, whiten="centre-scale")
 GSM8K_RUN = dict(model="rho-1b-sft-gsm8k", task="gsm8k", eval_task="gsm8k", temperature=0.6, top_p=0.9,
                  max_new_tokens=1024, context=2047, eval_samples=16, eval_temperature=0.35, eval_top_p=0.9,
                  **OPTIMIZATION)

@@ -54,6 +54,20 @@ RESUMED_CHANGES = {
 }
 
 
+# A procedurally generated task's held-out questions (reasoning-gym's test split) are drawn with this seed whatever the
+# run's --seed, so that every seed is evaluated on the same questions: the draw seed-1 runs made when the held-out seed
+# was the run's seed + 1,000,003, so a seed-1 run is unchanged.
+HELDOUT_SEED = 1_000_004
+OLD_HELDOUT_OFFSET = 1_000_003
+
+# Settings added after runs were made that change the algorithm: the value a run made before them used, from its
+# args.json. A resumed run keeps its own (an old run's held-out questions depended on its seed).
+ADDED_SETTINGS = {
+    "whiten": lambda saved: "centre-scale",
+    "heldout_seed": lambda saved: saved["seed"] + OLD_HELDOUT_OFFSET if type(saved.get("seed")) is int else None,
+}
+
+
 def saved_settings(args_class, run_dir: str | Path):
     """The settings a run was started with (RUN/args.json), as an instance of the script's Args."""
     path = Path(run_dir) / "args.json"
@@ -71,6 +85,7 @@ def saved_settings(args_class, run_dir: str | Path):
         for f in dataclasses.fields(args_class)
         if f.name not in saved and f.name in RESUMABLE_SETTINGS
     }
+    saved |= {name: value(saved) for name, value in ADDED_SETTINGS.items() if name not in saved and name in fields}
     if set(saved) != fields:
         foreign = sorted(set(saved) ^ fields)
         raise UsageError(
@@ -231,6 +246,9 @@ class TrainArgs:
     seed: ranges.Seed = 1
     """seed of every random draw: questions, rollouts, SPO-tree's replay buffer, initialisation (the same seed on a
     CPU gives identical metrics with one thread, OMP_NUM_THREADS=1; with more, sums may round otherwise)"""
+    heldout_seed: ranges.Seed = HELDOUT_SEED
+    """seed of a generated task's held-out questions (rg:*), the same for every --seed so that seeds are compared on one
+    question set; training questions exclude them"""
     model: str = "rho-1b-sft-gsm8k"
     (
         "policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, "
@@ -285,6 +303,12 @@ class TrainArgs:
     """PPO ratio clipping"""
     beta: ranges.NonNegativeFloat = 1e-4
     """k3 KL penalty to the reference model (0 disables the reference model)"""
+    whiten: Literal["centre-scale", "scale", "none"] = "centre-scale"
+    (
+        "how the iteration's advantages are normalised over the loss-masked tokens: centre-scale (the paper's: mean "
+        "0, std 1), scale (divided by their root mean square: an advantage of 0 stays 0, every sign is kept, for when "
+        "the probability mask nearly empties), none"
+    )
     rollout_correction: Literal["none", "tis"] = "none"
     (
         "beyond the paper: tis weights each token's surrogate by min(pi_old / pi_sampler, --rollout-cap), the "

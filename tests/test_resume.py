@@ -72,6 +72,20 @@ def test_a_run_saved_before_a_new_setting_resumes_only_if_that_setting_cannot_ch
         settings.saved_settings(spo_tree.Args, tmp_path / "run")
 
 
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.__name__)
+def test_a_run_saved_before_whiten_resumes_with_the_papers_centre_scale(module, tmp_path):
+    """--whiten came after runs were made: an args.json without it is a run that centred and scaled (the paper's)."""
+    saved = _saved_run(module, tmp_path / "run")
+    values = json.loads((tmp_path / "run" / "args.json").read_text())
+    values.pop("whiten")
+    (tmp_path / "run" / "args.json").write_text(json.dumps(values))
+    resumed = settings.saved_settings(module.Args, tmp_path / "run")
+    assert resumed == saved and resumed.whiten == "centre-scale"
+    args = cli.parse(module.Args, ["--resume", str(tmp_path / "run"), "--whiten", "scale"])
+    with pytest.raises(UsageError, match=r"--whiten 'scale' \(the run has 'centre-scale'\) would change"):
+        settings.check_resume_settings(args, tmp_path / "run", runs.FINGERPRINTS)
+
+
 def _cli(*flags, cwd):
     return subprocess.run(
         [sys.executable, str(ROOT / "grpo_baseline.py"), *flags], capture_output=True, text=True, cwd=cwd, timeout=300

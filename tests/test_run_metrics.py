@@ -306,3 +306,25 @@ def test_a_new_loss_statistic_is_logged_with_no_plumbing_edit(
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     [row] = [row for row in rows if row.get("iteration") == 1 and "losses/loss" in row]
     assert row["losses/masked_tokens_seen"] >= 1 and math.isfinite(row["losses/masked_tokens_seen"])
+
+
+@pytest.mark.parametrize("script", SCRIPTS.values(), ids=lambda s: s.__name__)
+def test_each_iteration_logs_the_loss_masked_tokens_and_what_centring_made_positive(script, tmp_path):
+    """charts/loss_mask_tokens counts the tokens in the loss; under --whiten scale no advantage-0 token turns positive,
+    and the run says --whiten in its args.json and --dry-run."""
+    model_dir = make_tiny_model(tmp_path / "model", alphabet="0123456789 ")
+    data = write_jsonl(tmp_path / "sevens.jsonl", [{"question": f"{i} {i + 1}", "answer": "7"} for i in range(20)])
+    extra = {"samples_per_iteration": 0} if script is spo_tree else {}
+    for mode in ("centre-scale", "scale"):
+        args = smoke_args(
+            script, model_dir, data, tmp_path / mode, iterations=1, eval_before=False, whiten=mode, **extra
+        )
+        summary = script.main(args)
+        rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        [row] = [row for row in rows if "charts/reward" in row]
+        assert row["charts/loss_mask_tokens"] >= 1
+        assert 0 <= row["charts/zero_advantages_made_positive"] <= row["charts/loss_mask_tokens"]
+        if mode == "scale":
+            assert row["charts/zero_advantages_made_positive"] == 0
+        assert json.loads((Path(summary["run_dir"]) / "args.json").read_text())["whiten"] == mode
+    assert "whiten" in script.main(replace(args, dry_run=True))["settings"]

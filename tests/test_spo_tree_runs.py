@@ -371,8 +371,9 @@ def test_depth_weighting_reaches_the_loss_of_a_main_run(tmp_path, monkeypatch):
     real = spo.attach_targets
 
     def recording(samples, *rest, **kw):
-        real(samples, *rest, **kw)
+        whitening = real(samples, *rest, **kw)
         seen.setdefault(run, []).append([(s.get("weight", 1.0), s["advantages"].clone()) for s in samples])
+        return whitening
 
     monkeypatch.setattr(spo, "attach_targets", recording)
     metrics = {}

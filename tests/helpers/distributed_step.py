@@ -111,7 +111,7 @@ def grpo(model_dir: str) -> tuple[list, dict]:
     samples, local_rewards, _ = local_samples(prompts, responses, rewards)
     args = script.Args(model=model_dir, questions=QUESTIONS, group_size=GROUP, batch_size=QUESTIONS * GROUP, **COMMON)
     advantages = script.group_advantages(local_rewards, GROUP)
-    flat_mask = script.attach_targets(samples, advantages, model, reference, args, tokenizer.pad_token_id)
+    flat_mask, _ = script.attach_targets(samples, advantages, model, reference, args, tokenizer.pad_token_id)
     release(model)
     optimizer, scheduler = sgd(model)
     steps = script.update_policy(
@@ -193,7 +193,7 @@ def spo_chain(model_dir: str) -> tuple[list, dict]:
         script.chain_advantages(p, cuts, v, reward, args.prob_threshold, args.prob_mask)
         for p, cuts, v, reward in zip(probs, cutpoints, values, local_rewards.tolist())
     ]
-    flat_mask = script.attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
+    flat_mask, _ = script.attach_advantages(samples, advantages, flat_probs, args.prob_threshold, args.prob_mask)
     release(model)
     optimizer, scheduler = sgd(model)
     steps = script.update_policy(
