@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from sympy import FiniteSet
 
 _GRADE_MEM_HEADROOM = 4 << 30  # bytes a worker may map beyond what its imports already use
 _GRADE_HARD_GRACE = 2.0  # default seconds past the soft timeout before the parent kills a worker
@@ -107,19 +108,41 @@ def _parse_reference(reference: str, numeric: bool) -> list:
     return gold
 
 
-def _grade_item(text: str | None, reference: str, numeric: bool) -> float:
-    """Score one answer text; for text=None, whether the reference parses."""
-    gold = _parse_reference(reference, numeric)
-    if text is None or not gold:
-        return float(text is None and bool(gold))
+@functools.lru_cache(maxsize=4096)  # answers repeat: the samples of one question, the same value in many responses
+def _parse_value(text: str, numeric: bool) -> list:
+    """One value of a final answer, parsed ([] where it does not parse, or has an exponent beyond the limit)."""
     if numeric:
         text, within = _plain_numbers(text)
         if not within:  # math-verify would read "1e1001" as its mantissa, 1
-            return 0.0
-    pred = parse(
+            return []
+    return parse(
         text, [LatexExtractionConfig(), ExprExtractionConfig()], fallback_mode="no_fallback", parsing_timeout=None
     )
-    return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
+
+
+def _grade_item(values: tuple[str, ...] | None, reference: str, numeric: bool) -> float:
+    """Score one final answer, the values of its run (final_answer.answer_values); for values=None, whether the
+    reference parses. Every value must equal the reference, so that two forms of one value ("1/2 or 0.5") score 1 and
+    two values ("5 or 6") 0; on math tasks a set reference is answered by its elements, each value one of them."""
+    gold = _parse_reference(reference, numeric)
+    if values is None or not gold:
+        return float(values is None and bool(gold))
+    elements_may_answer = not numeric and len(values) > 1 and isinstance(gold[0], FiniteSet)
+    preds = []
+    for text in dict.fromkeys(values):  # a value written twice is parsed once
+        pred = _parse_value(text, numeric)
+        if not pred:
+            return 0.0
+        if not elements_may_answer and not verify(gold, pred, timeout_seconds=None):
+            return 0.0  # one value differs from the reference: the rest need not be parsed
+        preds.append(pred)
+    if not elements_may_answer:
+        return float(bool(preds))
+    if all(verify(gold, pred, timeout_seconds=None) for pred in preds):
+        return 1.0
+    elements = [[element] for element in gold[0].args]  # "1 or 2", "\\boxed{1}, \\boxed{2}" for {1, 2}
+    matched = [[verify(element, pred, timeout_seconds=None) for element in elements] for pred in preds]
+    return float(all(any(row) for row in matched) and all(any(column) for column in zip(*matched)))
 
 
 def _grade_worker_main(conn) -> None:
@@ -321,8 +344,9 @@ def grade(
 
     Paper: the reward.
 
-    The final answer is read by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24): the last
-    stated answer of the response's tail, with hedges, lists of values and boxes cut by the tail scoring 0
+    The final answer is read by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24): the run of
+    values after the last marker of the response's tail (a box, "####", "answer is", a correction), each of which
+    must equal the reference, so that a hedge or a list scores 0 and two forms of one value score 1
     (plumbing/final_answer.py states it, with examples). Numeric tasks (gsm8k, rg:*, .jsonl) read a number in
     scientific notation as its value, in the answer and in the reference: 2.5e3 = 2500 = 2,500, 1E-3 = 0.001 ("2e-1"
     in a math task's LaTeX may be 2e - 1: left to math-verify there). An exponent beyond +-1000 scores 0; a reference
@@ -341,9 +365,9 @@ def grade(
         raise ValueError(f"grade() timeout + grace must be positive, got {timeout} + {grace}")
     numeric = _is_numeric_task(task)
     references = [ref.replace("\u2212", "-") for ref in references]
-    from plumbing.final_answer import answer_text  # the parent's part: the server and its workers never import it
+    from plumbing.final_answer import answer_values  # the parent's part: the server and its workers never import it
 
-    jobs = [(answer_text(r, ref), ref, numeric) for r, ref in zip(responses, references)]
+    jobs = [(answer_values(r), ref, numeric) for r, ref in zip(responses, references)]
     return _grade_run(jobs, timeout, workers, grace)
 
 
