@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import tqdm
 import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, chat_templates, distributed, files, ranges
+from plumbing import UsageError, chat_templates, distributed, files, ranges, shown
 from plumbing.cli import run_cli
 from plumbing.engines import HFSampler, backend_problems, make_sampler
 from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
@@ -226,6 +227,13 @@ def check_prompt_room(examples: list[Example], context: int, what: str, drop: bo
     return [e for e in examples if len(e.prompt_ids) < context] if drop else examples
 
 
+# References are checked CHECKED_AT_ONCE to a grading-pool round trip, a progress bar moving after each; the bar shows
+# once the check has taken PROGRESS_DELAY seconds (a 200,000-row file takes minutes on a CPU), so a short one prints
+# nothing.
+CHECKED_AT_ONCE = 10_000
+PROGRESS_DELAY = 2.0
+
+
 def _checked_examples(rows: Iterable[dict], name: str, split: str, limit: int | None) -> list[Example]:
     """The first `limit` (None: all) rows whose question is new and whose reference parses, as Examples, in the task's
     order. Rows are read, and their references checked (one grading-pool round trip per batch), only until `limit`
@@ -247,7 +255,18 @@ def _checked_examples(rows: Iterable[dict], name: str, split: str, limit: int | 
                         break
             if not batch:
                 break
-            parses = check_references([str(row["answer"]) for _, row in batch], name)
+            references = [str(row["answer"]) for _, row in batch]
+            parses = []
+            with tqdm.tqdm(
+                total=len(references),
+                desc=f"checking the answers of {shown(name)}",
+                unit=" rows",
+                delay=PROGRESS_DELAY,
+                disable=distributed.rank() > 0,
+            ) as progress:
+                for start in range(0, len(references), CHECKED_AT_ONCE):
+                    parses += check_references(references[start : start + CHECKED_AT_ONCE], name)
+                    progress.update(len(parses) - progress.n)
             examples += [
                 Example(question=row["question"], answer=str(row["answer"]))
                 for (_, row), ok in zip(batch, parses)
@@ -573,8 +592,10 @@ class EvalArgs:
     seed: ranges.Seed = 0
     """sampling seed"""
     heldout_seed: ranges.Seed = HELDOUT_SEED
-    """seed of a generated task's test questions (rg:*): the training scripts' default, so that a run's held-out
-    accuracy and this evaluation's are on the same questions"""
+    (
+        "seed of a generated task's test questions (rg:*): the training scripts' default, so that a run's held-out "
+        "accuracy and this evaluation's are on the same questions"
+    )
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """matmul precision on the CPU: auto = bf16 autocast where the CPU has AVX-512 BF16 or AMX, else fp32 (a GPU
     evaluates bf16 weights)"""

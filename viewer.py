@@ -78,10 +78,11 @@ SETTINGS = (
 
 
 def read_jsonl(path: Path, what: str = "file") -> list[tuple[int, dict]]:
-    """(line number, record) of every non-empty line of a JSONL file; a file that cannot be read (missing, a
-    directory, not UTF-8) or a malformed line is a UsageError naming it."""
+    """(line number, record) of every non-empty line of a JSONL file, lines ending at "\\n" alone (files.read_lines: a
+    JSON string may hold U+2028 or U+0085 raw); a file that cannot be read (missing, a directory, not UTF-8) or a
+    malformed line is a UsageError naming it."""
     rows = []
-    for number, line in enumerate(files.read_text(path, what).splitlines(), 1):
+    for number, line in files.read_lines(path, what):
         if not line.strip():
             continue
         try:
@@ -167,10 +168,11 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir} is not a directory; pass run directories such as runs/<run_name>")
     files.refuse_links(run_dir)  # a run from someone else: what the page shows is what the run holds
-    saved = {}
-    for path in (run_dir / "samples").glob("iter_*.jsonl"):
+    saved, doubles = {}, {}
+    for path in sorted((run_dir / "samples").glob("iter_*.jsonl")):
         match = re.fullmatch(r"iter_(\d+)\.jsonl", path.name)
         if match:
+            doubles.setdefault(int(match[1]), []).append(path.name)
             saved[int(match[1])] = path
     if not saved:
         raise UsageError(
@@ -183,6 +185,13 @@ def load_samples(run_dir: Path, iterations: tuple[int, ...] | None = None, quest
             f"{run_dir} has no samples for iterations {', '.join(map(str, iterations))}; "
             f"it has iterations {', '.join(map(str, sorted(saved)))}"
         )
+    for iteration in sorted(chosen):  # iter_1.jsonl and iter_01.jsonl: which one is the run's is not for us to guess
+        if len(doubles[iteration]) > 1:
+            raise UsageError(
+                f"{run_dir / 'samples'} holds {' and '.join(doubles[iteration])}, which are both iteration "
+                f"{iteration}: keep the one the run wrote (the training scripts write iter_{iteration}.jsonl) and move "
+                "the other away"
+            )
     args_path = run_dir / "args.json"
     args = files.read_json(args_path, "the run's settings") if args_path.exists() else {}
 
@@ -826,12 +835,12 @@ def main(command: Html | Curves) -> None:
         files.write_atomic(command.output, build_page(runs), "the page")
         iterations = sorted({k for run in runs for k in run["iterations"]})
         print(
-            f"wrote {command.output} ({command.output.stat().st_size / 1e6:.1f} MB): {len(runs)} run(s), "
+            f"wrote {shown(command.output)} ({command.output.stat().st_size / 1e6:.1f} MB): {len(runs)} run(s), "
             f"iterations {', '.join(map(str, iterations))}; open it in a browser"
         )
     else:
         plotted = plot_curves(list(command.runs), command.output, command.x, command.keys, command.smooth)
-        print(f"wrote {command.output}: {', '.join(plotted)} for {len(command.runs)} run(s)")
+        print(f"wrote {shown(command.output)}: {shown(', '.join(plotted))} for {len(command.runs)} run(s)")
 
 
 if __name__ == "__main__":
@@ -841,4 +850,4 @@ if __name__ == "__main__":
     try:
         main(command)
     except UsageError as error:
-        sys.exit(f"error: {error}")
+        sys.exit(f"error: {shown(error)}")  # a path or a link's target from the run may hold terminal escapes

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 import exact_toy as toy  # noqa: E402
 from measures import area_under, in_steps, paired_interval, rounded  # noqa: E402
 
-from plumbing import UsageError, cli, ranges  # noqa: E402
+from plumbing import UsageError, cli, files, ranges  # noqa: E402
 
 EXPERIMENT = "experiments/learning_exact.py"  # what computes each case, in a process of its own
 KINDS = ("coin", "confident")
@@ -194,19 +195,26 @@ def earlier_run(run: dict) -> dict | None:
     """The results this case's run wrote before, when its JSON was made with exactly the settings `run` gives it
     (before --budget-share fixed the length: the command's own flags) by the code as it is now (exact_toy.code_hash of
     learning_exact.py and what it imports: the same hash, whatever the commit); else None. An interrupted sweep goes
-    on from the next case, and a longer list of L reuses the shorter one's cases."""
+    on from the next case (its file cut short is run again), and a longer list of L reuses the shorter one's cases. The
+    hash covers the code, not the file: what is reused is checked as data (check_case)."""
     path = Path(run["out"])
-    try:
-        results = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not path.exists():
         return None
-    given = results.get("given_settings") or {}
+    try:
+        results = json.loads(files.read_text(path, "the case's results"))
+    except (ValueError, RecursionError):  # cut short: a write the sweep's interruption stopped
+        print(f"(not reusing {path}: it is not whole JSON, as an interrupted write leaves it; running it again)")
+        return None
+    if not isinstance(results, dict):
+        raise UsageError(f"{path} holds a JSON {type(results).__name__}, not a JSON object: {EDITED}")
+    given = field(results, "given_settings", "given_settings", path, "an object")
+    made = field(results, "machine", "machine", path, "an object")
     if {name: given.get(name) for name in run} != json.loads(json.dumps(rounded(run))):
         return None
-    made = results.get("machine") or {}
     if made.get("code_hash") != toy.code_hash(EXPERIMENT):
         print(f"(not reusing {path}: computed by other code, commit {made.get('commit')})", flush=True)
         return None
+    check_case(results, path)
     print(f"(reusing {path}: the same settings and code, commit {made.get('commit')})", flush=True)
     return results
 
@@ -216,7 +224,104 @@ def run_learning_exact(run: dict) -> dict:
     command = [sys.executable, os.path.relpath(toy.ROOT / EXPERIMENT), *flags(run)]
     if subprocess.run(command).returncode:
         raise UsageError(f"L = {run['filler']}: {' '.join(command[1:])} failed (its error is above)")
-    return json.loads(Path(run["out"]).read_text())
+    return check_case(files.read_json(run["out"], "the case's results"), Path(run["out"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# A case's JSON read back, checked as data: every field the sweep reads, so that a hand edit is one line naming the
+# file and the field, and no NaN, null or string reaches the summary's leads and trends
+
+MISSING = object()  # a field the file does not have
+FIELD_KINDS = {
+    "an object": lambda value: isinstance(value, dict),
+    "a list": lambda value: isinstance(value, list),
+    "a number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+    "a positive number": lambda value: FIELD_KINDS["a number"](value) and value > 0,
+    "a number from 0 to below 1": lambda value: FIELD_KINDS["a number"](value) and 0 <= value < 1,
+    "true or false": lambda value: isinstance(value, bool),
+}
+EDITED = "the case's JSON was edited or damaged; delete it to run the case again"
+
+
+def field(container: dict | list, key, name: str, path: Path, kind: str):
+    """container[key] (the field `name` of the case's JSON at `path`) when it is `kind` (a key of FIELD_KINDS), else
+    the UsageError naming the file and the field."""
+    value = container.get(key, MISSING) if isinstance(container, dict) else container[key]
+    if value is MISSING or not FIELD_KINDS[kind](value):
+        quoted = "missing" if value is MISSING else json.dumps(value)
+        raise UsageError(
+            f"{path}: {name} is {quoted if len(quoted) <= 60 else quoted[:57] + '...'}, not {kind}: {EDITED}"
+        )
+    return value
+
+
+def numbers(container: dict, key: str, name: str, path: Path, length: int | None = None) -> list:
+    """container[key], the field `name`: a list of finite numbers (`length` of them, when given)."""
+    values = field(container, key, name, path, "a list")
+    if length is not None and len(values) != length:
+        raise UsageError(f"{path}: {name} is {json.dumps(values)[:60]}, not a list of {length} numbers: {EDITED}")
+    for index in range(len(values)):
+        field(values, index, f"{name}[{index}]", path, "a number")
+    return values
+
+
+def check_case(results: dict, path: Path) -> dict:
+    """`results`, one case's learning_exact.py JSON, when every field that main, leads and trend read is what
+    learning_exact.py writes; else one UsageError naming the file and the field."""
+    policy = field(results, "policy", "policy", path, "an object")
+    field(policy, "expected_reward", "policy.expected_reward", path, "a number")
+    if policy.get("pretrain_steps") is not None:
+        field(policy, "pretrain_steps", "policy.pretrain_steps", path, "a number")
+    rights = field(policy, "length_right", "policy.length_right", path, "an object") if "length_right" in policy else {}
+    for prompt in rights:
+        field(rights, prompt, f"policy.length_right.{prompt}", path, "a number")
+    for key in field(policy, "position_map", "policy.position_map", path, "an object"):
+        numbers(policy["position_map"], key, f"policy.position_map.{key}", path)
+    length = field(results, "length_from_grpo", "length_from_grpo", path, "an object")
+    field(length, "length", "length_from_grpo.length", path, "a positive number")
+    field(length, "grpo_lr", "length_from_grpo.grpo_lr", path, "a positive number")
+    field(length, "reached", "length_from_grpo.reached", path, "true or false")
+    settings = field(results, "settings", "settings", path, "an object")
+    budget = "iterations" if settings.get("samples") else "token_budget"  # what seed_areas divides by
+    field(settings, budget, f"settings.{budget}", path, "a positive number")
+    summary = field(results, "summary", "summary", path, "an object")
+    curves = field(results, "curves", "curves", path, "an object")
+    sweep = field(results, "sweep", "sweep", path, "an object")
+    differences = field(results, "differences", "differences", path, "an object")
+    field(summary, "grpo", "summary.grpo", path, "an object")
+    seeds = len(field(curves, "grpo", "curves.grpo", path, "a list"))
+    for name in summary:
+        row = field(summary, name, f"summary.{name}", path, "an object")
+        field(row, "J0", f"summary.{name}.J0", path, "a number from 0 to below 1")  # leads divide by 1 - J0
+        for key in ("size", "lr", "tokens_per_iteration", "iterations"):
+            field(row, key, f"summary.{name}.{key}", path, "a number")
+        for key in ("auc", "J_100%"):
+            numbers(row, key, f"summary.{name}.{key}", path, length=3)
+        tuned = field(sweep, name, f"sweep.{name}", path, "an object")
+        field(tuned, "at_edge", f"sweep.{name}.at_edge", path, "true or false")
+        runs = field(curves, name, f"curves.{name}", path, "a list")
+        if len(runs) != seeds or not runs:  # leads pair them with GRPO's by seed
+            raise UsageError(
+                f"{path}: curves.{name} holds {len(runs)} runs and curves.grpo {seeds}, one a seed: {EDITED}"
+            )
+        for index in range(len(runs)):
+            where = f"curves.{name}[{index}]"
+            run = field(runs, index, where, path, "an object")
+            j = numbers(run, "J", f"{where}.J", path)
+            tokens = numbers(run, "tokens", f"{where}.tokens", path)
+            if not j or len(tokens) < len(j) - 1:  # a J before the first iteration and after each
+                raise UsageError(f"{path}: {where}.tokens holds {len(tokens)} values for {len(j)} J: {EDITED}")
+            stats = field(run, "stats", f"{where}.stats", path, "a list") if "stats" in run else []
+            for step in range(len(stats)):
+                stat = field(stats, step, f"{where}.stats[{step}]", path, "an object")
+                if "samples" in stat:
+                    field(stat, "samples", f"{where}.stats[{step}].samples", path, "a number")
+    for key in differences:
+        entry = field(differences, key, f"differences.{key}", path, "an object")
+        for measure in ("auc", "100%"):
+            if measure in entry:
+                numbers(entry, measure, f"differences.{key}.{measure}", path, length=3)
+    return results
 
 
 def seed_areas(results: dict) -> dict[str, np.ndarray]:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from measures import across_seeds, paired, wilson  # noqa: E402
 
 import eval as ev  # noqa: E402
-from plumbing import UsageError, ranges, runs  # noqa: E402
+from plumbing import UsageError, files, ranges, runs  # noqa: E402
 from plumbing.cli import run_cli  # noqa: E402
 from plumbing.precision import cpu_description  # noqa: E402
 
@@ -60,15 +60,10 @@ def pool(args: Args) -> None:
     for path in args.pool:
         if not path.is_file():
             raise UsageError(f"--pool {path}: no such file; run experiments/learning_paired.py --learning ... first")
-        for seed, result in json.loads(path.read_text())["seeds"].items():
-            scores = result["scores"]
-            if args.algorithm not in scores or args.reference not in scores:
-                raise UsageError(
-                    f"{path}: seed {seed} has scores of {sorted(scores)}, not {args.algorithm} and {args.reference}"
-                )
+        for seed, pair in pooled_scores(path, args.algorithm, args.reference).items():
             if seed in per_seed:
                 raise UsageError(f"--pool: seed {seed} is in two files; give each seed once")
-            per_seed[seed] = (scores[args.algorithm], scores[args.reference])
+            per_seed[seed] = pair
     result = across_seeds(dict(sorted(per_seed.items())), args.resamples)
     out = {
         "cpu": cpu_description(),
@@ -88,6 +83,98 @@ def pool(args: Args) -> None:
     print(f"across {len(per_seed)} seeds: {result['difference']:+.3f} [{low:+.3f}, {high:+.3f}]")
     args.out.write_text(json.dumps(out, indent=1))
     print(f"-> {args.out}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Results files read back: each field checked, so that a file cut short or edited by hand is one line naming it and
+# the field, never a KeyError or a NaN in an interval
+
+MISSING = object()  # a field the file does not have
+FLAGS = ("--model", "--task", "--max-new-tokens", "--context")  # what evaluate() takes from a run's command
+
+
+def described(value) -> str:
+    """A field's value as a message quotes it: its JSON, cut at 60 characters ("missing" for MISSING)."""
+    if value is MISSING:
+        return "missing"
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def wrong(flag: str, path: Path, field: str, value, expected: str) -> UsageError:
+    return UsageError(
+        f"{flag} {path}: {field} is {described(value)}, not {expected}: the file was cut short or edited; write it "
+        "again with the experiment that made it"
+    )
+
+
+def is_score(value) -> bool:
+    """A question's score: a number from 0 to 1 (NaN is not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+def pooled_scores(path: Path, algorithm: str, reference: str) -> dict[str, tuple[list[float], list[float]]]:
+    """seed -> (`algorithm`'s, `reference`'s) per-question scores of one learning_paired output, every field used
+    checked."""
+    saved = files.read_json(path, "--pool")
+    seeds = saved.get("seeds", MISSING)
+    if not isinstance(seeds, dict) or not seeds:
+        raise wrong("--pool", path, '"seeds"', seeds, "an object of seeds")
+    pairs = {}
+    for seed, result in seeds.items():
+        scores = result.get("scores", MISSING) if isinstance(result, dict) else result
+        if not isinstance(scores, dict):
+            raise wrong("--pool", path, f"seeds.{seed}.scores", scores, "an object of per-question scores")
+        if algorithm not in scores or reference not in scores:
+            raise UsageError(f"{path}: seed {seed} has scores of {sorted(scores)}, not {algorithm} and {reference}")
+        for name in (algorithm, reference):
+            field, values = f"seeds.{seed}.scores.{name}", scores[name]
+            if not isinstance(values, list) or not values:
+                raise wrong("--pool", path, field, values, "a list of per-question scores")
+            for index, value in enumerate(values):
+                if not is_score(value):
+                    raise wrong("--pool", path, f"{field}[{index}]", value, "a score from 0 to 1")
+        if len(scores[algorithm]) != len(scores[reference]):
+            raise UsageError(
+                f"--pool {path}: seed {seed} holds {len(scores[algorithm])} scores of {algorithm} and "
+                f"{len(scores[reference])} of {reference}, where both answered the same questions: the file was "
+                "edited; write it again with experiments/learning_paired.py"
+            )
+        pairs[seed] = (scores[algorithm], scores[reference])
+    return pairs
+
+
+def learning_runs(path: Path) -> list[dict]:
+    """learning.py's runs, as its results JSON holds them, every field evaluate() and the table use checked."""
+    saved = files.read_json(path, "--learning")
+    recorded = saved.get("runs", MISSING)
+    if not isinstance(recorded, list) or not recorded:
+        raise wrong("--learning", path, '"runs"', recorded, "a list of runs")
+    for index, run in enumerate(recorded):
+        where = f"runs[{index}]"
+        if not isinstance(run, dict):
+            raise wrong("--learning", path, where, run, "an object")
+        for key, kind, name in (
+            ("algorithm", str, "a string"),
+            ("run_dir", str, "a string"),
+            ("command", str, "a string"),
+            ("seed", int, "an integer"),
+        ):
+            value = run.get(key, MISSING)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise wrong("--learning", path, f"{where}.{key}", value, name)
+        for key in ("accuracy_before", "accuracy_after"):
+            if not is_score(value := run.get(key, MISSING)):
+                raise wrong("--learning", path, f"{where}.{key}", value, "an accuracy from 0 to 1")
+        words = run["command"].split()
+        for name in FLAGS:
+            if name not in words[:-1] or name in ("--max-new-tokens", "--context") and not flag(run, name).isdigit():
+                raise UsageError(
+                    f"--learning {path}: {where}.command has no {name} VALUE"
+                    f"{' (a whole number)' if name in ('--max-new-tokens', '--context') else ''}: the file was edited; "
+                    "write it again with experiments/learning.py"
+                )
+    return recorded
 
 
 def flag(run: dict, name: str) -> str:
@@ -123,7 +210,7 @@ def main(args: Args) -> None:
         return pool(args)
     if not args.learning.is_file():
         raise UsageError(f"--learning {args.learning}: no such file; run experiments/learning.py first")
-    learning = json.loads(args.learning.read_text())
+    learning = {"runs": learning_runs(args.learning)}
     missing = [r["run_dir"] for r in learning["runs"] if not (Path(r["run_dir"]) / "checkpoint").is_dir()]
     if missing:
         raise UsageError(

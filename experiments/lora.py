@@ -15,6 +15,7 @@ seed (measures.across_seeds).
 """
 
 import json
+import math
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ from measures import across_seeds  # noqa: E402
 from quickstart_runs import QUICKSTART, TASK, measured_run, trainable  # noqa: E402
 
 import eval as ev  # noqa: E402
-from plumbing import runs  # noqa: E402
+from plumbing import UsageError, runs, shown  # noqa: E402
 from plumbing.precision import cpu_description  # noqa: E402
 
 
@@ -38,12 +39,51 @@ def setting_flags(setting: str) -> tuple[int, list[str]]:
     >>> setting_flags("r16:3e-4")
     (16, ['--lora-rank', '16', '--lr', '3e-4'])
     """
+    if problem := setting_problem(setting):
+        raise UsageError(problem)
     kind, rate = setting.split(":")
     if kind == "full":
         return 0, ["--lr", rate]
-    if not kind.startswith("r") or not kind[1:].isdigit():
-        raise SystemExit(f"--settings {setting}: give full:RATE or rRANK:RATE (e.g. r16:1e-3)")
     return int(kind[1:]), ["--lora-rank", kind[1:], "--lr", rate]
+
+
+def setting_problem(setting: str) -> str | None:
+    """Why `setting` is not full:RATE or rRANK:RATE with a positive rank and a positive rate; None when it is.
+
+    >>> setting_problem("r16:3e-4"), setting_problem("full:fast")
+    (None, '--settings full:fast: the rate fast is not a positive number (e.g. full:1e-5)')
+    """
+    kind, colon, rate = setting.partition(":")
+    if not colon or kind != "full" and not (kind[:1] == "r" and kind[1:].isascii() and kind[1:].isdigit()):
+        return f"--settings {setting}: give full:RATE or rRANK:RATE (e.g. r16:1e-3)"
+    if kind != "full" and int(kind[1:]) < 1:
+        return f"--settings {setting}: the rank {kind[1:]} is not a positive integer"
+    try:
+        value = float(rate)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        return f"--settings {setting}: the rate {rate} is not a positive number (e.g. {kind}:1e-5)"
+    return None
+
+
+def check_flags(settings: tuple[str, ...], seeds: tuple[int, ...], resamples: int) -> None:
+    """Every problem with the command line in one UsageError, before anything loads (a setting refused only by its
+    run would come after the base model's evaluation)."""
+    problems = [problem for setting in settings if (problem := setting_problem(setting))]
+    problems += [
+        f"--settings {setting} is given twice" for setting in sorted(set(settings)) if settings.count(setting) > 1
+    ]
+    if not settings:
+        problems.append("--settings needs at least one setting")
+    if not seeds:
+        problems.append("--seeds needs at least one seed")
+    if bad := [str(seed) for seed in seeds if not 0 <= seed < 2**32]:
+        problems.append(f"--seeds {' '.join(bad)}: each seed must be in [0, {2**32 - 1}]")
+    if resamples < 1:
+        problems.append(f"--resamples {resamples} must be at least 1")
+    if problems:
+        raise UsageError("; ".join(problems))
 
 
 def held_out_scores(model: str, seed: int, output: Path) -> list[float]:
@@ -76,6 +116,7 @@ def main(
 ):
     """Run the quickstart for each setting (full:RATE = full fine-tuning at --lr RATE; rRANK:RATE = --lora-rank RANK
     at --lr RATE) and seed; write the figures and the across-seed comparisons to `out`."""
+    check_flags(settings, seeds, resamples)
     record = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_description(), "code": runs.code_state()}
     parameters = {setting: trainable(setting_flags(setting)[0]) for setting in settings}
     before, results = {}, []
@@ -142,4 +183,7 @@ def summarise(results: list[dict], settings: tuple[str, ...], resamples: int) ->
 
 
 if __name__ == "__main__":
-    tyro.cli(main)
+    try:
+        tyro.cli(main)
+    except UsageError as error:
+        sys.exit(f"error: {shown(error)}")

@@ -232,9 +232,11 @@ def refuse_links(run_dir: Path, limit: int = 100_000) -> None:
         for name in directories + names:
             path, seen = Path(folder) / name, seen + 1
             if path.is_symlink():
+                # the names are the sender's text: escaped, since a terminal would act on them
                 raise UsageError(
-                    f"{path} is a symbolic link (to {os.readlink(path)}): a run directory must hold its own files, "
-                    "since a run would write through the link; replace it with the file itself, or start a new run"
+                    f"{shown(path)} is a symbolic link (to {shown(os.readlink(path))}): a run directory must hold its "
+                    "own files, since a run would write through the link; replace it with the file itself, or start a "
+                    "new run"
                 )
             if seen > limit:
                 raise UsageError(f"{run_dir} holds more than {limit:,} files: it is not a run directory")

@@ -210,10 +210,14 @@ def resolve_model(name_or_path: str) -> str:
 def fingerprint(name_or_path: str) -> str | None:
     """A short hash of what a local model directory holds: its config.json and every safetensors header (tensor names,
     shapes, dtypes and offsets; the weights themselves are not read), or None where `name_or_path` is no local
-    directory (a Hub id). A resumed run given its base model at another path checks it against its first start's."""
+    directory (a Hub id). A resumed run given its base model at another path checks it against its first start's.
+    A named pipe in place of either is a UsageError, never opened (it would wait for a writer)."""
     path = Path(os.path.expanduser(ALIASES.get(name_or_path, name_or_path)))
     if name_or_path == "smollm2-135m":
         path = Path(resolve_model(name_or_path))
+    read = [path / "config.json", *path.glob("*.safetensors")] if path.is_dir() else []
+    if problem := next(filter(None, map(files.special_file_problem, read)), None):
+        raise UsageError(problem)
     if not (path / "config.json").is_file():
         return None
     digest = hashlib.sha256((path / "config.json").read_bytes())

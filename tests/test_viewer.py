@@ -541,3 +541,42 @@ def test_curves_of_a_metric_too_large_for_a_float_is_one_clear_error(tmp_path):
     (run / "metrics.jsonl").write_text('{"iteration": 1, "charts/reward": ' + "9" * 400 + "}\n")
     with pytest.raises(viewer.UsageError, match=r"metrics.jsonl line 1: charts/reward is an integer too large to plot"):
         viewer.load_metrics(run)
+
+
+# ---- runs handed over by someone else
+
+
+@pytest.mark.parametrize("command, output", [("html", "view.html"), ("curves", "curves.png")])
+def test_a_link_whose_target_holds_terminal_escapes_is_named_escaped(command, output, tmp_path):
+    run = make_run(tmp_path / "run", "grpo", iterations=(1,))
+    (run / "notes").symlink_to("\x1b]0;owned\x07\x1b[2J")  # would set the window title and clear the screen
+    result = cli(command, str(run), "-o", str(tmp_path / output))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+    assert "is a symbolic link (to \\x1b]0;owned\\x07\\x1b[2J)" in result.stderr
+
+
+def test_two_files_of_one_iteration_are_both_refused_by_name(tmp_path):
+    run = make_run(tmp_path / "run", "grpo", iterations=(1, 2))
+    shutil.copy(run / "samples" / "iter_1.jsonl", run / "samples" / "iter_01.jsonl")
+    with pytest.raises(viewer.UsageError, match=r"iter_01\.jsonl and iter_1\.jsonl, which are both iteration 1"):
+        viewer.load_samples(run)
+    assert sorted(viewer.load_samples(run, iterations=(2,))["iterations"]) == [2]  # the other iteration is not in doubt
+    result = cli("html", str(run), "-o", str(tmp_path / "view.html"))
+    assert result.returncode == 1 and "both iteration 1" in result.stderr and not (tmp_path / "view.html").exists()
+
+
+def test_a_raw_line_separator_inside_a_json_string_is_part_of_its_line(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw: JSON Lines ends a line at "\\n" alone."""
+    run = make_run(tmp_path / "run", "grpo", iterations=(1,))
+    path = run / "samples" / "iter_1.jsonl"
+    records = [json.loads(line) for line in path.read_text().split("\n") if line]
+    records[0]["question"] = "first\u2028second\x85third\rfourth"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    metrics = run / "metrics.jsonl"
+    note = json.dumps({"iteration": 6, "note": "a\u2028b"}, ensure_ascii=False)
+    metrics.write_text(metrics.read_text() + note + "\n")
+    loaded = viewer.load_samples(run)
+    assert loaded["iterations"][1][0]["question"] == "first\u2028second\x85third\rfourth"
+    assert sum(len(group["responses"]) for group in loaded["iterations"][1]) == len(records)
+    assert max(viewer.load_metrics(run)["charts/reward"]) == 5

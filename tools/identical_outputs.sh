@@ -17,6 +17,8 @@
 # now, uncommitted edits and untracked files included (ignored ones not). Each side runs in its own copy (a detached
 # git worktree for a commit, a copy of the files for the checkout), in the work dir ${IDENTICAL_WORK:-a new temporary
 # one}, which keeps each side's outputs (checkpoints deleted: they are not compared), logs, --help and --dry-run text.
+# IDENTICAL_WORK must be a new or empty folder, or one this tool made (it holds the file .identical_outputs_work): the
+# tool replaces the folders it makes there (base/, other/, models/), never a folder of someone else's.
 # With IDENTICAL_WORK, a script's BASE run is reused when the work dir already holds a complete one for the same
 # BASE commit, settings and environment (the marker file base/<script>.complete), so only OTHER runs again.
 # The runs, two per script: smollm2-135m (converted into $SPO_CACHE on first use) on rg:chain_sum, seed 3, 2
@@ -31,7 +33,7 @@
 set -uo pipefail  # no -e: a failing run is reported, and the other scripts still run
 
 if [ $# -lt 1 ] || [ $# -gt 2 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,29p' "$0"
+  sed -n '2,32p' "$0"
   exit 2
 fi
 repo=$(cd "$(dirname "$0")/.." && git rev-parse --show-toplevel) || exit 2
@@ -43,8 +45,14 @@ other_sha=""
 if [ $# -eq 2 ]; then
   other_sha=$(git -C "$repo" rev-parse --verify --quiet "$2^{commit}") || { echo "OTHER $2: not a commit"; exit 2; }
 fi
+mark=.identical_outputs_work  # in each work dir this tool made: the only folders whose contents it replaces
 work=${IDENTICAL_WORK:-$(mktemp -d)}
-mkdir -p "$work" && work=$(cd "$work" && pwd) || exit 2
+if [ -e "$work" ] && [ ! -f "$work/$mark" ] && [ -n "$(ls -A -- "$work" 2>&1)" ]; then
+  echo "error: IDENTICAL_WORK=$work was not made by this tool (no $mark in it) and is not empty: its base/, other/" \
+    "and models/ would be replaced; give a new or empty folder" >&2
+  exit 2
+fi
+mkdir -p "$work" && touch "$work/$mark" && work=$(cd "$work" && pwd) || exit 2
 
 scripts=(grpo_baseline.py ppo_baseline.py spo_chain.py spo_tree.py)
 runs=()  # <script> and <script>-digits for each script
@@ -52,19 +60,19 @@ for script in "${scripts[@]}"; do runs+=("${script%.py}" "${script%.py}-digits")
 common=(
   --backend hf --precision fp32 --seed 3 --iterations 2 --save-samples 1 --eval-samples 2 --exp-name identical
 )
-run_args() {  # what each run adds to the common settings
+run_args() {  # what each run adds to the common settings, one argument a line (the work dir's path may hold spaces)
   case "$1" in
     *-digits)
-      echo "--model $work/models/digits --task $work/models/sevens.jsonl --questions 4 --batch-size 16"
-      echo "--micro-batch-size 8 --max-new-tokens 3 --eval-limit 16"
+      printf '%s\n' --model "$work/models/digits" --task "$work/models/sevens.jsonl" --questions 4 --batch-size 16 \
+        --micro-batch-size 8 --max-new-tokens 3 --eval-limit 16
       ;;
-    *) echo "--model smollm2-135m --task rg:chain_sum --questions 2 --batch-size 8 --micro-batch-size 4"
-      echo "--max-new-tokens 32 --eval-limit 8" ;;
+    *) printf '%s\n' --model smollm2-135m --task rg:chain_sum --questions 2 --batch-size 8 --micro-batch-size 4 \
+      --max-new-tokens 32 --eval-limit 8 ;;
   esac
   case "$1" in
-    spo_tree-digits) echo "--tree 4,4 --segment-tokens 1 --samples-per-iteration 16" ;;
-    spo_tree) echo "--tree 3,3 --segment-tokens 16 --samples-per-iteration 16" ;;
-    *) echo "--group-size 4" ;;
+    spo_tree-digits) printf '%s\n' --tree 4,4 --segment-tokens 1 --samples-per-iteration 16 ;;
+    spo_tree) printf '%s\n' --tree 3,3 --segment-tokens 16 --samples-per-iteration 16 ;;
+    *) printf '%s\n' --group-size 4 ;;
   esac
 }
 # What else decides the outputs: a reused BASE run must have had the same.
@@ -110,7 +118,7 @@ run_side() {
   mkdir -p "$dir"
   for name in "${runs[@]}"; do
     script=${name%-digits}.py
-    read -ra args <<<"$(run_args "$name" | tr '\n' ' ')"
+    mapfile -t args < <(run_args "$name")
     args=("${common[@]}" "${args[@]}")
     expected=$(printf 'commit %s\nargs %s\nenvironment %s\n' "${sha:-working tree}" "${args[*]}" "$environment")
     marker=$dir/$name.complete

@@ -3,6 +3,7 @@ for a difference, within a seed and across seeds), and its comparison of learnin
 evaluation itself replaced by fixed scores)."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -122,3 +123,50 @@ def test_seeds_pool_as_the_mean_of_their_paired_differences(tmp_path):
         lp.main(lp.Args(pool=(one, one), algorithm="int20", reference="mask", out=out))
     with pytest.raises(UsageError, match="not ppo and mask"):
         lp.main(lp.Args(pool=(one,), algorithm="ppo", reference="mask", out=out))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"seeds": {"2": {"scores": {"int20": [1, 0', "is not valid JSON"),  # cut short
+        ("[]", "holds a JSON list, not a JSON object"),
+        ('{"seeds": {}}', '"seeds" is {}, not an object of seeds'),
+        ('{"seeds": {"2": {"scores": null}}}', "seeds.2.scores is null, not an object"),
+        ('{"seeds": {"2": {"scores": {"int20": [1, NaN], "mask": [1, 0]}}}}', "seeds.2.scores.int20[1] is NaN, not"),
+        ('{"seeds": {"2": {"scores": {"int20": [1, "1"], "mask": [1, 0]}}}}', 'seeds.2.scores.int20[1] is "1", not'),
+        ('{"seeds": {"2": {"scores": {"int20": [1, 0], "mask": "1, 0"}}}}', 'seeds.2.scores.mask is "1, 0", not a'),
+        ('{"seeds": {"2": {"scores": {"int20": [], "mask": []}}}}', "seeds.2.scores.int20 is [], not a list"),
+        ('{"seeds": {"2": {"scores": {"int20": [1, 0, 1], "mask": [1, 0]}}}}', "3 scores of int20 and 2 of mask"),
+        ('{"seeds": {"2": {"scores": {"int20": [1, 7], "mask": [1, 0]}}}}', "seeds.2.scores.int20[1] is 7, not a"),
+    ],
+)
+def test_a_pool_file_cut_short_or_edited_is_one_line_naming_the_field(content, message, tmp_path):
+    path = tmp_path / "edited.json"
+    path.write_text(content)
+    out = tmp_path / "pooled.json"
+    with pytest.raises(UsageError, match=re.escape(message)) as error:
+        lp.main(lp.Args(pool=(path,), algorithm="int20", reference="mask", out=out, resamples=100))
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+    assert not out.exists()  # no NaN and no partial figure written as a result
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda runs: runs[0].pop("seed"), "runs[0].seed is missing, not an integer"),
+        (lambda runs: runs[1].update(accuracy_after=float("nan")), "runs[1].accuracy_after is NaN, not a"),
+        (lambda runs: runs[0].update(command="python x.py --model m"), "runs[0].command has no --task VALUE"),
+        (lambda runs: runs[0].update(run_dir=None), "runs[0].run_dir is null, not a string"),
+        (lambda runs: runs.append("grpo"), 'runs[2] is "grpo", not an object'),
+    ],
+)
+def test_a_learning_file_edited_by_hand_is_one_line_naming_the_field(change, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(lp, "evaluate", fake_evaluate([]))
+    path = learning_results(tmp_path, {"grpo": 0.5, "spo_tree": 0.5})
+    saved = json.loads(path.read_text())
+    change(saved["runs"])
+    path.write_text(json.dumps(saved))
+    out = tmp_path / "paired.json"
+    with pytest.raises(UsageError, match=re.escape(message)) as error:
+        lp.main(lp.Args(learning=path, out=out, resamples=100))
+    assert str(path) in str(error.value) and not out.exists()
