@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from plumbing import UsageError, distributed, lora, models, shown
+from plumbing import UsageError, distributed, files, lora, models, shown
 
 
 def load_data(path: Path, mmap: bool = False):
@@ -26,6 +26,8 @@ def load_data(path: Path, mmap: bool = False):
     which takes tensors, numbers, strings and containers of them (the optimizer's and scheduler's state, SPO-tree's
     replay buffer) and refuses anything else. A run directory may come from someone else: a pickled object in it,
     which could run code as it loads, is refused unread, in one line naming the file."""
+    if problem := files.special_file_problem(path):  # torch.load would wait on a named pipe for a writer
+        raise UsageError(problem)
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError:
@@ -72,9 +74,12 @@ def checkpoint_problem(directory: Path) -> str | None:
     """Why a checkpoint directory cannot be resumed from (a missing or truncated file), or None when it is whole.
 
     Cheap: reads only the safetensors headers and the zip directory at the end of trainer_state.pt, which a
-    truncated file no longer has.
+    truncated file no longer has. A named pipe in place of either is a problem, never opened (open() would wait for
+    a writer).
     """
     state = directory / "trainer_state.pt"
+    if problem := files.special_file_problem(state):
+        return problem
     try:
         with zipfile.ZipFile(state):
             pass
@@ -84,6 +89,8 @@ def checkpoint_problem(directory: Path) -> str | None:
     if not weights:
         return f"{directory} has no model.safetensors"
     for path in weights:
+        if problem := files.special_file_problem(path):
+            return problem
         try:
             with path.open("rb") as f:
                 header_size = int.from_bytes(f.read(8), "little")
@@ -197,26 +204,34 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+CHECKPOINT_SLOTS = ("checkpoint", "checkpoint.new", "checkpoint.old")  # the folders a run's saves replace (settle)
+
+
 def merge_adapter(checkpoint: Path, output: Path) -> None:
     """Write an adapter checkpoint (plumbing/lora.py) as a plain transformers model directory: the base with
     W + (alpha / R) B A merged in, in fp32, and the tokenizer; transformers and vLLM load it. Atomic: written into a
-    hidden folder beside `output` and renamed to it once whole, so an error, a full disk, Ctrl-C or SIGTERM leaves
-    no `output` (the folder is removed; only a SIGKILL leaves it, named .OUTPUT.merging-PID)."""
+    hidden folder beside `output` and renamed to it once whole, so an error, a full disk or a signal the command
+    catches (every one that would end it, __main__) leaves no `output` (the folder is removed; only SIGKILL leaves it,
+    named .OUTPUT.merging-PID). `output` inside a run's checkpoint folders, whatever the source, is refused: the
+    run's next save or --resume would delete it."""
     if not lora.is_adapter_checkpoint(checkpoint):
         raise UsageError(f"{checkpoint} is not an adapter checkpoint (no {lora.ADAPTER_CONFIG}, or a config.json)")
     if output.exists() or output.is_symlink():
         raise UsageError(f"{output} exists: give a new directory for the merged model")
     target = output.parent.resolve() / output.name
-    for slot in (
-        checkpoint,
-        checkpoint.with_name(f"{checkpoint.name}.new"),
-        checkpoint.with_name(f"{checkpoint.name}.old"),
-    ):
-        slot = slot.resolve()
+    slots = [checkpoint.with_name(f"{checkpoint.name}{suffix}").resolve() for suffix in ("", ".new", ".old")]
+    # any run's: a folder named as a checkpoint slot beside a run's args.json or starts.jsonl
+    slots += [
+        folder
+        for folder in (target, *target.parents)
+        if folder.name in CHECKPOINT_SLOTS
+        and any((folder.parent / name).exists() for name in ("args.json", "starts.jsonl"))
+    ]
+    for slot in slots:
         if target == slot or slot in target.parents:
             raise UsageError(
-                f"{output} is inside {slot}, which its run replaces at its next save: give a directory outside the "
-                "run's checkpoint"
+                f"{output} is {'' if target == slot else 'inside '}{slot}, which its run replaces at its next save: "
+                "give a directory outside the run's checkpoint"
             )
     staging = target.parent / f".{target.name}.merging-{os.getpid()}"
     try:
@@ -237,18 +252,38 @@ def merge_adapter(checkpoint: Path, output: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+# The signals that end a process unless it catches them, other than the ones a fault raises (SIGSEGV, SIGBUS, SIGFPE,
+# SIGILL, SIGABRT: the process itself is broken) and SIGKILL, which cannot be caught.
+STOPPING_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in (
+        "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGVTALRM",
+        "SIGPROF", "SIGXCPU", "SIGXFSZ", "SIGPOLL", "SIGPWR", "SIGSYS", "SIGTRAP", "SIGSTKFLT",
+    )
+    if hasattr(signal, name)
+)  # fmt: skip
+
+
 def _stop(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: merge_adapter's cleanup runs
+    """A stopping signal as Ctrl-C: merge_adapter's cleanup runs. Further signals are ignored from here on, so that
+    the cleanup itself is not cut short."""
+    for number in STOPPING_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":  # python -m plumbing.checkpoints merge runs/<run>/checkpoint merged/
     if len(sys.argv) != 4 or sys.argv[1] != "merge":
         sys.exit("usage: python -m plumbing.checkpoints merge runs/<run>/checkpoint OUTPUT_DIR")
-    signal.signal(signal.SIGTERM, _stop)
+    for number in STOPPING_SIGNALS:
+        if signal.getsignal(number) is not signal.SIG_IGN:  # one ignored where it started (nohup's SIGHUP) stays so
+            signal.signal(number, _stop)
     try:
         merge_adapter(Path(sys.argv[2]), Path(sys.argv[3]))
-    except UsageError as error:
-        sys.exit(f"error: {error}")
+    except UsageError as error:  # it may quote base_model.json's path: the sender's text, escaped
+        sys.exit(f"error: {shown(error)}")
     except KeyboardInterrupt:
-        sys.exit(f"interrupted: nothing was written to {sys.argv[3]}")
-    print(f"wrote {sys.argv[3]}: the base with the adapter merged in (transformers and vLLM load it)")
+        if Path(sys.argv[3]).is_dir():  # stopped after the rename: the merged model is whole
+            sys.exit(f"interrupted after the merged model was written whole to {shown(sys.argv[3])}")
+        sys.exit(f"interrupted: nothing was written to {shown(sys.argv[3])}")
+    print(f"wrote {shown(sys.argv[3])}: the base with the adapter merged in (transformers and vLLM load it)")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from plumbing import UsageError, files, ranges
+from plumbing import UsageError, files, ranges, shown
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_RECORD = "adapter_config.json", "adapter_model.safetensors", "base_model.json"
 DEFAULT_TARGET = "all-linear"  # every linear layer of the attention and MLP blocks; never the LM head
@@ -40,9 +40,9 @@ def has_adapters(model) -> bool:
     return bool(getattr(model, "peft_config", None))
 
 
-def lora_config(rank: int, alpha: float | None, dropout: float, target: str, base: str = ""):
+def lora_config(rank: int, alpha: float | None, dropout: float, target: str, base: str = "", **scales):
     """peft's LoraConfig for --lora-rank, --lora-alpha (None: 2 x rank), --lora-dropout and --lora-target (all-linear,
-    or module names separated by commas)."""
+    or module names separated by commas); `scales`: the SCALE_FIELDS a received adapter sets (a run sets none)."""
     from peft import LoraConfig
 
     modules = (
@@ -56,6 +56,7 @@ def lora_config(rank: int, alpha: float | None, dropout: float, target: str, bas
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base or None,
+        **scales,
     )
 
 
@@ -87,6 +88,20 @@ def train_adapters(model, config, base_dtype: torch.dtype | None = None, source:
                 f"--lora-{flag} {getattr(config, field)!r}: the file was edited (--lora-* cannot change on --resume); "
                 "restore it, or start a new run"
             )
+    for field in SCALE_FIELDS:  # a run writes peft's defaults: another value would train at other scales from here on
+        if getattr(saved, field) != getattr(config, field):
+            raise UsageError(
+                f"{source}/{ADAPTER_CONFIG} holds {field} {shown(json.dumps(getattr(saved, field)))}, where the run "
+                f"trained at alpha / rank (its args.json has no {field}): the file was edited; restore it, or start a "
+                "new run"
+            )
+    adapted, wanted = adapted_modules(model), targeted_modules(model, config.target_modules)
+    if adapted != wanted:
+        raise UsageError(
+            f"{source}/{ADAPTER_CONFIG} puts adapters on {_short(adapted)}, where the run's args.json --lora-target "
+            f"{shown(format_target(config.target_modules))} names {_short(wanted)}: one of the two was edited "
+            "(--lora-target cannot change on --resume); restore it, or start a new run"
+        )
     saved.base_model_name_or_path = config.base_model_name_or_path  # the base this run loaded, recorded on save
     if base_dtype is not None:
         trained = {name: parameter.data for name, parameter in model.named_parameters() if parameter.requires_grad}
@@ -129,26 +144,62 @@ def add_adapters(model, config, base_dtype: torch.dtype | None = None):
 def _check_targets(model, config) -> None:
     """Refuse a --lora-target naming a module the model lacks (peft refuses only a list none of whose names match) and a
     --lora-rank above the width of the narrowest layer the adapters would go on, as peft matches them: all-linear,
-    every linear layer but the LM head; a list, every module whose name is one of them or ends in "." + one."""
-    head = model.get_output_embeddings()
+    every linear layer but the LM head; a list, every module whose name is one of them or ends in "." + one. A layer
+    that a received adapter's rank_pattern matches is checked against its own rank."""
+    from peft.utils.other import get_pattern_key
+
     names = dict(model.named_modules())
-    if config.target_modules == DEFAULT_TARGET:
-        chosen = [m for m in names.values() if isinstance(m, torch.nn.Linear) and m is not head]
-    else:
-        matches = {t: [m for n, m in names.items() if n == t or n.endswith(f".{t}")] for t in config.target_modules}
+    if config.target_modules != DEFAULT_TARGET:
+        matches = {t: [n for n in names if n == t or n.endswith(f".{t}")] for t in config.target_modules}
         if unmatched := sorted(t for t, found in matches.items() if not found):
             raise UsageError(
                 f"--lora-target {format_target(config.target_modules)}: the model has no module named "
                 f"{', '.join(unmatched)}; give module names the model has (e.g. q_proj,v_proj) or {DEFAULT_TARGET}"
             )
-        chosen = [m for found in matches.values() for m in found]
-    widths = [min(m.in_features, m.out_features) for m in chosen if isinstance(m, torch.nn.Linear)]
-    widths += [min(m.num_embeddings, m.embedding_dim) for m in chosen if isinstance(m, torch.nn.Embedding)]
-    if widths and config.r > min(widths):
+    too_wide = []  # (width, rank, name) of each layer whose rank is above its width
+    for name in sorted(targeted_modules(model, config.target_modules)):
+        module, pattern = names[name], config.rank_pattern or {}
+        rank = pattern.get(get_pattern_key(pattern.keys(), name), config.r)
+        if isinstance(module, torch.nn.Linear):
+            too_wide.append((min(module.in_features, module.out_features), rank, name))
+        elif isinstance(module, torch.nn.Embedding):
+            too_wide.append((min(module.num_embeddings, module.embedding_dim), rank, name))
+    if too_wide := sorted(entry for entry in too_wide if entry[1] > entry[0]):
+        width, rank, name = too_wide[0]
+        flag = f"--lora-rank {rank}" if rank == config.r else f"rank_pattern's rank {rank} for {name}"
         raise UsageError(
-            f"--lora-rank {config.r} is above the width of the narrowest adapted layer ({min(widths)}): an adapter of "
-            f"that rank is no longer low-rank; give --lora-rank {min(widths)} or less"
+            f"{flag} is above the width of the narrowest adapted layer ({width}): an adapter of that rank is no longer "
+            f"low-rank; give {'--lora-rank' if rank == config.r else 'a rank of'} {width} or less"
         )
+
+
+def adapted_modules(model) -> set[str]:
+    """The names of `model`'s modules that hold an adapter (peft's LoRA layers)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def targeted_modules(model, target) -> set[str]:
+    """The names of the modules that --lora-target `target` (all-linear or a list of names) puts adapters on, matched as
+    _check_targets matches them, on `model` with or without its adapters (a LoRA layer counts as the layer it wraps;
+    the adapters' own layers are not candidates)."""
+    from peft.tuners.lora import LoraLayer
+
+    head = model.get_output_embeddings()
+    candidates = {
+        name: module
+        for name, module in model.named_modules()
+        if name and not any(part == "base_layer" or part.startswith("lora_") for part in name.split("."))
+    }
+    if target == DEFAULT_TARGET:
+        linear = (torch.nn.Linear, LoraLayer)
+        return {n for n, m in candidates.items() if isinstance(m, linear) and m is not head and head not in m.modules()}
+    return {n for n in candidates if any(n == t or n.endswith(f".{t}") for t in target)}
+
+
+def _short(names: set[str]) -> str:
+    return ",".join(sorted({name.rpartition(".")[2] for name in names})) or "no module"
 
 
 def format_target(target) -> str:
@@ -202,8 +253,31 @@ def save_adapter(model, directory: Path, base: str, fingerprint: str | None) -> 
     files.write_atomic(directory / BASE_RECORD, json.dumps(record, indent=1) + "\n", "the base-model record")
 
 
+# What read_adapter_config makes of each field peft writes into adapter_config.json. Honoured: the fields of
+# lora_config, and SCALE_FIELDS, which set each layer's scale and rank (peft computes the merge and the forward from
+# them, as peft's own merge_and_unload does). INERT: fields that describe the file, or only how A and B start (the saved
+# weights replace them). Every other field (use_dora, modules_to_save, bias, layers_to_transform, ...) and any field
+# this project does not know must be peft's default (or null, false, empty), else the adapter is refused naming it:
+# it would load as a different model than the one trained.
+SCALE_FIELDS = ("use_rslora", "alpha_pattern", "rank_pattern")
+INERT_FIELDS = {
+    "task_type",
+    "peft_type",
+    "auto_mapping",
+    "peft_version",
+    "revision",
+    "inference_mode",
+    "runtime_config",
+    "megatron_core",  # the module megatron_config would name
+    "qalora_group_size",  # used only with use_qalora
+    "ensure_weight_tying",  # used only with modules_to_save or trainable_token_indices
+}
+INERT_INITS = (True, False, "gaussian")  # init_lora_weights that set A and B only
+
+
 def read_adapter_config(directory: Path):
-    """The checkpoint's LoraConfig, from validated fields only (anything else in the file is not read)."""
+    """The checkpoint's LoraConfig, from validated fields only: the ones lora_config takes and SCALE_FIELDS; any other
+    field that would change what the adapter computes is refused by name (unsupported_fields)."""
     raw = files.read_json(directory / ADAPTER_CONFIG, "the adapter's config")
     problems = []
     if raw.get("peft_type") != "LORA":
@@ -211,7 +285,7 @@ def read_adapter_config(directory: Path):
     if not isinstance(raw.get("r"), int) or isinstance(raw.get("r"), bool) or raw["r"] < 1:
         problems.append(f"r {raw.get('r')!r} is not a positive integer")
     alpha = raw.get("lora_alpha")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha <= ranges.MAX_LORA_ALPHA:
+    if not _is_alpha(alpha):
         problems.append(f"lora_alpha {alpha!r} is not a number in (0, {ranges.MAX_LORA_ALPHA:g}]")
     dropout = raw.get("lora_dropout", 0.0)
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
@@ -221,12 +295,63 @@ def read_adapter_config(directory: Path):
         target == DEFAULT_TARGET or isinstance(target, list) and target and all(isinstance(t, str) for t in target)
     ):
         problems.append(f"target_modules {target!r} is neither {DEFAULT_TARGET} nor a list of module names")
+    scales = {
+        "use_rslora": raw.get("use_rslora") or False,
+        "alpha_pattern": raw.get("alpha_pattern") or {},
+        "rank_pattern": raw.get("rank_pattern") or {},
+    }
+    if not isinstance(scales["use_rslora"], bool):
+        problems.append(f"use_rslora {shown(json.dumps(scales['use_rslora']))} is not true or false")
+    for field, valid, what in (
+        ("alpha_pattern", _is_alpha, f"numbers in (0, {ranges.MAX_LORA_ALPHA:g}]"),
+        ("rank_pattern", lambda r: type(r) is int and r >= 1, "positive integers"),
+    ):
+        pattern = scales[field]
+        if not isinstance(pattern, dict) or not all(isinstance(k, str) and k and valid(v) for k, v in pattern.items()):
+            problems.append(f"{field} {shown(json.dumps(pattern))} does not map module names to {what}")
     if problems:
         raise UsageError(f"{directory / ADAPTER_CONFIG}: {'; '.join(problems)}: not an adapter this project wrote")
+    if unsupported := unsupported_fields(raw):
+        raise UsageError(
+            f"{directory / ADAPTER_CONFIG} sets {', '.join(unsupported)}: peft options this project does not load "
+            "(the model would differ from the one trained); merge it with peft itself (merge_and_unload), or give an "
+            "adapter without them"
+        )
     names = DEFAULT_TARGET if target == DEFAULT_TARGET else ",".join(target)
+    scales["alpha_pattern"] = {k: float(v) for k, v in scales["alpha_pattern"].items()}
     return lora_config(
-        raw["r"], float(raw["lora_alpha"]), float(dropout), names, raw.get("base_model_name_or_path", "")
+        raw["r"], float(raw["lora_alpha"]), float(dropout), names, raw.get("base_model_name_or_path", ""), **scales
     )
+
+
+def _is_alpha(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= ranges.MAX_LORA_ALPHA
+
+
+def unsupported_fields(raw: dict) -> list[str]:
+    """The fields of an adapter_config.json that read_adapter_config does not honour and that are not at peft's
+    default, each as "name value" (the value escaped): an empty list for an adapter this project can load as trained."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(LoraConfig)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
+    honoured = {"r", "lora_alpha", "lora_dropout", "target_modules", "base_model_name_or_path", *SCALE_FIELDS}
+    found = []
+    for name, value in raw.items():
+        if name in honoured or name in INERT_FIELDS:
+            continue
+        if name == "init_lora_weights" and any(value is v or value == v and type(v) is str for v in INERT_INITS):
+            continue
+        unset = value is None or value is False or type(value) in (dict, list, str) and not value
+        if unset or name in defaults and value == defaults[name]:
+            continue
+        found.append(f"{shown(name)} {shown(json.dumps(value))[:80]}")
+    return found
 
 
 def base_record(directory: Path) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 from plumbing import UsageError, checkpoints, distributed, files, memory, models, shown
 from plumbing.completions import Completion, token_pieces
 from plumbing.run_lock import active_run, lock_run, release_run
-from plumbing.settings import check_resume_settings
+from plumbing.settings import check_resume_settings, first_start
 from plumbing.vllm_preflight import resolve_backend
 
 
@@ -178,12 +178,9 @@ def open_run(run_dir: Path, args, precision_line: str, device, plan: memory.Plan
 
 
 def first_record(run_dir: Path) -> dict | None:
-    """The first entry of RUN/starts.jsonl (the run's first start), or None."""
-    path = Path(run_dir) / "starts.jsonl"
-    if not path.exists():
-        return None
-    records = files.read_log(path, "the run's start log")
-    return records[0] if records else None
+    """The first entry of RUN/starts.jsonl (the run's first start), or None; the values a resume reads back from it
+    checked within their ranges (settings.first_start)."""
+    return first_start(run_dir)
 
 
 def make_new_directory(run_dir: Path) -> Path:

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
-from plumbing import UsageError, distributed, files, ranges
+from plumbing import UsageError, distributed, files, ranges, shown
 
 # Settings a resumed run may change: how long it runs, how often it evaluates and saves, what it logs, memory knobs
 # that leave the update unchanged (on a CPU in fp32 the numbers stay bit-identical), and three whose change shows in
@@ -139,6 +139,7 @@ def check_resume_settings(args, run_dir: str | Path, fingerprints: dict[str, Cal
     moved = [name for name in fingerprints if saved[name] != current[name]]
     if moved:
         check_moved(run_dir, {name: (saved[name], current[name]) for name in moved}, fingerprints)
+    check_unchanged(run_dir, {name: saved[name] for name in fingerprints if name not in moved}, fingerprints)
     changed = [k for k in saved if k not in RESUMABLE_SETTINGS and k not in moved and saved[k] != current[k]]
     if changed:
         given = ", ".join(f"--{k.replace('_', '-')} {current[k]!r} (the run has {saved[k]!r})" for k in changed)
@@ -148,6 +149,73 @@ def check_resume_settings(args, run_dir: str | Path, fingerprints: dict[str, Cal
         )
 
 
+def first_start(run_dir: str | Path) -> dict | None:
+    """The first entry of RUN/starts.jsonl (the run's first start), or None, with every value a resume reads back from
+    it checked within its range: the sampler batch it kept (memory.size_run: a positive number of positions) and the
+    fingerprints of its model and task file (16 hexadecimal digits, or null). A received or edited log with another
+    value is refused in one line naming the file and the value."""
+    path = Path(run_dir) / "starts.jsonl"
+    if not path.exists():
+        return None
+    records = files.read_log(path, "the run's start log")
+    if not records:
+        return None
+    first, problems = records[0], []
+    if not isinstance(first, dict):
+        problems.append(f"its first line is {shown(json.dumps(first))[:80]}, not an object")
+        first = {}
+    memory = first.get("memory")
+    if memory is not None and not isinstance(memory, dict):
+        problems.append(f"memory is {shown(json.dumps(memory))[:80]}, not an object")
+    elif memory and "sampler_batch_tokens" in memory:
+        tokens = memory["sampler_batch_tokens"]
+        if type(tokens) is not int or tokens < 1:
+            problems.append(
+                f"memory.sampler_batch_tokens is {shown(json.dumps(tokens))[:80]}, not a positive number of positions"
+            )
+    prints = first.get("fingerprints")
+    if prints is not None and not isinstance(prints, dict):
+        problems.append(f"fingerprints is {shown(json.dumps(prints))[:80]}, not an object")
+    for name, value in (prints if isinstance(prints, dict) else {}).items():
+        if value is not None and not (isinstance(value, str) and len(value) == 16 and _is_hex(value)):
+            problems.append(f"fingerprints.{shown(name)} is {shown(json.dumps(value))[:80]}, not a fingerprint")
+    if problems:
+        raise UsageError(
+            f"{path} line 1 (the run's first start): {'; '.join(problems)}: it was edited or damaged; restore it, or "
+            "start a new run"
+        )
+    return first
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
+def check_unchanged(
+    run_dir: str | Path, paths: dict[str, str], fingerprints: dict[str, Callable[[str], str | None]]
+) -> None:
+    """A run resumed with its base model or task file at the path it started with: what is there now must be what its
+    first start recorded (starts.jsonl's fingerprints: the model's config and weight headers, every byte of the task
+    file, whose every row the run samples from). A file rewritten under the same path is refused (a run that recorded
+    no fingerprint, or a name that is no local file, is not checked). `paths`: {name: the run's path}."""
+    recorded = ((first_start(run_dir) or {}).get("fingerprints")) or {}
+    for name, path in paths.items():
+        if recorded.get(name) is None:
+            continue
+        now = fingerprints[name](path)
+        if now is None:
+            raise UsageError(
+                f"--resume {run_dir}: its {name} {shown(path)} is not there any more (starts.jsonl records fingerprint "
+                f"{recorded[name]}): put it back, or give --{name} at its new path"
+            )
+        if now != recorded[name]:
+            raise UsageError(
+                f"--resume {run_dir}: its {name} {shown(path)} was rewritten since the run started (fingerprint {now}, "
+                f"starts.jsonl records {recorded[name]}): the run would go on with other data; restore it, or start a "
+                "new run"
+            )
+
+
 def check_moved(
     run_dir: str | Path, moved: dict[str, tuple[str, str]], fingerprints: dict[str, Callable[[str], str | None]]
 ) -> None:
@@ -155,9 +223,7 @@ def check_moved(
     new one holds what the run started with (the fingerprint its first start recorded in starts.jsonl: the model's
     config and weight headers, the task file's bytes), refused otherwise. `moved`: {name: (the run's, given)};
     `fingerprints`: {name: the function that fingerprints it}."""
-    log = Path(run_dir) / "starts.jsonl"
-    first = (files.read_log(log, "the run's start log") or [{}])[0] if log.exists() else {}
-    recorded = first.get("fingerprints") or {}
+    recorded = ((first_start(run_dir) or {}).get("fingerprints")) or {}
     for name, (was, given) in moved.items():
         flag, now = f"--{name}", fingerprints[name](given)
         if recorded.get(name) is None:
@@ -247,8 +313,10 @@ class TrainArgs:
     """seed of every random draw: questions, rollouts, SPO-tree's replay buffer, initialisation (the same seed on a
     CPU gives identical metrics with one thread, OMP_NUM_THREADS=1; with more, sums may round otherwise)"""
     heldout_seed: ranges.Seed = HELDOUT_SEED
-    """seed of a generated task's held-out questions (rg:*), the same for every --seed so that seeds are compared on one
-    question set; training questions exclude them"""
+    (
+        "seed of a generated task's held-out questions (rg:*), the same for every --seed so that seeds are compared on "
+        "one question set; training questions exclude them"
+    )
     model: str = "rho-1b-sft-gsm8k"
     (
         "policy to start from: model directory, Hugging Face id or alias (rho-1b-sft-gsm8k, rho-1b-sft-math, "

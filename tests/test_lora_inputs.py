@@ -187,7 +187,7 @@ def test_a_merge_that_fails_or_is_stopped_leaves_nothing(trained, tmp_path, monk
     monkeypatch.undo()
     # Ctrl-C or SIGTERM (as a scheduler sends) after the weights are written: one line, nothing left, a re-run works
     output = tmp_path / "merged"
-    for stop in (signal.SIGINT, signal.SIGTERM):
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         process = merge(checkpoint, output, held=True)
         while "writing the tokenizer" not in process.stderr.readline():
             assert process.poll() is None, process.stderr.read()
@@ -200,3 +200,47 @@ def test_a_merge_that_fails_or_is_stopped_leaves_nothing(trained, tmp_path, monk
     assert (
         process.wait(timeout=300) == 0 and (output / "config.json").is_file() and (output / "tokenizer.json").is_file()
     )
+
+
+def test_a_merge_into_any_runs_checkpoint_folders_is_refused_whatever_the_source(trained, tmp_path):
+    """A run whose last save was cut short has only checkpoint.old/: a merge of it into RUN/checkpoint (or of another
+    adapter into any run's checkpoint folders) would be deleted by that run's next save or --resume."""
+    _, _, run_dir, checkpoint = trained
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "checkpoint").rename(run / "checkpoint.old")
+    for source, output in (
+        (run / "checkpoint.old", run / "checkpoint"),
+        (checkpoint, run / "checkpoint"),
+        (checkpoint, run / "checkpoint.new" / "merged"),
+        (checkpoint, run / "checkpoint.old" / "merged"),
+    ):
+        with pytest.raises(UsageError, match="which its run replaces at its next save: give a directory outside"):
+            checkpoints.merge_adapter(source, output)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint.old"]
+    # a folder named checkpoint that no run holds is a destination like any other
+    checkpoints.merge_adapter(checkpoint, tmp_path / "elsewhere" / "checkpoint")
+    assert (tmp_path / "elsewhere" / "checkpoint" / "config.json").is_file()
+
+
+def test_an_args_json_whose_lora_target_was_edited_does_not_resume(trained, tmp_path, monkeypatch):
+    """The run's adapters cover every linear layer (all-linear); an args.json edited to q_proj,v_proj would resume on
+    them all the same, as if the run had adapted two."""
+    from plumbing import settings
+
+    model_dir, _, run_dir, _ = trained
+    monkeypatch.chdir(model_dir.parent)  # the run's --model is ./model
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    edit_json(run / "args.json", lora_target="q_proj,v_proj")
+    args = settings.saved_settings(grpo.Args, run)
+    args.resume = str(run)
+    with pytest.raises(
+        UsageError,
+        match=r"adapter_config.json puts adapters on down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj, where "
+        r"the run's args.json --lora-target q_proj,v_proj names q_proj,v_proj: one of the two was edited",
+    ):
+        models.load_run_models(args, run / "checkpoint", "cpu")
+    edit_json(run / "args.json", lora_target="all-linear")  # as it was: resumes
+    args.lora_target = "all-linear"
+    assert lora.has_adapters(models.load_run_models(args, run / "checkpoint", "cpu")[0])

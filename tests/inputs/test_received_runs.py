@@ -104,3 +104,66 @@ def test_numbers_in_a_received_trainer_state_are_range_checked(change, named, tr
     with pytest.raises(UsageError, match=named.replace("(", r"\(")):
         runs.locate_run(args)
     assert checkpoints.load_trainer_state(trained / "checkpoint")["iteration"] == 2  # the original is untouched
+
+
+def _copied(trained: Path, tmp_path: Path) -> tuple[Path, object]:
+    """A copy of the trained run, and the Args a --resume of it takes (its own settings)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    args = settings.saved_settings(grpo.Args, run_dir)
+    args.resume = str(run_dir)
+    return run_dir, args
+
+
+def _edit_first_start(run_dir: Path, **changes) -> None:
+    lines = (run_dir / "starts.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    for dotted, value in changes.items():
+        outer, _, inner = dotted.partition("__")
+        if inner:
+            first[outer][inner] = value
+        else:
+            first[outer] = value
+    (run_dir / "starts.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"memory__sampler_batch_tokens": -5}, "memory.sampler_batch_tokens is -5, not a positive number"),
+        ({"memory__sampler_batch_tokens": 1.5}, "memory.sampler_batch_tokens is 1.5"),
+        ({"memory__sampler_batch_tokens": True}, "memory.sampler_batch_tokens is true"),
+        ({"memory": [1]}, "memory is [1], not an object"),
+        ({"fingerprints__task": "\x1b[2Jforged"}, r'fingerprints.task is "\u001b[2Jforged", not a fingerprint'),
+        ({"fingerprints": "abc"}, 'fingerprints is "abc", not an object'),
+    ],
+)
+def test_values_read_back_from_starts_jsonl_are_range_checked(change, named, trained, tmp_path):
+    run_dir, args = _copied(trained, tmp_path)
+    _edit_first_start(run_dir, **change)
+    with pytest.raises(UsageError, match=r"starts.jsonl line 1 \(the run's first start\): .*") as error:
+        runs.locate_run(args)
+    assert named in str(error.value) and "\n" not in str(error.value) and "\x1b" not in str(error.value)
+
+
+def test_a_task_file_rewritten_under_the_same_path_is_refused(trained, tmp_path):
+    """The run records its task file's fingerprint (every byte: it samples from every row) at its first start; a file
+    rewritten under the path args.json names is other data, refused, as it is at a new path."""
+    import shutil
+
+    run_dir, args = _copied(trained, tmp_path)
+    task = tmp_path / "task.jsonl"
+    shutil.copy(args.task, task)  # the same bytes, under a path this test may rewrite
+    saved = json.loads((run_dir / "args.json").read_text())
+    (run_dir / "args.json").write_text(json.dumps({**saved, "task": str(task)}))
+    args.task = str(task)
+    runs.locate_run(args)  # the same bytes: resumes
+    rows = [json.loads(line) for line in task.read_text().splitlines() if line.strip()]
+    task.write_text("".join(json.dumps({**row, "answer": row["answer"] + "1"}) + "\n" for row in rows))
+    with pytest.raises(UsageError, match=r"its task .*task.jsonl was rewritten since the run started \(fingerprint"):
+        runs.locate_run(args)
+    task.unlink()
+    with pytest.raises(UsageError, match=r"its task .*task.jsonl is not there any more"):
+        runs.locate_run(args)

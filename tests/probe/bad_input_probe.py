@@ -98,6 +98,7 @@ def make_fixtures(folder: Path) -> dict[str, str]:
     make_untrusted_models(folder, paths, tiny)
     make_adapters(folder, paths, tiny)
     make_special_files(folder, paths, tiny)
+    make_handed_over(folder, paths, tiny)
     paths["SHORTPOS"] = folder / "short_positions"  # the tiny model with 64 positions
     shutil.copytree(tiny, paths["SHORTPOS"])
     config = json.loads((tiny / "config.json").read_text())
@@ -254,6 +255,68 @@ def make_special_files(folder: Path, paths: dict[str, Path], tiny: Path) -> None
         config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}))
 
 
+def make_handed_over(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
+    """What others hand over, read as data: a named pipe for a checkpoint's trainer_state.pt or a base model's weights,
+    paths and link targets holding terminal escapes, two sample files of one iteration, a work dir of the user's for
+    tools/identical_outputs.sh, experiments' results files cut short or edited by hand."""
+    import grpo_baseline
+    from plumbing import lora
+
+    paths["FIFOSTATE"] = folder / "fifo_state"
+    shutil.copytree(tiny, paths["FIFOSTATE"] / "checkpoint")
+    (paths["FIFOSTATE"] / "args.json").write_text(json.dumps(vars(grpo_baseline.Args(model=str(tiny)))))
+    os.mkfifo(paths["FIFOSTATE"] / "checkpoint" / "trainer_state.pt")
+    paths["FIFOWEIGHTS"] = folder / "fifo_weights"  # a base model whose weights are a pipe
+    shutil.copytree(tiny, paths["FIFOWEIGHTS"])
+    (paths["FIFOWEIGHTS"] / "model.safetensors").unlink()
+    os.mkfifo(paths["FIFOWEIGHTS"] / "model.safetensors")
+    for name, base in (("ADAPTERFIFOBASE", paths["FIFOWEIGHTS"]), ("ADAPTERESCBASE", folder / "gone\x1b[31mred")):
+        paths[name] = folder / name.lower()
+        shutil.copytree(paths["ADAPTERNOBASE"], paths[name])
+        record = paths[name] / lora.BASE_RECORD
+        record.write_text(json.dumps({**json.loads(record.read_text()), "model": str(base)}))
+    record = {
+        "algorithm": "grpo",
+        "question_index": 0,
+        "question": "3 + 4?",
+        "reference": "7",
+        "prompt": "3 + 4?",
+        "reward": 1.0,
+        "finish_reason": "stop",
+        "token_ids": [5],
+        "tokens": ["7"],
+        "probs": [0.9],
+        "advantages": [0.5],
+        "loss_mask": [1],
+    }
+    for name in ("LINKESC", "DUPITER"):
+        paths[name] = folder / name.lower()
+        (paths[name] / "samples").mkdir(parents=True)
+        (paths[name] / "samples" / "iter_1.jsonl").write_text(json.dumps(record) + "\n")
+        (paths[name] / "metrics.jsonl").write_text('{"iteration": 1, "charts/reward": 0.5}\n')
+    (paths["LINKESC"] / "notes").symlink_to("\x1b]0;owned\x07")  # would set the terminal's title
+    (paths["DUPITER"] / "samples" / "iter_01.jsonl").write_text(json.dumps(record) + "\n")
+    paths["USERWORK"] = folder / "user_work"  # IDENTICAL_WORK: a folder of the user's, its other/ theirs
+    (paths["USERWORK"] / "other").mkdir(parents=True)
+    (paths["USERWORK"] / "other" / "thesis.tex").write_text("a year of work")
+    paths["TRUNCPOOL"] = folder / "truncated_paired.json"
+    paths["TRUNCPOOL"].write_text('{"seeds": {"2": {"scores": {"spo_chain_int20": [1, 0')
+    paths["NANPOOL"] = folder / "nan_paired.json"
+    paths["NANPOOL"].write_text('{"seeds": {"2": {"scores": {"spo_chain_int20": [1, NaN], "grpo": [1, 0]}}}}')
+    # learning_critical.py --tiny's first case, reused by its settings and the code's hash, policy edited to null
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import learning_critical
+
+    paths["CRITICAL"] = folder / "critical" / "critical.json"
+    paths["CRITICAL"].parent.mkdir()
+    args = learning_critical.Args(tiny=True, out=str(paths["CRITICAL"]))
+    run = learning_critical.run_args("coin", "tokens", 1, dataclasses.replace(args, **learning_critical.TINY))
+    case = json.loads((ROOT / "experiments/results/learning_critical_confident_samples_L3.json").read_text())
+    case["given_settings"] = json.loads(json.dumps(learning_critical.rounded(run)))
+    case["machine"]["code_hash"] = learning_critical.toy.code_hash(learning_critical.EXPERIMENT)
+    Path(run["out"]).write_text(json.dumps({**case, "policy": None}))
+
+
 def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
     """Run directories from someone else: .pt files holding pickled objects, symbolic links to outside targets.
     Each is a run of the script it is resumed with (its args.json), with a whole checkpoint of the tiny model."""
@@ -293,6 +356,7 @@ def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> Non
     args = dataclasses.replace(args, iterations=1, questions=2, group_size=2, max_new_tokens=4, context=64)
     args = dataclasses.replace(args, eval_before=False, eval_every=10**6, batch_size=4)
     paths["LORAALPHARUN"] = Path(grpo_baseline.main(args)["run_dir"])
+    edited_runs(folder, paths)
     config = paths["LORAALPHARUN"] / "checkpoint" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 800}))  # the run's: 8
     run("NEGITER", grpo_baseline, {"iteration": -1, "world_size": 1})
@@ -303,6 +367,40 @@ def make_untrusted_runs(folder: Path, paths: dict[str, Path], tiny: Path) -> Non
     paths["REPEATKEY"].write_text('{"question": "What is 2 + 3?", "answer": "#### 5", "answer": "#### 6"}\n')
     paths["NESTEDKEY"] = folder / "nested_key.jsonl"
     paths["NESTEDKEY"].write_text('{"question": "q", "answer": "#### 5", "meta": {"k": 1, "k": 2}}\n')
+
+
+def edited_runs(folder: Path, paths: dict[str, Path]) -> None:
+    """Copies of the LoRA run LORAALPHARUN (before its alpha is edited) with one thing changed between the run and its
+    resume (issue 78): args.json's --lora-target, its task file rewritten under the same path, a sampler batch of -5
+    positions in starts.jsonl; one whose last save was cut short (only checkpoint.old/), the destination of a merge;
+    and adapters with peft options this project does not load (DoRA, a trained LM head)."""
+    from plumbing import lora
+
+    def copy(name: str) -> Path:
+        paths[name] = folder / name.lower()
+        shutil.copytree(paths["LORAALPHARUN"], paths[name])
+        return paths[name]
+
+    def edit(path: Path, **changes) -> None:
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+    edit(copy("LORATARGETRUN") / "args.json", lora_target="q_proj,v_proj")  # the adapter covers every linear layer
+    task = folder / "rewritten.jsonl"
+    shutil.copy(paths["GOODTASK"], task)  # the same bytes as the run's task, at a path of its own
+    edit(copy("TASKRUN") / "args.json", task=str(task))
+    task.write_text(task.read_text() + json.dumps({"question": "What is 1 + 1?", "answer": "#### 3"}) + "\n")
+    starts = copy("SAMPLERRUN") / "starts.jsonl"
+    first, *rest = starts.read_text().splitlines()
+    first = json.loads(first)
+    first["memory"]["sampler_batch_tokens"] = -5
+    starts.write_text("\n".join([json.dumps(first), *rest]) + "\n")
+    cut = copy("CUTRUN")
+    (cut / "checkpoint").rename(cut / "checkpoint.old")  # a save stopped between its two renames
+    paths["CUTRUNOLD"], paths["CUTRUNDEST"] = cut / "checkpoint.old", cut / "checkpoint"
+    for name, changes in (("ADAPTERDORA", {"use_dora": True}), ("ADAPTERHEAD", {"modules_to_save": ["lm_head"]})):
+        paths[name] = folder / name.lower()
+        shutil.copytree(paths["LORAALPHARUN"] / "checkpoint", paths[name])
+        edit(paths[name] / lora.ADAPTER_CONFIG, **changes)
 
 
 DEEP_TREE = ",".join(["2"] * 101)  # 101 levels
@@ -445,11 +543,33 @@ CASES = [
     ("ppo_baseline.py --lora-rank 4 --lora-alpha 1e300", "--lora-alpha (1e+300)"),
     ("-m plumbing.checkpoints merge MERGED INSIDEMERGED", "which its run replaces at its next save"),
     ("-m plumbing.checkpoints merge ADAPTERSELF DANGLING", "dangling exists: give a new directory"),
+    # a run and its resume disagree, adapters with peft options this project does not load (issue 78)
+    ("-m plumbing.checkpoints merge CUTRUNOLD CUTRUNDEST", "which its run replaces at its next save"),
+    ("-m plumbing.checkpoints merge ADAPTERSELF CUTRUNDEST", "which its run replaces at its next save"),
+    ("-m plumbing.checkpoints merge ADAPTERDORA OUT.dora", "sets use_dora true: peft options this project does not"),
+    ("eval.py --model ADAPTERHEAD --task GOODTASK", 'sets modules_to_save ["lm_head"]: peft options'),
+    ("grpo_baseline.py --resume LORATARGETRUN --iterations 2", "where the run's args.json --lora-target q_proj,v_proj"),
+    ("grpo_baseline.py --resume TASKRUN --iterations 2", "rewritten.jsonl was rewritten since the run started"),
+    ("grpo_baseline.py --resume SAMPLERRUN --iterations 2", "memory.sampler_batch_tokens is -5, not a positive"),
     ("eval.py --model FIFOMODEL --task GOODTASK", "config.json is a named pipe, not a regular file"),
     ("grpo_baseline.py --model TINY --task FIFOTASK --output-dir RUNS", "fifo.jsonl is a named pipe"),
     ("eval.py --model NAMEDTEMPLATES --task GOODTASK", 'none named "default"'),
     ("eval.py --model NUMBERTEMPLATE --task GOODTASK", "is not Jinja text but the int 7"),
     ("spo_tree.py --model EMPTYTEMPLATE --task GOODTASK --output-dir RUNS", "as empty text"),
+    # what others hand over (tests/inputs/test_handed_over.py, tests/test_viewer.py, tests/experiments/)
+    ("grpo_baseline.py --resume FIFOSTATE", "trainer_state.pt is a named pipe, not a regular file"),
+    ("eval.py --model ADAPTERFIFOBASE --task GOODTASK", "model.safetensors is a named pipe, not a regular file"),
+    ("-m plumbing.checkpoints merge ADAPTERFIFOBASE OUT.merged", "model.safetensors is a named pipe"),
+    ("-m plumbing.checkpoints merge ADAPTERESCBASE OUT.merged", "gone\\x1b[31mred is not there"),
+    ("viewer.py html LINKESC -o OUT.html", "is a symbolic link (to \\x1b]0;owned\\x07)"),
+    ("viewer.py curves LINKESC -o OUT.png", "is a symbolic link (to \\x1b]0;owned\\x07)"),
+    ("viewer.py html DUPITER -o OUT.html", "iter_01.jsonl and iter_1.jsonl, which are both iteration 1"),
+    ("IDENTICAL_WORK=USERWORK tools/identical_outputs.sh HEAD", "was not made by this tool"),
+    ("experiments/learning_paired.py --pool TRUNCPOOL --out OUT.pooled.json", "is not valid JSON"),
+    ("experiments/learning_paired.py --pool NANPOOL --out OUT.pooled.json", "scores.spo_chain_int20[1] is NaN, not"),
+    ("experiments/learning_critical.py --tiny --out CRITICAL", "policy is null, not an object"),
+    ("experiments/lora.py --settings r16 --out OUT.lora.json", "--settings r16: give full:RATE or rRANK:RATE"),
+    ("experiments/lora.py --settings full:fast --out OUT.lora.json", "the rate fast is not a positive number"),
     ("experiments/learning.py --algorithms foo", "unknown algorithm"),
     ("experiments/learning.py --results EMPTY", "is a directory"),
     ("experiments/learning.py --lr 0", "--lr (0.0) must be positive"),
@@ -463,6 +583,7 @@ def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeo
     """Run one case; leading NAME=value words set the process's environment (a shell left from another launch)."""
     words = [fixtures.get(word, word) for word in command.split()]
     environment = dict(word.split("=", 1) for word in words[: next(i for i, w in enumerate(words) if "=" not in w)])
+    environment = {name: fixtures.get(value, value) for name, value in environment.items()}
     words = words[len(environment) :]
     words = [
         str(cwd / "out" / word) if word.startswith("OUT.") else str(cwd / "runs") if word == "RUNS" else word
@@ -470,9 +591,10 @@ def run_case(command: str, text: str, fixtures: dict[str, str], cwd: Path, timeo
     ]
     started = time.time()
     program = ["-m", words[1], *words[2:]] if words[0] == "-m" else [str(ROOT / words[0]), *words[1:]]
+    interpreter = "bash" if words[0].endswith(".sh") else sys.executable  # the tools are shell scripts
     environment.setdefault("PYTHONPATH", str(ROOT))  # for -m; a script finds the repository from its own folder
     process = subprocess.Popen(
-        [sys.executable, *program],
+        [interpreter, *program],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
