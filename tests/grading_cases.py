@@ -369,6 +369,41 @@ def cases() -> list[dict]:
     add("gsm8k", rho("7&10&2&5&8"), "7", 0, "rho:list")
     add("math", chat("\\boxed{7, 10}"), "7", 0, "chat:list")
 
+    # -- responses whose reward the rule changed in tools/identical_outputs.sh's spo_chain run (smollm2-135m,
+    #    rg:chain_sum, seed 3: Monte-Carlo continuations of "2 - 1"): none states an answer; the previous rule read
+    #    the last number, which happened to be the reference ----------------------------------------------------
+    for response in (
+        (
+            "To solve this arithmetic problem, let's break it down step by step. We have two numbers, "
+            "2 and 1, which we want to find their"
+        ),
+        "Step 1: 2 - 1 = 1\nThe initial answer 1 is the result of the subtraction operation.\n\nStep 2:",
+        "Step 1: 2 - 1 = 1\nThe answer is a simple subtraction of two numbers.\n\nStep 2: 1 +",
+        (
+            "To solve this arithmetic problem, let's break it down step by step. We have two numbers, "
+            "2 and 1, and we want to find their"
+        ),
+        (
+            "To solve this arithmetic problem, let's break it down step by step. We have two numbers, "
+            "2 and 1. We want to find out how"
+        ),
+        "To solve this arithmetic problem, let's break it down step by step. We have 2 and 1. So we can add 2 and 1",
+        (
+            "To solve this arithmetic problem, let's break it down step by step.\n\nWe have two numbers: "
+            "2 and 1. We want to find"
+        ),
+        "Let's break down the problem:\n2 - 1 = 2\n1 = 1\n\nThis is the final answer.",
+        (
+            "Let's break down the problem:\n\nWe are given an equation with two variables:\n2 - 1 = \nTo "
+            "solve for the variable "
+        ),
+        (
+            "Let's break down the problem:\n\nWe are given an equation with two variables:\n2 - 1 = \nTo "
+            "solve this equation, we"
+        ),
+    ):
+        add("rg:chain_sum", response, "1", 0, "smol:no-answer")
+
     # -- documented choices: a careful grader could score these either way; labelled by the rule -----------------
     for task, response, ref, exp in (
         ("gsm8k", rho("The answer is 5 apples or 6 apples."), "5", 0),  # two values: a hedge
