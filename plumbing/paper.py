@@ -24,17 +24,17 @@ MATH_RUN = dict(model="deepseek-r1-distill-qwen-1.5b", task="math", eval_task="m
 # fmt: on
 
 
-def paper_run(args, paper_settings: dict[str, dict]) -> tuple[str, str]:
-    """The paper's run (a key of the script's PAPER_SETTINGS) that `args` is compared with, and why that one:
-    the run of the same task, else the run of the same model, else the script's first (default) run."""
-    if args.task in paper_settings:
-        return args.task, f"the paper's {args.task} run"
-    model_id = models.ALIASES.get(args.model, args.model)
+def paper_run(model: str, task: str, paper_settings: dict[str, dict]) -> tuple[str, str]:
+    """The paper's run (a key of the script's PAPER_SETTINGS) that a run of `model` on `task` is compared with, and
+    why that one: the run of the same task, else the run of the same model, else the script's first (default) run."""
+    if task in paper_settings:
+        return task, f"the paper's {task} run"
+    model_id = models.ALIASES.get(model, model)
     for name, paper in paper_settings.items():
         if models.ALIASES.get(paper["model"], paper["model"]) == model_id:
-            return name, f"the paper's {name} run (same model; the paper has no run on --task {args.task})"
+            return name, f"the paper's {name} run (same model; the paper has no run on --task {task})"
     name = next(iter(paper_settings))
-    return name, f"the paper's {name} run (the paper has no run on --task {args.task})"
+    return name, f"the paper's {name} run (the paper has no run on --task {task})"
 
 
 def format_setting(value) -> str:
@@ -56,7 +56,7 @@ def dry_run(args, paper_settings: dict[str, dict], eval_task: str, **resolved) -
     replaces a same-named setting in the comparison). Returns {"paper_run", "settings", "paper", "differences",
     "resolved"}."""
     resolved = {"eval_task": eval_task, "model_id": models.ALIASES.get(args.model, args.model), **resolved}
-    run, why = paper_run(args, paper_settings)
+    run, why = paper_run(args.model, args.task, paper_settings)
     paper, settings = paper_settings[run], {**asdict(args), **{k: v for k, v in resolved.items() if k in asdict(args)}}
     same = lambda name: (  # noqa: E731  model aliases and hub ids name the same model
         models.ALIASES.get(settings[name], settings[name]) == models.ALIASES.get(paper[name], paper[name])
