@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from test_vllm_glue import FakeEngine, calls, make_fake_vllm  # noqa: E402
 
-from plumbing import distributed, engines, models, vllm_engine, vllm_preflight  # noqa: E402
+from plumbing import distributed, engines, models, runs, vllm_engine, vllm_preflight  # noqa: E402
 
 
 def digests(weights) -> dict[str, str]:
@@ -54,7 +54,10 @@ def seeing_a_gpu(function):
 def install_fake(tokenizer, script=None) -> FakeEngine:
     engine = FakeEngine(script=script)
     sys.modules["vllm"] = make_fake_vllm(engine, tokenizer)
-    engines.resolve_backend = seeing_a_gpu(engines.resolve_backend)  # --backend auto, and the log line
+    # --backend auto: the engine, its log line, the memory plan and starts.jsonl's record, each module that holds the name
+    resolve_backend = seeing_a_gpu(vllm_preflight.resolve_backend)
+    for module in (vllm_preflight, engines, runs):
+        module.resolve_backend = resolve_backend
     engines.backend_problems = seeing_a_gpu(engines.backend_problems)  # --backend vllm needs a GPU
     vllm_engine.engine_dtype = lambda: "bfloat16"  # as on a GPU with bf16
     vllm_preflight.vllm_build = lambda: None  # the fake is no installed distribution (no CUDA build to compare)
