@@ -1,8 +1,12 @@
-"""eval.py — the small evaluation script every algorithm is scored by: tasks, grading (the reward), evaluate().
+"""eval.py — the small evaluation script every algorithm is scored by: evaluate(), its metrics and its CLI.
 
-  tasks     load_task("gsm8k" | "math" | "math500" | "aime24" | "rg:<name>" | "data.jsonl", split) -> [Example]
-  grading   grade(responses, references, task) -> [1.0 | 0.0] (plumbing/grading.py: math-verify in sandboxed workers)
-  evaluate  evaluate(model, tokenizer, task, ...) -> accuracy, pass@k, majority vote, records; and its CLI
+  evaluate  evaluate(model, tokenizer, task, ...) -> accuracy (avg@k), pass@k, majority vote (maj@k), records
+  metrics   majority_votes (maj@k: equal answers vote together), pass_at_k (unbiased, Chen et al. 2021)
+  CLI       EvalArgs and main: a model (checkpoint, alias or Hub id) on a task, the results written as JSON
+
+The tasks (which there are, their loading, prompts and answer kinds) are plumbing/tasks.py's registry; grading by task
+name, grade(responses, references, task) -> [1.0 | 0.0], is re-exported here (plumbing/grading.py: math-verify in
+sandboxed workers).
 
 Evaluate a checkpoint (paper protocols):
   python eval.py --model rho-1b-sft-gsm8k --task gsm8k --samples 16 --temperature 0.35 --top-p 0.9
@@ -17,380 +21,44 @@ import collections
 import fractions
 import json
 import math
-import os
 import re
 import sys
 import time
-import warnings
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-import tqdm
 import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, chat_templates, distributed, files, ranges, shown
+from plumbing import UsageError, distributed, files, ranges
 from plumbing.cli import run_cli
 from plumbing.engines import HFSampler, backend_problems, make_sampler
-from plumbing.grading import check_reference, check_references, grade, grade_failures  # noqa: F401  (eval.grade)
+from plumbing.grading import grade_failures  # noqa: F401  (eval.grade_failures)
 from plumbing.models import load_model
 from plumbing.precision import choose_precision
 from plumbing.settings import HELDOUT_SEED, directory_problems
+from plumbing.tasks import (  # noqa: F401  (eval.grade, eval.check_reference(s): grading by task name)
+    Example,
+    check_prompt_room,
+    check_reference,
+    check_references,
+    grade,
+    known_tasks,
+    last_boxed,
+    load_task,
+    stop_strings,
+    task_problems,
+)
 
 # ----------------------------------------------------------------------------------------------
-# Tasks
-
-RHO_PROMPT = "[MATH_TASK] Problem:\n{question}\n\nSolution:"
-RHO_STOP = "\n\n\nProblem:"  # the SFT model may start a new problem instead of emitting EOS
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-RG_TEST_SIZE = 200  # reasoning-gym test draws (fewer after deduplication)
-
-
-@dataclass
-class Example:
-    question: str
-    answer: str  # the reference answer, graded against by `grade`
-    prompt: str = ""  # the question in the model's prompt format
-    prompt_ids: list[int] = field(default_factory=list)
-
-
-def uses_chat_template(tokenizer: PreTrainedTokenizerBase | None) -> bool:
-    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
-
-
-def format_prompt(question: str, tokenizer: PreTrainedTokenizerBase | None) -> str:
-    """Chat models get the chat template with a boxed-answer instruction; others the Rho SFT format."""
-    return format_prompts([question], tokenizer)[0]
-
-
-def format_prompts(questions: list[str], tokenizer: PreTrainedTokenizerBase | None) -> list[str]:
-    """format_prompt of each question. A chat template is the model directory's code: all the questions go to one
-    bounded worker process (plumbing/chat_templates.py), so that a template that loops, balloons or raises is one error
-    line naming the model, not a hung or crashed run."""
-    if not uses_chat_template(tokenizer):
-        return [RHO_PROMPT.format(question=question) for question in questions]
-    return chat_templates.render_user_prompts(tokenizer, [f"{question}\n{BOXED_INSTRUCTION}" for question in questions])
-
-
-def add_prompts(examples: list[Example], tokenizer: PreTrainedTokenizerBase) -> list[Example]:
-    """Fill in each example's prompt and prompt_ids (the chat template, if any, rendered once for them all)."""
-    for example, prompt in zip(examples, format_prompts([e.question for e in examples], tokenizer)):
-        example.prompt = prompt
-        example.prompt_ids = encode_prompt(prompt, tokenizer)
-    return examples
-
-
-def stop_strings(tokenizer: PreTrainedTokenizerBase | None) -> list[str]:
-    """Strings that end a response besides EOS (the Rho format's next-problem marker)."""
-    return [] if uses_chat_template(tokenizer) else [RHO_STOP]
-
-
-def encode_prompt(prompt: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    # A chat template already writes its BOS as text; a plain prompt needs the tokenizer's BOS.
-    return tokenizer(prompt, add_special_tokens=not uses_chat_template(tokenizer))["input_ids"]
-
-
-def _hub_rows(dataset_id: str, config: str | None, split: str) -> list[dict]:
-    try:
-        import datasets
-
-        return list(datasets.load_dataset(dataset_id, config, split=split))
-    except Exception as error:  # datasets raises many types for "offline", "no such split", ...
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(
-            f"cannot load {dataset_id} split {split!r} ({reason}). Offline, use --task rg:chain_sum "
-            "or a local GSM8K-format .jsonl file."
-        ) from None
-
-
-def _gsm8k_answer(solution: str) -> str:
-    """Reference from a GSM8K solution: the text after "####", calculator annotations and commas removed."""
-    answer = solution.split("####")[-1] if "####" in solution else solution
-    return re.sub(r"<<[^>]*>>", "", answer).replace(",", "").strip()
-
-
-def _last_boxed(solution: str) -> str:
-    """Content of the last \\boxed{...} in a MATH solution (braces balanced)."""
-    start = solution.rfind("\\boxed")
-    if start < 0:
-        return ""
-    i = solution.find("{", start)
-    depth = 0
-    out = []
-    for ch in solution[i:] if i >= 0 else "":
-        depth += ch == "{"
-        depth -= ch == "}"
-        if depth == 0:
-            break
-        out.append(ch)
-    return "".join(out[1:])
-
-
-def _parse_rg_name(name: str) -> tuple[str, dict]:
-    """ "rg:chain_sum:min_terms=2,max_digits=1" -> ("chain_sum", {"min_terms": 2, "max_digits": 1})."""
-    dataset, _, options = name[len("rg:") :].partition(":")
-    config = {}
-    for item in filter(None, options.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise UsageError(
-                f"bad reasoning-gym option {item!r} in {name!r}: write key=value, e.g. rg:chain_sum:max_digits=1"
-            )
-        try:
-            config[key.strip()] = json.loads(value.strip().lower() if value.strip() in ("True", "False") else value)
-        except json.JSONDecodeError:
-            config[key.strip()] = value.strip()
-    return dataset, config
-
-
-def _rg_rows(name: str, split: str, size: int, seed: int, heldout_seed: int = HELDOUT_SEED) -> list[dict]:
-    """reasoning-gym items. The test split is the same RG_TEST_SIZE draws for every run (`heldout_seed`, not the
-    run's seed: neighbouring seeds give shifted copies of the same items), and train (drawn with `seed`) drops every
-    test question, so small task spaces (e.g. 1-digit sums) keep disjoint splits."""
-    import reasoning_gym
-
-    dataset, config = _parse_rg_name(name)
-
-    def generate(seed: int, size: int) -> list[dict]:
-        try:
-            return list(reasoning_gym.create_dataset(dataset, seed=seed, size=size, **config))
-        except Exception as error:
-            raise UsageError(f"reasoning-gym cannot build {dataset!r} with {config}: {error}") from None
-
-    test = generate(heldout_seed, RG_TEST_SIZE)
-    if split == "test":
-        return test
-    held_out = {row["question"] for row in test}
-    return [row for row in generate(seed, size) if row["question"] not in held_out]
-
-
-HUB_TASKS = ("gsm8k", "math", "math500", "aime24")
-SPLITS = ("train", "test")
-
-
-def task_problems(name: str, split: str | None = None, flag: str = "--task") -> list[str]:
-    """Whether a task name (and split) can be loaded, checked without loading it: the early check of every script."""
-    problems = []
-    if split is not None and split not in SPLITS:
-        problems.append(f"--split {split!r} is not a split: use train or test")
-    if name.startswith("rg:"):
-        try:
-            dataset, _ = _parse_rg_name(name)
-        except UsageError as error:
-            return problems + [f"{flag}: {error}"]
-        from reasoning_gym.factory import DATASETS
-
-        if dataset not in DATASETS:
-            close = sorted(d for d in DATASETS if d[:3] == dataset[:3])[:5]
-            problems.append(
-                f"{flag} {name}: reasoning-gym has no dataset {dataset!r}"
-                + (f" (similar: {', '.join(close)})" if close else " (e.g. rg:chain_sum, rg:gsm_symbolic)")
-            )
-    elif name.endswith(".jsonl"):
-        if Path(name).is_dir():
-            problems.append(f"{flag} {name}: a directory, not a task file")
-        elif files.special_file_problem(name):  # a run reads its task more than once, and again on --resume
-            problems.append(f"{flag} {files.special_file_problem(name)}")
-        elif not Path(name).is_file():
-            problems.append(f"{flag} {name}: the file does not exist")
-        elif not os.access(name, os.R_OK):
-            problems.append(f"{flag} {name}: the file cannot be read (permission denied)")
-    elif name not in HUB_TASKS:
-        problems.append(
-            f"{flag}: unknown task {name!r}: use gsm8k, math, math500, aime24, rg:<reasoning-gym dataset> "
-            "or a .jsonl file"
-        )
-    return problems
-
-
-def check_prompt_room(examples: list[Example], context: int, what: str, drop: bool) -> list[Example]:
-    """Prompts that leave room for a response within `context` tokens.
-
-    None leaves room: one clear error. Some do not: a warning with the count; they are dropped (drop=True,
-    training) or kept and score 0 as unfinished (drop=False, evaluation keeps its denominator).
-    """
-    full = [e for e in examples if len(e.prompt_ids) >= context]
-    if full and len(full) == len(examples):
-        lengths = sorted(len(e.prompt_ids) for e in examples)
-        raise UsageError(
-            f"--context {context} leaves no room for a response after any prompt of {what} (prompts are "
-            f"{lengths[0]}-{lengths[-1]} tokens): raise --context"
-        )
-    if full:
-        action = "dropped" if drop else "kept; they score 0 as unfinished"
-        warnings.warn(
-            f"{len(full)} of {len(examples)} prompts of {what} leave no room for a response within --context "
-            f"{context} ({action})"
-        )
-    return [e for e in examples if len(e.prompt_ids) < context] if drop else examples
-
-
-# References are checked CHECKED_AT_ONCE to a grading-pool round trip, a progress bar moving after each; the bar shows
-# once the check has taken PROGRESS_DELAY seconds (a 200,000-row file takes minutes on a CPU), so a short one prints
-# nothing.
-CHECKED_AT_ONCE = 10_000
-PROGRESS_DELAY = 2.0
-
-
-def _checked_examples(rows: Iterable[dict], name: str, split: str, limit: int | None) -> list[Example]:
-    """The first `limit` (None: all) rows whose question is new and whose reference parses, as Examples, in the task's
-    order. Rows are read, and their references checked (one grading-pool round trip per batch), only until `limit`
-    examples are found: `--limit 2` of a million-row file reads a few rows. The examples are those of checking every
-    row first and keeping the first `limit`; what is left unread is not checked (a bad row after them is not
-    reported, and a public dataset's skipped count covers the rows read)."""
-    rows = iter(rows)
-    examples = []
-    skipped = []
-    seen = set()
-    try:
-        while limit is None or len(examples) < limit:
-            batch = []  # (position among the unique rows, row)
-            for row in rows:
-                if row["question"] not in seen:  # duplicates would weigh some questions twice
-                    seen.add(row["question"])
-                    batch.append((len(seen), row))
-                    if limit is not None and len(batch) == limit - len(examples):
-                        break
-            if not batch:
-                break
-            references = [str(row["answer"]) for _, row in batch]
-            parses = []
-            with tqdm.tqdm(
-                total=len(references),
-                desc=f"checking the answers of {shown(name)}",
-                unit=" rows",
-                delay=PROGRESS_DELAY,
-                disable=distributed.rank() > 0,
-            ) as progress:
-                for start in range(0, len(references), CHECKED_AT_ONCE):
-                    parses += check_references(references[start : start + CHECKED_AT_ONCE], name)
-                    progress.update(len(parses) - progress.n)
-            examples += [
-                Example(question=row["question"], answer=str(row["answer"]))
-                for (_, row), ok in zip(batch, parses)
-                if ok
-            ]
-            skipped += [(position, row) for (position, row), ok in zip(batch, parses) if not ok]
-            if skipped and name.endswith(".jsonl"):  # the user's own file: stop and say which row to fix
-                _, row = skipped[0]
-                raise UsageError(
-                    f"{name} row {row['line']} has a missing or unparseable reference answer {row['answer']!r}; "
-                    "fix or remove it"
-                )
-    finally:
-        if hasattr(rows, "close"):  # a file's reader: closed now, which issues its warning of dropped rows
-            rows.close()
-    if skipped:  # a public dataset: a few answers math-verify cannot parse are skipped, not fatal
-        position, row = skipped[0]
-        warnings.warn(
-            f"{name} {split}: skipped {len(skipped)} rows whose reference does not parse "
-            f"(first: row {position}, {row['answer']!r})"
-        )
-    return examples
-
-
-def load_task(
-    name: str,
-    split: str = "train",
-    limit: int | None = None,
-    seed: int = 0,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    heldout_seed: int = HELDOUT_SEED,
-) -> list[Example]:
-    """Examples of a task: question, reference answer and, given a tokenizer, the prompt in the model's format.
-
-    name: gsm8k | math (MATH train, MATH500 removed) | math500 | aime24 | rg:<dataset>[:key=value,...] | path.jsonl
-    split: "train" or "test" (math500/aime24 have one split; reasoning-gym test items are drawn with `heldout_seed`,
-    whatever `seed` draws the training items).
-    limit: the first `limit` examples; a file is read, and references are checked, no further than they need.
-    """
-    if name == "gsm8k":
-        rows = [
-            {"question": r["question"], "answer": _gsm8k_answer(r["answer"])}
-            for r in _hub_rows("openai/gsm8k", "main", split)
-        ]
-    elif name == "math":
-        math500 = {r["problem"] for r in _hub_rows("HuggingFaceH4/MATH-500", None, "test")}
-        subjects = [
-            "algebra",
-            "counting_and_probability",
-            "geometry",
-            "intermediate_algebra",
-            "number_theory",
-            "prealgebra",
-            "precalculus",
-        ]
-        rows = [
-            {"question": r["problem"], "answer": _last_boxed(r["solution"])}
-            for subject in subjects
-            for r in _hub_rows("EleutherAI/hendrycks_math", subject, split)
-            if r["problem"] not in math500
-        ]
-    elif name == "math500":
-        rows = [
-            {"question": r["problem"], "answer": r["answer"]} for r in _hub_rows("HuggingFaceH4/MATH-500", None, "test")
-        ]
-    elif name == "aime24":
-        rows = [
-            {"question": r["problem"], "answer": str(r["answer"])}
-            for r in _hub_rows("HuggingFaceH4/aime_2024", None, "train")
-        ]
-    elif name.startswith("rg:"):
-        rows = _rg_rows(name, split, size=max(limit or 0, 10_000), seed=seed, heldout_seed=heldout_seed)
-    elif name.endswith(".jsonl"):
-        rows = ({**row, "answer": _gsm8k_answer(row["answer"])} for row in files.read_task_rows(name))
-    else:
-        raise UsageError(task_problems(name)[0])
-
-    examples = _checked_examples(rows, name, split, limit)
-    if not examples:
-        raise UsageError(f"task {name!r} split {split!r} has no examples")
-    return add_prompts(examples, tokenizer) if tokenizer is not None else examples
-
-
-def default_eval_task(task: str) -> str:
-    """The held-out task of a training task: MATH is evaluated on MATH500 (the paper's protocol), any other task on
-    its own test split."""
-    return "math500" if task == "math" else task
-
-
-def load_examples(
-    task: str,
-    eval_task: str,
-    context: int,
-    eval_limit: int | None,
-    seed: int,
-    tokenizer,
-    heldout_seed: int = HELDOUT_SEED,
-) -> tuple[list[Example], list[Example]]:
-    """A training run's questions: the training split of `task` (prompts without room for a response within
-    `context` dropped) and the held-out questions of `eval_task` (kept, scoring 0 as unfinished)."""
-    train_examples = load_task(task, "train", seed=seed, heldout_seed=heldout_seed)
-    held_out = load_task(eval_task, "test", limit=eval_limit, seed=seed, heldout_seed=heldout_seed)
-    if tokenizer is not None:  # one rendering of the chat template for both
-        add_prompts(train_examples + held_out, tokenizer)
-    if eval_task == task and task.endswith(".jsonl"):  # a file has no test split: say that "held-out" is not
-        warnings.warn(
-            f"--eval-task is the training file {task} itself: the accuracy reported is on training questions, "
-            "not held-out ones; give --eval-task a separate file for a held-out figure",
-            stacklevel=2,
-        )
-    return (
-        check_prompt_room(train_examples, context, f"--task {task}", drop=True),
-        check_prompt_room(held_out, context, f"--eval-task {eval_task}", drop=False),
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation
+# Metrics: the majority vote (maj@k) and pass@k
 
 
 def final_answer(response: str) -> str:
     """A light normal form of a response's final answer, used only to group votes for majority voting."""
     if "\\boxed" in response:
-        answer = _last_boxed(response)
+        answer = last_boxed(response)
     elif "####" in response:
         answer = response.split("####")[-1]
     else:
@@ -456,6 +124,10 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - correct + 1, n + 1))
 
 
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
 def evaluate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -496,7 +168,7 @@ def evaluate(
         temperature=temperature,
         top_p=top_p,
         max_new_tokens=max_new_tokens,
-        stop=stop_strings(tokenizer),
+        stop=stop_strings(task, tokenizer),
         context=context,
         progress="eval",
     )
@@ -564,6 +236,13 @@ def evaluate_policy(model, tokenizer, sampler, eval_task: str, eval_examples: li
     }
 
 
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+# --task's help: the registry's tasks
+TASK_HELP = f"{known_tasks()} (rg:<dataset>:key=value,... sets a generated task's options)"
+
+
 @dataclass
 class EvalArgs:
     model: str = "smollm2-135m"
@@ -571,8 +250,7 @@ class EvalArgs:
         """model directory, Hugging Face id, or alias """
         """(rho-1b-sft-gsm8k, rho-1b-sft-math, deepseek-r1-distill-qwen-1.5b, smollm2-135m)"""
     )
-    task: str = "rg:chain_sum"
-    """gsm8k | math | math500 | aime24 | rg:<reasoning-gym dataset>[:key=value,...] | path/to/file.jsonl"""
+    task: Annotated[str, tyro.conf.arg(help=TASK_HELP)] = "rg:chain_sum"
     split: str = "test"
     """dataset split"""
     limit: ranges.OptionalPositiveInt = None

@@ -37,6 +37,7 @@ from plumbing import (
     ranges,
     runs,
     settings,
+    tasks,
 )
 from plumbing.precision import FP32, Precision
 from plumbing.rollout_correction import correct_rollouts, rollout_metrics
@@ -75,7 +76,7 @@ class Args(settings.TrainArgs, GrpoSettings):
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
 # setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
 # algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
-# and the README's settings table is generated from these (python tools/paper_settings.py --write).
+# and the README's settings table is generated from these (python -m tools.paper_settings --write).
 # fmt: off
 PAPER_SETTINGS = {
     "gsm8k": dict(paper.GSM8K_RUN, questions=64, group_size=8, epochs=2, batch_size=64, prob_mask=False),
@@ -351,7 +352,7 @@ def main(args: Args) -> dict:
     # torchrun: this rank's GPU (or the CPU over gloo); plain python: one process
     device = distributed.init_distributed(args)
     validate(args)
-    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    eval_task = args.eval_task or tasks.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
         return paper.dry_run(args, PAPER_SETTINGS, eval_task)
     run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
@@ -359,11 +360,11 @@ def main(args: Args) -> dict:
         return run.finished  # resumed after its last iteration: reported, left as it is
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
     model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, precision=run.precision)
-    train_examples, eval_examples = ev.load_examples(
+    train_examples, eval_examples = tasks.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer, args.heldout_seed
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
-    sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
+    sampling = engines.sampling_settings(args, tasks.stop_strings(args.task, tokenizer))
     pad_id = tokenizer.pad_token_id
     steps_per_iteration = args.epochs * math.ceil(args.questions * args.group_size / args.batch_size)
     optimizer, scheduler = make_optimizer(
@@ -384,7 +385,7 @@ def main(args: Args) -> dict:
         # 2. Rewards: the graded final answer; an unfinished response scores 0.
         texts = [tokenizer.decode(completion.ids, skip_special_tokens=True) for completion in completions]
         answers = [q.answer for q in questions for _ in range(args.group_size)]
-        scores = ev.grade(texts, answers, args.task)
+        scores = tasks.grade(texts, answers, args.task)
         rewards = torch.tensor([s if c.finish_reason == "stop" else 0.0 for s, c in zip(scores, completions)])
 
         # 3. Advantages: group-normalised, broadcast to every token, whitened over the iteration's masked tokens
@@ -429,7 +430,7 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> None:
     # the settings every script shares
-    problems = settings.setting_problems(args, ev.task_problems, engines.backend_problems)
+    problems = settings.setting_problems(args, tasks.task_problems, engines.backend_problems)
     problems += distributed.world_size_problems(
         args, per_rank={"--questions": args.questions, "--batch-size": args.batch_size}
     )
@@ -482,7 +483,7 @@ def progress_line(iteration: int, metrics: dict) -> str:
 
 def sample_records(
     iteration: int,
-    questions: list[ev.Example],
+    questions: list[tasks.Example],
     completions: list[engines.Completion],
     rewards: torch.Tensor,
     advantages: torch.Tensor,

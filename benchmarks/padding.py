@@ -14,23 +14,20 @@ response) positions; padding is the share of them that hold no token. The second
 untimed warm-up pass, the order of the three rotating from batch to batch; the gradients agree (neither split nor
 sharing changes them).
 
-  python benchmarks/padding.py                 # writes benchmarks/results/padding.json (--out elsewhere)
+  python -m benchmarks.padding                 # writes benchmarks/results/padding.json (--out elsewhere)
 """
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import eval as ev  # noqa: E402
-import grpo_baseline as grpo  # noqa: E402
-from plumbing import engines, models, runs, training  # noqa: E402
-from plumbing.precision import FP32, choose_precision, cpu_description  # noqa: E402
+import grpo_baseline as grpo
+from plumbing import engines, models, runs, tasks, training
+from plumbing.precision import FP32, choose_precision, cpu_description
 
 TASK, QUESTIONS, GROUP, NEW_TOKENS, BATCH, MICRO = (
     "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",
@@ -109,7 +106,7 @@ def main(out: Path = Path(__file__).parent / "results" / "padding.json") -> None
     model, tokenizer = models.load_model("smollm2-135m")
     precision = choose_precision("auto", "cpu")
     print(precision.line)
-    examples = ev.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
+    examples = tasks.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
     groups = engines.HFSampler(model, tokenizer, seed=0).sample(
         [e.prompt_ids for e in examples],
         GROUP,

@@ -6,22 +6,19 @@ Reports max and mean |delta log p| over response tokens, the fraction of tokens 
 side of the 0.9 probability-mask threshold, the fraction whose ratio exp(delta) leaves the clip range
 [0.8, 1.2], and the seconds of each pass on this machine (with whether the CPU has fast bf16).
 
-  python benchmarks/precision.py               # writes benchmarks/results/precision.json (--out elsewhere)
+  python -m benchmarks.precision               # writes benchmarks/results/precision.json (--out elsewhere)
 """
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import eval as ev  # noqa: E402
-import grpo_baseline as grpo  # noqa: E402
-from plumbing import engines, models, runs  # noqa: E402
-from plumbing.precision import choose_precision, cpu_description, fast_bf16  # noqa: E402
+import grpo_baseline as grpo
+from plumbing import engines, models, runs, tasks
+from plumbing.precision import choose_precision, cpu_description, fast_bf16
 
 TASK, QUESTIONS, SAMPLES, NEW_TOKENS, TEMPERATURE, THRESHOLD = (
     "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1",
@@ -36,7 +33,7 @@ TASK, QUESTIONS, SAMPLES, NEW_TOKENS, TEMPERATURE, THRESHOLD = (
 def main(out: Path = Path(__file__).parent / "results" / "precision.json") -> None:
     """Compute the same rollouts' log-probs in fp32 and in bf16 autocast and write the comparison to `out`."""
     model, tokenizer = models.load_model("smollm2-135m")
-    examples = ev.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
+    examples = tasks.load_task(TASK, "train", limit=QUESTIONS, tokenizer=tokenizer)
     groups = engines.HFSampler(model, tokenizer, seed=0).sample(
         [e.prompt_ids for e in examples],
         SAMPLES,

@@ -12,23 +12,20 @@ linear layer plus attention over the context) over the seconds, as a fraction of
 run (2048 x 2048 x 2048) in the same dtype. bf16 autocast is measured where the CPU has fast bf16
 (eval.fast_bf16); elsewhere the JSON says why it was left out and how fast a bf16 matmul is here.
 
-  python benchmarks/sampler.py                 # writes benchmarks/results/sampler.json
-  python benchmarks/sampler.py --out benchmarks/results/sampler_other_cpu.json
+  python -m benchmarks.sampler                 # writes benchmarks/results/sampler.json
+  python -m benchmarks.sampler --out benchmarks/results/sampler_other_cpu.json
 """
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import eval as ev  # noqa: E402
-from plumbing import engines, models, runs  # noqa: E402
-from plumbing.precision import choose_precision, cpu_description, fast_bf16  # noqa: E402
+from plumbing import engines, models, runs, tasks
+from plumbing.precision import choose_precision, cpu_description, fast_bf16
 
 REPEATS = 3
 TEMPERATURE, TOP_P = 0.6, 0.9
@@ -63,7 +60,7 @@ def model_flops(model, prompts: list[list[int]], k: int, new_tokens: int) -> flo
 
 def long_prefixes(tokenizer, count: int, length: int) -> list[list[int]]:
     """Prompt + the start of a worked solution, cut to `length` tokens: a state mid-response."""
-    examples = ev.load_task(
+    examples = tasks.load_task(
         "rg:chain_sum:min_terms=5,max_terms=6,max_digits=3", "train", limit=count * 4, tokenizer=tokenizer
     )
     prefixes = []
@@ -154,7 +151,7 @@ def main(out: Path = Path(__file__).parent / "results" / "sampler.json") -> None
     model, tokenizer = models.load_model("smollm2-135m")
     short = [
         e.prompt_ids
-        for e in ev.load_task(
+        for e in tasks.load_task(
             "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1", "train", limit=4, tokenizer=tokenizer
         )
     ]

@@ -13,7 +13,7 @@ when that starts. Everything computes in the run's precision: bf16 where the CPU
 The quickstart (README) for one iteration (its closing evaluation cut to one question), with --backend hf and with
 --backend vllm, each in its own process: the iteration's seconds and its rollout's, from the run's metrics.
 
-  python benchmarks/vllm_cpu.py        # writes benchmarks/results/vllm_cpu.json
+  python -m benchmarks.vllm_cpu        # writes benchmarks/results/vllm_cpu.json
 """
 
 import json
@@ -28,14 +28,12 @@ from pathlib import Path
 import torch
 import tyro
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from sampler import REPEATS, TEMPERATURE, TOP_P, long_prefixes, run_generate, run_hf_sampler  # noqa: E402
+from benchmarks.sampler import REPEATS, TEMPERATURE, TOP_P, long_prefixes, run_generate, run_hf_sampler
+from plumbing import engines, files, models, runs, tasks, vllm_preflight
+from plumbing.memory import GiB
+from plumbing.precision import choose_precision, cpu_description, engine_dtype
 
-import eval as ev  # noqa: E402
-from plumbing import engines, files, models, runs, vllm_preflight  # noqa: E402
-from plumbing.memory import GiB  # noqa: E402
-from plumbing.precision import choose_precision, cpu_description, engine_dtype  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 QUICKSTART_TASK = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
 # The README's quickstart, one iteration, its closing evaluation cut to one question, no checkpoint: what one
@@ -97,7 +95,7 @@ def main(out: Path = ROOT / "benchmarks" / "results" / "vllm_cpu.json", compiled
     model, tokenizer = models.load_model(path, dtype=torch.float32, device="cpu")
     precision = choose_precision("auto", "cpu")
     dtype = engine_dtype("cpu", precision)
-    short = [e.prompt_ids for e in ev.load_task(QUICKSTART_TASK, "train", limit=8, tokenizer=tokenizer)]
+    short = [e.prompt_ids for e in tasks.load_task(QUICKSTART_TASK, "train", limit=8, tokenizer=tokenizer)]
     cases = {
         "mc_k9_prefix256": (long_prefixes(tokenizer, 4, 256), 9, 64),
         "tree_k6_short": (short[:4], 6, 64),

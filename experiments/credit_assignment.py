@@ -35,9 +35,9 @@ its per-group standardisation gives questions different scales, which correlatio
 Defaults (Q = 16, tree 3,3, M = 16, K* = 16, 128 new tokens, SmolLM2-135M on two-term chain_sum, one torch thread)
 take 6-8 minutes on 2 shared CPU cores, nearly all of it the reference.
 
-  python experiments/credit_assignment.py                 # writes experiments/results/credit_assignment.{json,png}
-  python experiments/credit_assignment.py --questions 32 --reference-samples 32 --output /tmp/credit.json
-  python experiments/credit_assignment.py --model rho-1b-sft-gsm8k --task gsm8k --max-new-tokens 256 --segment-tokens 30
+  python -m experiments.credit_assignment                 # writes experiments/results/credit_assignment.{json,png}
+  python -m experiments.credit_assignment --questions 32 --reference-samples 32 --output /tmp/credit.json
+  python -m experiments.credit_assignment --model rho-1b-sft-gsm8k --task gsm8k --max-new-tokens 256 --segment-tokens 30
 """
 
 from __future__ import annotations
@@ -55,15 +55,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from measures import pearson, rounded, sign_agreement  # noqa: E402
-
-import eval as ev  # noqa: E402
-import grpo_baseline  # noqa: E402
-import spo_tree  # noqa: E402
-from plumbing import UsageError, cli, engines, models, ranges, runs  # noqa: E402
-from plumbing.precision import choose_precision, cpu_description  # noqa: E402
+import grpo_baseline
+import spo_tree
+from experiments.measures import pearson, rounded, sign_agreement
+from plumbing import UsageError, cli, engines, models, ranges, runs, tasks
+from plumbing.precision import choose_precision, cpu_description
 
 
 @dataclass
@@ -175,12 +171,12 @@ Reward = Callable[[list[list[int]], list[bool], list[str]], list[float]]
 
 
 def graded_reward(tokenizer, task: str) -> Reward:
-    """Training's reward: the response decoded once (special tokens skipped), graded by ev.grade against its
+    """Training's reward: the response decoded once (special tokens skipped), graded by tasks.grade against its
     answer; an unfinished response scores 0."""
 
     def reward(responses: list[list[int]], finished: list[bool], answers: list[str]) -> list[float]:
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
-        return [score if done else 0.0 for score, done in zip(ev.grade(texts, answers, task), finished)]
+        return [score if done else 0.0 for score, done in zip(tasks.grade(texts, answers, task), finished)]
 
     return reward
 
@@ -422,7 +418,7 @@ def main(args: Args) -> dict:
     print(precision.line)
     model, tokenizer = models.load_model(args.model, dtype=torch.float32, device=device)
     sampler = engines.make_sampler("hf", model, tokenizer, args.model, seed=args.seed, precision=precision)
-    stop, reward = ev.stop_strings(tokenizer), graded_reward(tokenizer, args.task)
+    stop, reward = tasks.stop_strings(args.task, tokenizer), graded_reward(tokenizer, args.task)
     questions = draw_questions(args, tokenizer)
     answers = [q.answer for q in questions]
     sampling = dict(temperature=args.temperature, top_p=args.top_p, stop=stop, context=args.context)
@@ -481,7 +477,7 @@ def main(args: Args) -> dict:
     seconds["total"] = time.time() - started
     results = rounded(
         {
-            "command": " ".join(["python"] + sys.argv),
+            "command": " ".join(["python", "-m", "experiments.credit_assignment", *sys.argv[1:]]),
             "settings": asdict(args),
             "seconds": seconds,
             "machine": {
@@ -532,7 +528,7 @@ def main(args: Args) -> dict:
 
 def validate(args: Args) -> list[int]:
     """Every check that needs no model; returns the tree's branch factors."""
-    problems = ranges.problems(args) + ev.task_problems(args.task)
+    problems = ranges.problems(args) + tasks.task_problems(args.task)
     if args.reference_samples < 2:
         problems.append(
             f"--reference-samples ({args.reference_samples}) must be at least 2 (its halves give the reference's noise)"
@@ -546,10 +542,10 @@ def validate(args: Args) -> list[int]:
     return branches
 
 
-def draw_questions(args: Args, tokenizer) -> list[ev.Example]:
+def draw_questions(args: Args, tokenizer) -> list[tasks.Example]:
     """Q distinct questions of the task's split, with room for a response in the context."""
-    examples = ev.load_task(args.task, args.split, seed=args.seed, tokenizer=tokenizer)
-    examples = ev.check_prompt_room(examples, args.context, f"--task {args.task}", drop=True)
+    examples = tasks.load_task(args.task, args.split, seed=args.seed, tokenizer=tokenizer)
+    examples = tasks.check_prompt_room(examples, args.context, f"--task {args.task}", drop=True)
     if len(examples) < args.questions:
         raise UsageError(f"--questions {args.questions}: --task {args.task} has only {len(examples)} usable questions")
     return random.Random(args.seed).sample(examples, args.questions)

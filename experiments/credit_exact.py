@@ -65,9 +65,9 @@ The same enumeration, sampler and estimators run on it.
 
 Defaults take about 4 minutes on 2 CPU cores (one torch thread); training PPO's critics is half of it.
 
-  python experiments/credit_exact.py                       # writes experiments/results/credit_exact.{json,png}
-  python experiments/credit_exact.py --seeds 0 1 2 --budgets 64 256 --out /tmp/credit_exact.json
-  python experiments/credit_exact.py --tiny --out /tmp/tiny.json   # seconds: what the tests run
+  python -m experiments.credit_exact                       # writes experiments/results/credit_exact.{json,png}
+  python -m experiments.credit_exact --seeds 0 1 2 --budgets 64 256 --out /tmp/credit_exact.json
+  python -m experiments.credit_exact --tiny --out /tmp/tiny.json   # seconds: what the tests run
 """
 
 from __future__ import annotations
@@ -83,9 +83,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from exact_toy import (  # noqa: E402
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+from experiments.exact_toy import (
     EOS,
     PROMPT_LENGTH,
     Exact,
@@ -104,15 +106,10 @@ from exact_toy import (  # noqa: E402
     task_problems,
     tree_branches,
 )
-from measures import paired_interval, pearson, rounded, sign_agreement  # noqa: E402
-
-import grpo_baseline  # noqa: E402
-import ppo_baseline  # noqa: E402
-import spo_chain  # noqa: E402
-import spo_tree  # noqa: E402
-from plumbing import UsageError, cli, ranges  # noqa: E402
-from plumbing.precision import FP32  # noqa: E402
-from plumbing.training import collate, micro_batches, sample_logprobs  # noqa: E402
+from experiments.measures import paired_interval, pearson, rounded, sign_agreement
+from plumbing import UsageError, cli, ranges
+from plumbing.precision import FP32
+from plumbing.training import collate, micro_batches, sample_logprobs
 
 
 @dataclass
@@ -872,7 +869,7 @@ def main(args: Args) -> dict:
     seconds["total"] = time.time() - started
     results = rounded(
         {
-            "command": " ".join(["python"] + sys.argv),
+            "command": " ".join(["python", "-m", "experiments.credit_exact", *sys.argv[1:]]),
             "settings": asdict(args),
             "machine": machine("experiments/credit_exact.py"),
             "seconds": seconds,

@@ -27,7 +27,6 @@ import math
 import platform
 import random
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,14 +34,14 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import spo_chain
+import spo_tree
+from plumbing import UsageError, runs
+from plumbing.engines import Completion
+from plumbing.precision import FP32, cpu_description
+from plumbing.training import collate, micro_batches, response_logprobs
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import spo_chain  # noqa: E402
-import spo_tree  # noqa: E402
-from plumbing import UsageError, runs  # noqa: E402
-from plumbing.engines import Completion  # noqa: E402
-from plumbing.precision import FP32, cpu_description  # noqa: E402
-from plumbing.training import collate, micro_batches, response_logprobs  # noqa: E402
 
 EOS, DIGITS = 0, 4  # token 0 ends a response; token d + 1 is the digit d
 VOCAB = DIGITS + 1
@@ -684,6 +683,9 @@ SHARED_CODE = (
     "experiments/exact_toy.py",
     "experiments/measures.py",
 )
+# The code of a learning_exact.py run besides SHARED_CODE: learning_exact.py records its hash, and learning_critical.py
+# reuses a case whose recorded hash is the current one
+LEARNING_EXACT_CODE = ("experiments/learning_exact.py", "experiments/toy_training.py")
 
 
 def code_hash(*experiment: str) -> str:

@@ -14,9 +14,9 @@ Settings are chosen so that every algorithm runs several iterations in the budge
 (see ALGORITHMS); the learning rate is the same for all. Runs that already finished (summary.json
 present) are reused, so an interrupted benchmark continues where it stopped.
 
-  python experiments/learning.py                          # 12 minutes per algorithm, seed 1
-  python experiments/learning.py --seeds 1 2              # mean and spread over two seeds
-  python experiments/learning.py --seeds 2 --keep-other-seeds   # add seed 2 to the seed 1 already in the results
+  python -m experiments.learning                          # 12 minutes per algorithm, seed 1
+  python -m experiments.learning --seeds 1 2              # mean and spread over two seeds
+  python -m experiments.learning --seeds 2 --keep-other-seeds   # add seed 2 to the seed 1 already in the results
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from plumbing import files, ranges, settings
+from plumbing import runs as run_files
+from plumbing.precision import cpu_description
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from plumbing import files, ranges, settings  # noqa: E402
-from plumbing import runs as run_files  # noqa: E402
-from plumbing.precision import cpu_description  # noqa: E402
 
 # Per-algorithm settings: sized so each makes several iterations in 12 minutes on 2 CPU cores.
 ALGORITHMS = {

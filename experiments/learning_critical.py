@@ -43,9 +43,9 @@ the summary (--out, PNG beside it) holds every case's lengths, sizes, leads with
 maps and the trend. A case whose JSON holds the settings this sweep gives it and was computed by the same code (a
 hash, not the commit) is read back, not run again; the summary records each case's commit and hash.
 
-  python experiments/learning_critical.py                    # experiments/results/learning_critical{,_*_L*}.{json,png}
-  python experiments/learning_critical.py --filler-kinds confident --axes samples --fillers 3   # one case
-  python experiments/learning_critical.py --tiny --out /tmp/critical.json   # seconds: what the tests run
+  python -m experiments.learning_critical                    # experiments/results/learning_critical{,_*_L*}.{json,png}
+  python -m experiments.learning_critical --filler-kinds confident --axes samples --fillers 3   # one case
+  python -m experiments.learning_critical --tiny --out /tmp/critical.json   # seconds: what the tests run
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -63,14 +62,11 @@ from typing import Literal
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import exact_toy as toy  # noqa: E402
-from measures import area_under, in_steps, paired_interval, rounded  # noqa: E402
+from experiments import exact_toy as toy
+from experiments.measures import area_under, in_steps, paired_interval, rounded
+from plumbing import UsageError, cli, files, ranges
 
-from plumbing import UsageError, cli, files, ranges  # noqa: E402
-
-EXPERIMENT = "experiments/learning_exact.py"  # what computes each case, in a process of its own
+EXPERIMENT = "experiments.learning_exact"  # what computes each case (python -m), in a process of its own
 KINDS = ("coin", "confident")
 AXES = ("tokens", "samples")
 
@@ -194,9 +190,9 @@ def flags(run: dict) -> list[str]:
 def earlier_run(run: dict) -> dict | None:
     """The results this case's run wrote before, when its JSON was made with exactly the settings `run` gives it
     (before --budget-share fixed the length: the command's own flags) by the code as it is now (exact_toy.code_hash of
-    learning_exact.py and what it imports: the same hash, whatever the commit); else None. An interrupted sweep goes
-    on from the next case (its file cut short is run again), and a longer list of L reuses the shorter one's cases. The
-    hash covers the code, not the file: what is reused is checked as data (check_case)."""
+    learning_exact.py, toy_training.py and what they import: the same hash, whatever the commit); else None. An
+    interrupted sweep goes on from the next case (its file cut short is run again), and a longer list of L reuses the
+    shorter one's cases. The hash covers the code, not the file: what is reused is checked as data (check_case)."""
     path = Path(run["out"])
     if not path.exists():
         return None
@@ -211,7 +207,7 @@ def earlier_run(run: dict) -> dict | None:
     made = field(results, "machine", "machine", path, "an object")
     if {name: given.get(name) for name in run} != json.loads(json.dumps(rounded(run))):
         return None
-    if made.get("code_hash") != toy.code_hash(EXPERIMENT):
+    if made.get("code_hash") != toy.code_hash(*toy.LEARNING_EXACT_CODE):
         print(f"(not reusing {path}: computed by other code, commit {made.get('commit')})", flush=True)
         return None
     check_case(results, path)
@@ -221,7 +217,7 @@ def earlier_run(run: dict) -> dict | None:
 
 def run_learning_exact(run: dict) -> dict:
     """One L: learning_exact.py with `run`'s settings, in a process of its own; the results JSON it wrote."""
-    command = [sys.executable, os.path.relpath(toy.ROOT / EXPERIMENT), *flags(run)]
+    command = [sys.executable, "-m", EXPERIMENT, *flags(run)]
     if subprocess.run(command).returncode:
         raise UsageError(f"L = {run['filler']}: {' '.join(command[1:])} failed (its error is above)")
     return check_case(files.read_json(run["out"], "the case's results"), Path(run["out"]))
@@ -450,7 +446,7 @@ def main(args: Args) -> dict:
         args = dataclasses.replace(args, **TINY)
     validate(args)
     started = time.time()
-    code = toy.machine("experiments/learning_critical.py", EXPERIMENT)  # the code as it starts
+    code = toy.machine("experiments/learning_critical.py", *toy.LEARNING_EXACT_CODE)  # the code as it starts
     cases, trends, maps, files, made = {}, {}, {}, {}, {}
     for kind in args.filler_kinds:
         for axis in args.axes:
@@ -481,7 +477,7 @@ def main(args: Args) -> dict:
             trends.setdefault(kind, {})[axis] = trend(*ends)
     summary = rounded(
         {
-            "command": " ".join(["python"] + sys.argv),
+            "command": " ".join(["python", "-m", "experiments.learning_critical", *sys.argv[1:]]),
             "settings": asdict(args),
             "files": files,
             "code_by_case": made,  # each case's JSON's own code: reused ones keep the commit that computed them

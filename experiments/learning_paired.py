@@ -13,27 +13,24 @@ Across seeds (--pool A.json B.json ...: learning_paired outputs, no evaluation):
 every seed the files hold, each seed's paired difference, and their mean with a 95 % bootstrap interval that
 resamples the questions within each seed (a seed's runs answer its own held-out questions).
 
-  python experiments/learning_paired.py       # after learning.py; about 8 minutes on 2 cores (6 evaluations)
-  python experiments/learning_paired.py --pool runs_a_paired.json runs_b_paired.json --algorithm spo_chain_int20 \
+  python -m experiments.learning_paired       # after learning.py; about 8 minutes on 2 cores (6 evaluations)
+  python -m experiments.learning_paired --pool runs_a_paired.json runs_b_paired.json --algorithm spo_chain_int20 \
       --reference grpo_mask_4x4 --out pooled.json
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from measures import across_seeds, paired, wilson  # noqa: E402
-
-import eval as ev  # noqa: E402
-from plumbing import UsageError, files, ranges, runs  # noqa: E402
-from plumbing.cli import run_cli  # noqa: E402
-from plumbing.precision import cpu_description  # noqa: E402
+import eval as ev
+from experiments.measures import across_seeds, paired, wilson
+from plumbing import UsageError, files, ranges, runs
+from plumbing.cli import run_cli
+from plumbing.precision import cpu_description
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -59,7 +56,9 @@ def pool(args: Args) -> None:
     per_seed = {}
     for path in args.pool:
         if not path.is_file():
-            raise UsageError(f"--pool {path}: no such file; run experiments/learning_paired.py --learning ... first")
+            raise UsageError(
+                f"--pool {path}: no such file; run python -m experiments.learning_paired --learning ... first"
+            )
         for seed, pair in pooled_scores(path, args.algorithm, args.reference).items():
             if seed in per_seed:
                 raise UsageError(f"--pool: seed {seed} is in two files; give each seed once")
@@ -138,7 +137,7 @@ def pooled_scores(path: Path, algorithm: str, reference: str) -> dict[str, tuple
             raise UsageError(
                 f"--pool {path}: seed {seed} holds {len(scores[algorithm])} scores of {algorithm} and "
                 f"{len(scores[reference])} of {reference}, where both answered the same questions: the file was "
-                "edited; write it again with experiments/learning_paired.py"
+                "edited; write it again with python -m experiments.learning_paired"
             )
         pairs[seed] = (scores[algorithm], scores[reference])
     return pairs
@@ -172,7 +171,7 @@ def learning_runs(path: Path) -> list[dict]:
                 raise UsageError(
                     f"--learning {path}: {where}.command has no {name} VALUE"
                     f"{' (a whole number)' if name in ('--max-new-tokens', '--context') else ''}: the file was edited; "
-                    "write it again with experiments/learning.py"
+                    "write it again with python -m experiments.learning"
                 )
     return recorded
 
@@ -209,13 +208,13 @@ def main(args: Args) -> None:
     if args.pool:
         return pool(args)
     if not args.learning.is_file():
-        raise UsageError(f"--learning {args.learning}: no such file; run experiments/learning.py first")
+        raise UsageError(f"--learning {args.learning}: no such file; run python -m experiments.learning first")
     learning = {"runs": learning_runs(args.learning)}
     missing = [r["run_dir"] for r in learning["runs"] if not (Path(r["run_dir"]) / "checkpoint").is_dir()]
     if missing:
         raise UsageError(
             f"{len(missing)} run(s) of {args.learning} have no checkpoint any more (first: {missing[0]}): re-run "
-            "experiments/learning.py with the same --output-dir"
+            "python -m experiments.learning with the same --output-dir"
         )
     folder = args.out.with_suffix("")
     folder.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,8 @@ Across seeds: each setting's gain (after - before) and each LoRA setting's final
 mean over seeds of the per-seed paired difference, with a 95 % bootstrap interval resampling questions within each
 seed (measures.across_seeds).
 
-  python experiments/lora.py                      # full 1e-5; r16 at 1e-4, 3e-4, 1e-3; seeds 0-2 (~45 min)
-  python experiments/lora.py --seeds 0 --settings r16:1e-3
+  python -m experiments.lora                      # full 1e-5; r16 at 1e-4, 3e-4, 1e-3; seeds 0-2 (~45 min)
+  python -m experiments.lora --seeds 0 --settings r16:1e-3
 """
 
 import json
@@ -23,14 +23,13 @@ from pathlib import Path
 
 import tyro
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from measures import across_seeds  # noqa: E402
-from quickstart_runs import QUICKSTART, TASK, measured_run, trainable  # noqa: E402
+import eval as ev
+from experiments.measures import across_seeds
+from experiments.quickstart_runs import QUICKSTART, TASK, measured_run, trainable
+from plumbing import UsageError, runs, shown
+from plumbing.precision import cpu_description
 
-import eval as ev  # noqa: E402
-from plumbing import UsageError, runs, shown  # noqa: E402
-from plumbing.precision import cpu_description  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def setting_flags(setting: str) -> tuple[int, list[str]]:

@@ -13,11 +13,10 @@ For each pair: mean and max |delta log p| over response tokens and the per-token
 much of the update the bf16 grid drops (adapted weight entries whose merged bf16 value equals the base's though the
 update is nonzero).
 
-  python experiments/lora_merge_gap.py     # writes experiments/results/lora_merge_gap.json
+  python -m experiments.lora_merge_gap     # writes experiments/results/lora_merge_gap.json
 """
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +24,11 @@ from pathlib import Path
 import torch
 import tyro
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from quickstart_runs import TASK, measured_run  # noqa: E402
+from experiments.quickstart_runs import TASK, measured_run
+from plumbing import engines, lora, models, rollout_correction, runs, tasks, training
+from plumbing.precision import FP32, choose_precision, cpu_description
 
-import eval as ev  # noqa: E402
-from plumbing import engines, lora, models, rollout_correction, runs, training  # noqa: E402
-from plumbing.precision import FP32, choose_precision, cpu_description  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS, SAMPLES, NEW_TOKENS, TEMPERATURE = 16, 4, 64, 0.6
 
@@ -76,7 +73,7 @@ def main(out: Path = ROOT / "experiments/results/lora_merge_gap.json", rank: int
     bf16 = choose_precision("bf16", "cpu")
     for p in trainer.parameters():  # as the run holds it: the frozen base in bf16, the adapters in fp32
         p.data = p.data.float() if p.requires_grad else p.data.bfloat16()
-    examples = ev.load_task(TASK, "train", limit=PROMPTS, tokenizer=tokenizer)
+    examples = tasks.load_task(TASK, "train", limit=PROMPTS, tokenizer=tokenizer)
     groups = engines.HFSampler(trainer, tokenizer, seed=0, precision=bf16).sample(
         [e.prompt_ids for e in examples], SAMPLES, temperature=TEMPERATURE, top_p=1.0, max_new_tokens=NEW_TOKENS
     )

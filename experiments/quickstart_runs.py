@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from plumbing import lora, models
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from plumbing import lora, models  # noqa: E402
 
 TASK = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
 QUICKSTART = (

@@ -57,18 +57,18 @@ where said):
   checkpointing off on both (TRL's default is on; --gradient-checkpointing turns it on for both).
 - prompts: TRL gets the already formatted prompt text as a standard (non-conversational) prompt and
   tokenizes it with the tokenizer's default special tokens; the TRL child stops if that differs from
-  eval.encode_prompt's ids (it does not for SmolLM2-135M, whose tokenizer adds no BOS of its own).
+  tasks.encode_prompt's ids (it does not for SmolLM2-135M, whose tokenizer adds no BOS of its own).
 - stop strings: for a model without a chat template grpo_baseline.py also stops at "\\n\\n\\nProblem:";
   TRL stops at EOS only (not the case for SmolLM2-135M, which has a chat template).
-- rewards: both call eval.grade on the completion text decoded without special tokens; a completion
+- rewards: both call tasks.grade on the completion text decoded without special tokens; a completion
   that did not end with EOS (length-limited) scores 0 on both.
 - evaluation: grpo_baseline.py evaluates before the first and after the last iteration (1 question,
   1 sample) and writes a checkpoint at the end, outside the per-step times; TRL does neither.
 
   python -m venv .venv-bench && . .venv-bench/bin/activate && pip install -r requirements.txt \\
     && pip install --no-deps -r requirements-offline.txt && pip install -r requirements-bench.txt
-  HF_HUB_OFFLINE=1 python experiments/trl_side_by_side.py                   # 8 x 8, 64 tokens, 3 steps x 2 rounds
-  HF_HUB_OFFLINE=1 python experiments/trl_side_by_side.py --steps 2 --rounds 1 --out /tmp/smoke.json
+  HF_HUB_OFFLINE=1 python -m experiments.trl_side_by_side                   # 8 x 8, 64 tokens, 3 steps x 2 rounds
+  HF_HUB_OFFLINE=1 python -m experiments.trl_side_by_side --steps 2 --rounds 1 --out /tmp/smoke.json
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from plumbing import ranges  # imports no torch
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # eval.py lives at the repository root; imported lazily (it imports torch)
-from plumbing import ranges  # noqa: E402  (imports no torch)
 
 TIME_TARGET = 0.8  # ours / TRL seconds per step, at most
 MEMORY_TARGET = 0.5  # ours / TRL peak resident memory, at most
@@ -134,7 +134,7 @@ class Args:
     model: str = "smollm2-135m"
     """model directory or alias (eval.resolve_model), the same for both sides"""
     task: str = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
-    """training task (eval.load_task), the same for both sides"""
+    """training task (tasks.load_task), the same for both sides"""
     questions: ranges.PositiveInt = 8
     """prompts per step"""
     group_size: ranges.bounded(int, 2) = 8
@@ -352,7 +352,7 @@ def mismatches(stop_strings: list[str], precision: str = "fp32") -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# TRL side (runs in its own process: python experiments/trl_side_by_side.py --side trl --child-out ...)
+# TRL side (runs in its own process: python -m experiments.trl_side_by_side --side trl --child-out ...)
 
 
 def run_trl(args: Args) -> None:
@@ -362,12 +362,11 @@ def run_trl(args: Args) -> None:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
-    import eval as ev
-    from plumbing import models
+    from plumbing import models, tasks
     from plumbing.precision import cpu_description
 
     model, tokenizer = models.load_model(args.model, dtype=torch.float32, device="cpu")
-    train_examples = ev.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
+    train_examples = tasks.load_task(args.task, "train", seed=args.seed, tokenizer=tokenizer)
     step_questions = prompts_for_steps(train_examples, args.questions, args.steps, args.seed)
     for example in {id(q): q for step in step_questions for q in step}.values():
         trl_ids = tokenizer(text=[example.prompt])["input_ids"][0]  # what TRL does with a standard prompt
@@ -384,10 +383,10 @@ def run_trl(args: Args) -> None:
     seen_questions = []
 
     def graded_answer(prompts, completions, completion_ids, answer, question, **kwargs):
-        """eval.grade on the completion text; a completion that did not end with EOS scores 0 (as in
+        """tasks.grade on the completion text; a completion that did not end with EOS scores 0 (as in
         grpo_baseline.py)."""
         seen_questions.append(question[:: args.group_size])
-        scores = ev.grade(completions, answer, args.task)
+        scores = tasks.grade(completions, answer, args.task)
         return [s if ids and ids[-1] in eos else 0.0 for s, ids in zip(scores, completion_ids)]
 
     progress_path = Path(args.child_out).with_suffix(".progress.jsonl")
@@ -493,7 +492,7 @@ def run_trl(args: Args) -> None:
             "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
             "torch_threads": torch.get_num_threads(),
             "cpu": cpu_description(),
-            "stop_strings": ev.stop_strings(tokenizer),
+            "stop_strings": tasks.stop_strings(args.task, tokenizer),
             "versions": {
                 "trl": trl.__version__,
                 "transformers": transformers.__version__,
@@ -693,7 +692,7 @@ def run_ours(args: Args, work: Path, round_index: int, env: dict) -> dict:
 def run_trl_child(args: Args, work: Path, round_index: int, env: dict) -> dict:
     """One TRL run of --steps optimizer steps in a child process; per-step records from its callback."""
     child_out = work / f"trl_r{round_index}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--side", "trl", "--child-out", str(child_out)]
+    command = [sys.executable, "-m", "experiments.trl_side_by_side", "--side", "trl", "--child-out", str(child_out)]
     for name, value in asdict(args).items():
         if name in ("side", "child_out", "out", "rounds", "threads", "poll_seconds"):
             continue
@@ -791,5 +790,5 @@ def main(args: Args) -> None:
     print(f"-> {out}")
 
 
-if __name__ == "__main__":  # the guard matters: eval.grade starts forkserver workers that import this file
+if __name__ == "__main__":  # the guard matters: tasks.grade starts forkserver workers that import this file
     main(ranges.cli(Args))

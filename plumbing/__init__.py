@@ -31,11 +31,13 @@ its docstring (README, "From the paper to the code").
   distributed.py     torchrun: collectives over ranks, FSDP2
   grading.py         math-verify in sandboxed worker processes (imports no torch); final_answer.py: which part of a
                      response it grades (the last stated answer; hedges, lists and cut boxes score 0)
+  tasks.py           the task registry (per task: loader, splits, prompt format and stops, answer kind), loading a
+                     task's questions, the early task check, grading by task name (the answer kind passed to grading)
 
 Floors (the floor-plan test holds at most 6; a module importing no other plumbing module is floor 1):
   1  precision, ranges, files, completions, distributed, chat_templates, final_answer, run_lock
   2  model_dirs, lora, grading, rollout_correction, vllm_preflight, settings
-  3  models
+  3  models, tasks
   4  hf_engine, checkpoints, memory, paper
   5  vllm_engine, training, runs, cli
   6  engines, bookkeeping

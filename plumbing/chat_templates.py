@@ -10,8 +10,8 @@ directory.
     prompts = chat_templates.render_user_prompts(tokenizer, ["What is 2 + 3?"])  # apply_chat_template's strings
 
 The worker's start (some 0.7 s, mostly importing transformers) is paid once per call; each prompt then costs what
-apply_chat_template costs (25 us for SmolLM2's template), so eval.py renders a run's training and held-out prompts in
-one call.
+apply_chat_template costs (25 us for SmolLM2's template), so tasks.load_examples renders a run's training and
+held-out prompts in one call.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def file_fingerprint(path: str | Path) -> str | None:
 
 def read_task_rows(path: str) -> Iterator[dict]:
     """The rows of a GSM8K-format task file ({"question", "answer": the whole solution as text, "line"}), read one
-    line at a time (eval.load_task stops reading once it has its --limit).
+    line at a time (tasks.load_task stops reading once it has its --limit).
     A row whose question or answer is longer than MAX_QUESTION_CHARS / MAX_ANSWER_CHARS is dropped here, before
     anything tokenises it, with one warning for the file; a file of nothing but such rows is a UsageError."""
 

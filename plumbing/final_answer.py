@@ -1,5 +1,5 @@
 """The final-answer rule: which values of a model's response grading.grade() checks against the reference, in one rule
-for every task (gsm8k, rg:*, .jsonl, math, math500, aime24), read from the response's last TAIL_CHARS characters.
+for every task (numeric and expression answers alike), read from the response's last TAIL_CHARS characters.
 
 1. The answer is the run of values after the last marker: a closed \\boxed{...}, a "####", an "answer is" (or
    "answer:", "answer =", "answer would be"), or a correction: actually, wait, no, nope, oops, sorry, correction,

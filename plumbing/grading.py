@@ -1,4 +1,4 @@
-"""Grading: the reward. grade(responses, references, task) -> [1.0 | 0.0].
+"""Grading: the reward. grade(responses, references, kind) -> [1.0 | 0.0], kind the task's answer kind.
 
 Model output is untrusted: parsing it with sympy can take seconds or gigabytes (e.g.
 \\boxed{10^{10^{10^{10}}}}), partly in C code no signal interrupts. So grading runs in a small
@@ -8,8 +8,9 @@ parent kills a worker that has not reported for timeout + grace. An item that ti
 was killed scores 0 and is counted by grade_failures().
 
 This module imports no torch and nothing of the project: the grading server loads this file alone, so it
-and its workers hold math-verify and sympy, never torch (tests/test_grading.py checks).
-eval.py re-exports grade, check_references, check_reference, grade_failures.
+and its workers hold math-verify and sympy, never torch (tests/test_grading.py checks). It knows no task: a task's
+answer kind (numeric or expression) comes from its entry in plumbing/tasks.py, whose grade() looks it up in the
+training process and passes it here as a value; eval.py re-exports that grade().
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from sympy import FiniteSet
@@ -55,12 +57,16 @@ def grade_failures() -> int:
     return _grade_failure_count
 
 
-def _is_numeric_task(task: str) -> bool:
-    if task == "gsm8k" or task.startswith("rg:") or task.endswith(".jsonl"):
-        return True
-    if task in ("math", "math500", "aime24"):
-        return False
-    raise ValueError(f"unknown task {task!r}")
+# How a task's references and answers are read: "numeric", a number (scientific notation as its value, a reference
+# that is no number does not parse); "expression", LaTeX that math-verify compares as mathematics.
+AnswerKind = Literal["numeric", "expression"]
+ANSWER_KINDS = ("numeric", "expression")
+
+
+def _is_numeric(kind: AnswerKind) -> bool:
+    if kind not in ANSWER_KINDS:
+        raise ValueError(f"unknown answer kind {kind!r}: numeric or expression")
+    return kind == "numeric"
 
 
 # Worker side. Never str() or repr() a parsed object: printing a huge expression can hang too.
@@ -123,7 +129,8 @@ def _parse_value(text: str, numeric: bool) -> list:
 def _grade_item(values: tuple[str, ...] | None, reference: str, numeric: bool) -> float:
     """Score one final answer, the values of its run (final_answer.answer_values); for values=None, whether the
     reference parses. Every value must equal the reference, so that two forms of one value ("1/2 or 0.5") score 1 and
-    two values ("5 or 6") 0; on math tasks a set reference is answered by its elements, each value one of them."""
+    two values ("5 or 6") 0; under kind "expression" a set reference is answered by its elements, each value one of
+    them."""
     gold = _parse_reference(reference, numeric)
     if values is None or not gold:
         return float(values is None and bool(gold))
@@ -335,7 +342,7 @@ def _grade_run(jobs: list, timeout: float, workers: int | None, grace: float) ->
 def grade(
     responses: list[str],
     references: list[str],
-    task: str,
+    kind: AnswerKind,
     timeout: float = 5.0,
     workers: int | None = None,
     grace: float = _GRADE_HARD_GRACE,
@@ -344,13 +351,12 @@ def grade(
 
     Paper: the reward.
 
-    The final answer is read by one rule for every task (gsm8k, rg:*, .jsonl, math, math500, aime24): the run of
-    values after the last marker of the response's tail (a box, "####", "answer is", a correction), each of which
-    must equal the reference, so that a hedge or a list scores 0 and two forms of one value score 1
-    (plumbing/final_answer.py states it, with examples). Numeric tasks (gsm8k, rg:*, .jsonl) read a number in
-    scientific notation as its value, in the answer and in the reference: 2.5e3 = 2500 = 2,500, 1E-3 = 0.001 ("2e-1"
-    in a math task's LaTeX may be 2e - 1: left to math-verify there). An exponent beyond +-1000 scores 0; a reference
-    with one does not parse.
+    The final answer is read by one rule for every task: the run of values after the last marker of the response's
+    tail (a box, "####", "answer is", a correction), each of which must equal the reference, so that a hedge or a list
+    scores 0 and two forms of one value score 1 (plumbing/final_answer.py states it, with examples). kind "numeric"
+    reads a number in scientific notation as its value, in the answer and in the reference: 2.5e3 = 2500 = 2,500,
+    1E-3 = 0.001 (under "expression", "2e-1" in LaTeX may be 2e - 1: left to math-verify there). An exponent beyond
+    +-1000 scores 0; a reference with one does not parse.
 
     timeout: seconds per item. workers: pool size (default: CPUs available, at most 8).
     grace: seconds past timeout before the parent kills a worker that has not answered (one stuck in C
@@ -363,7 +369,7 @@ def grade(
         raise ValueError(f"grade() timeout must be positive, got {timeout}")
     if not timeout + grace > 0:
         raise ValueError(f"grade() timeout + grace must be positive, got {timeout} + {grace}")
-    numeric = _is_numeric_task(task)
+    numeric = _is_numeric(kind)
     references = [ref.replace("\u2212", "-") for ref in references]
     from plumbing.final_answer import answer_values  # the parent's part: the server and its workers never import it
 
@@ -371,13 +377,13 @@ def grade(
     return _grade_run(jobs, timeout, workers, grace)
 
 
-def check_references(references: list[str], task: str) -> list[bool]:
-    """For each reference, whether it parses (to a number, for numeric tasks); one pool round trip."""
-    numeric = _is_numeric_task(task)
+def check_references(references: list[str], kind: AnswerKind) -> list[bool]:
+    """For each reference, whether it parses (to a number, for kind "numeric"); one pool round trip."""
+    numeric = _is_numeric(kind)
     jobs = [(None, r.replace("\u2212", "-"), numeric) for r in references]
     return [s == 1.0 for s in _grade_run(jobs, 5.0, None, _GRADE_HARD_GRACE)]
 
 
-def check_reference(reference: str, task: str) -> bool:
-    """True if the reference parses (to a number, for numeric tasks)."""
-    return check_references([reference], task)[0]
+def check_reference(reference: str, kind: AnswerKind) -> bool:
+    """True if the reference parses (to a number, for kind "numeric")."""
+    return check_references([reference], kind)[0]

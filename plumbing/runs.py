@@ -301,7 +301,7 @@ def response_record(
     values: list[float] | None = None,
 ) -> dict:
     """One saved response, as viewer.py reads it (grpo_baseline, ppo_baseline, spo_chain): the question (an
-    eval.Example), the response's tokens, p_t (from the sample's old_logps), `advantages` as the script states them,
+    tasks.Example), the response's tokens, p_t (from the sample's old_logps), `advantages` as the script states them,
     the loss mask, and what the algorithm adds (SPO-chain's cutpoints and their values, PPO's values)."""
     return {
         "algorithm": algorithm,

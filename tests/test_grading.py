@@ -1,5 +1,6 @@
-"""Tests for grading (plumbing/grading.py: grade, check_reference), which eval.py re-exports, and the final-answer rule
-(plumbing/final_answer.py) it applies."""
+"""Tests for grading (plumbing/grading.py: grade, check_reference, by a task's answer kind; plumbing/tasks.py looks the
+kind up from the task's name, and eval.py re-exports that grade), and the final-answer rule (plumbing/final_answer.py)
+it applies."""
 
 import collections
 import doctest
@@ -20,7 +21,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 import eval as eval_module
 from eval import check_reference, grade, grade_failures  # through eval: the scripts' way in
-from plumbing import final_answer, grading
+from plumbing import UsageError, final_answer, grading, tasks
 
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "spo-hypothesis")  # its caches, not in the repo
 
@@ -308,9 +309,10 @@ def test_the_final_answer_rule_doctests_hold():
     assert doctest.testmod(final_answer).failed == 0
 
 
-def test_eval_reexports_grading():
-    for name in ("grade", "check_references", "check_reference", "grade_failures"):
-        assert getattr(eval_module, name) is getattr(grading, name)
+def test_eval_reexports_grading_by_task_name():
+    for name in ("grade", "check_references", "check_reference"):
+        assert getattr(eval_module, name) is getattr(tasks, name)
+    assert eval_module.grade_failures is grading.grade_failures
 
 
 def test_grading_module_loads_without_torch_or_the_project():
@@ -401,8 +403,10 @@ def test_mismatched_lengths_raise():
 
 
 def test_unknown_task_raises():
-    with pytest.raises(ValueError, match="unknown task"):
+    with pytest.raises(UsageError, match="unknown task 'mmlu'"):
         grade(["1"], ["1"], "mmlu")
+    with pytest.raises(ValueError, match="unknown answer kind 'mmlu'"):
+        grading.grade(["1"], ["1"], "mmlu")
 
 
 # Fuzzing: random text mixed with the pieces the rule and the parsers react to.

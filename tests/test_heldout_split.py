@@ -8,10 +8,9 @@ from dataclasses import asdict
 import pytest
 import reasoning_gym
 
-import eval as ev
 import grpo_baseline
 import spo_tree
-from plumbing import UsageError, cli, runs, settings
+from plumbing import UsageError, cli, runs, settings, tasks
 
 TASK = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=2"
 
@@ -21,14 +20,14 @@ def questions(examples) -> list[str]:
 
 
 def test_two_seeds_draw_the_same_held_out_questions_and_train_on_others():
-    held_out = {seed: questions(ev.load_task(TASK, "test", limit=40, seed=seed)) for seed in (0, 1, 3)}
+    held_out = {seed: questions(tasks.load_task(TASK, "test", limit=40, seed=seed)) for seed in (0, 1, 3)}
     assert held_out[0] == held_out[1] == held_out[3] and len(set(held_out[0])) == 40
     for seed in (0, 3):
-        train = set(questions(ev.load_task(TASK, "train", limit=500, seed=seed)))
+        train = set(questions(tasks.load_task(TASK, "train", limit=500, seed=seed)))
         assert not train & set(held_out[0])  # the training split never holds a held-out question
     # seed 0 and seed 3 train on their own draws
-    assert questions(ev.load_task(TASK, "train", limit=50, seed=0)) != questions(
-        ev.load_task(TASK, "train", limit=50, seed=3)
+    assert questions(tasks.load_task(TASK, "train", limit=50, seed=0)) != questions(
+        tasks.load_task(TASK, "train", limit=50, seed=3)
     )
 
 
@@ -38,8 +37,8 @@ def test_the_held_out_set_is_the_draw_seed_1_runs_made():
         "chain_sum", seed=1 + 1_000_003, size=200, min_terms=2, max_terms=2, max_digits=2
     )
     first = list(dict.fromkeys(row["question"] for row in dataset))[:20]
-    assert questions(ev.load_task(TASK, "test", limit=20, seed=5)) == first
-    other = questions(ev.load_task(TASK, "test", limit=20, seed=5, heldout_seed=7))
+    assert questions(tasks.load_task(TASK, "test", limit=20, seed=5)) == first
+    other = questions(tasks.load_task(TASK, "test", limit=20, seed=5, heldout_seed=7))
     assert other != first  # --heldout-seed draws another set
 
 

@@ -310,7 +310,7 @@ def test_readme_table_is_what_memory_plan_prints():
     spec.loader.exec_module(module)
     readme = (root / "RUNNING.md").read_text()
     block = readme.split(module.BEGIN, 1)[1].split(module.END, 1)[0].strip()
-    assert block == f"{module.table()}\n\n{module.tree_iteration()}", "run: python benchmarks/memory_plan.py --write"
+    assert block == f"{module.table()}\n\n{module.tree_iteration()}", "run: python -m benchmarks.memory_plan --write"
 
 
 def test_resume_repeats_with_the_sampler_batch_auto_chose_at_the_first_start(

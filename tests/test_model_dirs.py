@@ -16,10 +16,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import eval as ev
 import grpo_baseline
 from conftest import smoke_args, write_jsonl
-from plumbing import UsageError, chat_templates, model_dirs, models
+from plumbing import UsageError, chat_templates, model_dirs, models, tasks
 from plumbing.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,12 +187,11 @@ def test_the_bounded_rendering_is_what_apply_chat_template_renders(tiny_model_di
     questions = ["What is 2 + 3?", "  Spaces around  ", "Ünïcode 🙂 and \x1b[31m escapes", "a\ud800b"]
     expected = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{q}\n{ev.BOXED_INSTRUCTION}"}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": f"{q}\n{tasks.BOXED_INSTRUCTION}"}], tokenize=False, add_generation_prompt=True
         )
         for q in questions
     ]
-    assert ev.format_prompts(questions, tokenizer) == expected
-    assert ev.format_prompt(questions[0], tokenizer) == expected[0]
+    assert tasks.MATH_PROMPT.prompts(questions, tokenizer) == expected
     assert expected[0].startswith("<bos><|im_start|>system\n")
 
 
@@ -277,14 +275,14 @@ def test_a_model_whose_template_renders_trains_as_before(tiny_model_dir, tmp_pat
     rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(5)]
     data = write_jsonl(tmp_path / "q.jsonl", rows)
     with pytest.warns(UserWarning, match="--eval-task is the training file"):
-        train, held_out = ev.load_examples(str(data), str(data), 1024, 2, 0, tokenizer)
+        train, held_out = tasks.load_examples(str(data), str(data), 1024, 2, 0, tokenizer)
     for example in train + held_out:
         prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{example.question}\n{ev.BOXED_INSTRUCTION}"}],
+            [{"role": "user", "content": f"{example.question}\n{tasks.BOXED_INSTRUCTION}"}],
             tokenize=False,
             add_generation_prompt=True,
         )
-        assert example.prompt == prompt and example.prompt_ids == ev.encode_prompt(prompt, tokenizer)
+        assert example.prompt == prompt and example.prompt_ids == tasks.encode_prompt(prompt, tokenizer)
     assert len(train) == 5 and len(held_out) == 2
 
 
@@ -292,4 +290,4 @@ def test_a_tokenizer_without_a_chat_template_starts_no_worker(tiny_model_dir, mo
     """make_tiny_model's tokenizer has no chat template: its prompts stay the Rho format, rendered here."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, trust_remote_code=False)
     monkeypatch.setattr(chat_templates, "_run_worker", lambda *a: pytest.fail("a worker was started"))
-    assert ev.format_prompts(["1+1?"], tokenizer) == [ev.RHO_PROMPT.format(question="1+1?")]
+    assert tasks.MATH_PROMPT.prompts(["1+1?"], tokenizer) == [tasks.RHO_PROMPT.format(question="1+1?")]

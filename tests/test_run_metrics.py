@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval as ev
 import grpo_baseline
 import ppo_baseline
 import spo_chain
 import spo_tree
 from conftest import make_tiny_model, smoke_args, write_jsonl
-from plumbing import UsageError, bookkeeping, engines, models, paper, rollout_correction, settings, training
+from plumbing import UsageError, bookkeeping, engines, models, paper, rollout_correction, settings, tasks, training
 from plumbing.engines import HFSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,11 +214,11 @@ def test_vllm_at_top_p_below_one_refuses_the_correction(monkeypatch, capsys):
     args = grpo_baseline.Args(backend="vllm", top_p=0.9, rollout_correction="tis")
     assert any(
         "needs --top-p 1" in problem
-        for problem in settings.setting_problems(args, ev.task_problems, engines.backend_problems)
+        for problem in settings.setting_problems(args, tasks.task_problems, engines.backend_problems)
     )
     assert not any(
         "--top-p" in p
-        for p in settings.setting_problems(replace(args, top_p=1.0), ev.task_problems, engines.backend_problems)
+        for p in settings.setting_problems(replace(args, top_p=1.0), tasks.task_problems, engines.backend_problems)
     )
     # --backend auto that resolves to vLLM: refused once the engine is known
     engine = object.__new__(engines.VLLMSampler)

@@ -24,8 +24,8 @@
 # The runs, two per script: smollm2-135m (converted into $SPO_CACHE on first use) on rg:chain_sum, seed 3, 2
 # iterations of 2 questions, groups of 4 (spo_tree.py: a 3,3 tree of 16-token segments), 32 new tokens, 8 held-out
 # questions; and <script>-digits, a small random digits-only Llama on a task whose every answer is 7 (both built by
-# benchmarks/gpu_check.py --step models into the work dir), 3 new tokens, where rewards vary within some groups, so
-# every script takes a real update step (at 32 tokens smollm2 earns no reward: GRPO's and PPO's updates are zero)
+# python -m benchmarks.gpu_check --step models into the work dir), 3 new tokens, where rewards vary within some groups,
+# so every script takes a real update step (at 32 tokens smollm2 earns no reward: GRPO's and PPO's updates are zero)
 # and the next iteration samples from the updated weights. On the CPU
 # (CUDA_VISIBLE_DEVICES empty) on one thread (OMP_NUM_THREADS=1: with two, the same commit's update losses already
 # differ in their last digits from run to run), PYTHONHASHSEED=0 and HF_HUB_OFFLINE=1. About 6 minutes a side.
@@ -291,7 +291,7 @@ echo "settings: ${common[*]}, and per run:"
 for name in "${runs[@]}"; do printf '  %-22s %s\n' "$name" "$(run_args "$name" | tr '\n' ' ')"; done
 # the digits model and its task, built once by this checkout's code (data both sides read)
 if [ ! -f "$work/models/sevens.jsonl" ]; then
-  (cd "$repo" && "$PYTHON" benchmarks/gpu_check.py --step models --device cpu --work "$work/models" \
+  (cd "$repo" && "$PYTHON" -m benchmarks.gpu_check --step models --device cpu --work "$work/models" \
     --out "$work/models/built.json") >"$work/models.log" 2>&1 || { echo "could not build the digits model: $work/models.log"; exit 2; }
 fi
 

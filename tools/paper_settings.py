@@ -3,25 +3,23 @@
 The same dicts drive every script's --dry-run, so the table and the scripts cannot drift apart:
 tests/documents/test_paper_settings.py fails when the README's table is not what this prints.
 
-  python tools/paper_settings.py           # print the markdown table
-  python tools/paper_settings.py --write   # replace the table in README.md
+  python -m tools.paper_settings           # print the markdown table
+  python -m tools.paper_settings --write   # replace the table in README.md
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+from plumbing import paper
 
-import grpo_baseline  # noqa: E402
-import ppo_baseline  # noqa: E402
-import spo_chain  # noqa: E402
-import spo_tree  # noqa: E402
-from plumbing import paper  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPTS = [
     ("spo_chain.py", spo_chain),

@@ -10,10 +10,9 @@ import string
 import pytest
 import torch
 
-import eval as ev
 import spo_tree as spo
 from conftest import make_tokenizer
-from plumbing import UsageError, engines
+from plumbing import UsageError, engines, tasks
 
 
 def test_docstring_examples():
@@ -245,7 +244,7 @@ def test_grade_trees_scores_full_paths_and_zero_for_unfinished_leaves():
 def test_stop_string_straddling_a_segment_boundary_ends_the_response():
     tokenizer = make_tokenizer(string.printable)
     ids = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
-    stop = [ev.RHO_STOP]  # "\n\n\nProblem:"
+    stop = [tasks.RHO_STOP]  # "\n\n\nProblem:"
     script = {  # the samplers cut a stop string that begins in the path to nothing (tests/test_eval.py)
         "Q": [(ids("1 + 1 = 2\n\n"), "length"), (ids("1 + 1 is 2."), "length")],
         "Q1 + 1 = 2\n\n": [([], "stop"), (ids("#### 2"), "length")],

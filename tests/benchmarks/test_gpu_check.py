@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_check
+from plumbing import cli
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import gpu_check  # noqa: E402
-
-from plumbing import cli  # noqa: E402
 
 
 def test_a_failing_step_keeps_the_others():

@@ -18,11 +18,9 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import gpu_check, gpu_lease_wheels
 
-import gpu_check  # noqa: E402
-import gpu_lease_wheels  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 LEASE = ROOT / "benchmarks" / "gpu_lease.sh"
 # The lent machine's interpreter, for the wheels' environment markers.
@@ -337,12 +335,16 @@ def lent_packages() -> dict[str, str | None]:
     return {normalize(e.split("==")[0]): (e.split("==", 1)[1] if "==" in e else None) for e in entries}
 
 
+PACKAGES = ("plumbing", "tests", "benchmarks", "experiments", "tools")  # the project's folders imported as packages
+
+
 def first_party(module: str) -> Path | None:
-    """The project's file for a module name (plumbing.x, a script, a tests/ or benchmarks/ module), else None."""
+    """The project's file for a module name (plumbing.x, tests.x, benchmarks.x, a script, a tests/ module), else
+    None."""
     parts = module.split(".")
-    if parts[0] == "plumbing":
-        return ROOT / "plumbing" / (f"{parts[1]}.py" if len(parts) > 1 else "__init__.py")
-    for folder in (ROOT, ROOT / "tests", ROOT / "benchmarks"):
+    if parts[0] in PACKAGES:
+        return ROOT / parts[0] / (f"{parts[1]}.py" if len(parts) > 1 else "__init__.py")
+    for folder in (ROOT, ROOT / "tests"):
         if (folder / f"{parts[0]}.py").is_file():
             return folder / f"{parts[0]}.py"
     return None
@@ -359,8 +361,8 @@ def top_level_imports(path: Path) -> set[str]:
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found.add(node.module)
-                if node.module == "plumbing":
-                    found.update(f"plumbing.{alias.name}" for alias in node.names)
+                if node.module in PACKAGES:
+                    found.update(f"{node.module}.{alias.name}" for alias in node.names)
             elif isinstance(node, (ast.If, ast.Try)):
                 handlers = [statement for handler in getattr(node, "handlers", []) for statement in handler.body]
                 visit(node.body + node.orelse + getattr(node, "finalbody", []) + handlers)

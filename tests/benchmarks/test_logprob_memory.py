@@ -17,7 +17,8 @@ def test_logprob_memory_benchmark_runs_every_variant_on_the_same_numbers(tiny_mo
     done = subprocess.run(
         [
             sys.executable,
-            "benchmarks/logprob_memory.py",
+            "-m",
+            "benchmarks.logprob_memory",
             "--model",
             str(tiny_model_dir),
             "--rows",

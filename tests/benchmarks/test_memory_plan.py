@@ -2,20 +2,15 @@
 own, so the passes read more than the segments sampled (tests/test_memory.py checks RUNNING.md's table)."""
 
 import doctest
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def memory_plan():
-    spec = importlib.util.spec_from_file_location("memory_plan", ROOT / "benchmarks" / "memory_plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import memory_plan
+
+    return memory_plan
 
 
 def test_the_worked_example(memory_plan):

@@ -1,21 +1,13 @@
 """benchmarks/padding.py: its three ways of running a batch give the same gradient, and it counts the positions each
 computes."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks import padding as bench
 from plumbing import models
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
-
-spec = importlib.util.spec_from_file_location(
-    "padding_benchmark", Path(__file__).resolve().parents[2] / "benchmarks" / "padding.py"
-)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 
 
 def _samples():

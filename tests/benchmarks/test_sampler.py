@@ -1,17 +1,15 @@
 """benchmarks/sampler.py's figures that are derived from the measured seconds."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from benchmarks import sampler as bench
+
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("sampler_benchmark", ROOT / "benchmarks" / "sampler.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 
 
 def case(hf_sampler: float, generate: float) -> dict:

@@ -1,5 +1,6 @@
-"""Every path the documents name exists: the relative links of every README (and RUNNING.md), and each file or folder
-they name in backticks or in a command line, so a moved file cannot leave a reader at a dead link or command."""
+"""Every path the documents name exists: the relative links of every README (and RUNNING.md), each file or folder
+they name in backticks or in a command line, and each of the project's modules a command runs (`python -m
+experiments.learning_exact`), so a moved file cannot leave a reader at a dead link or command."""
 
 import re
 import subprocess
@@ -15,6 +16,8 @@ DOCUMENTS += ["tests/probe/README.md"]
 NAMED = re.compile(r"(?<![\w/.$~-])((?:[\w.-]+/)*[\w.-]+\.(?:py|sh|md|txt|json|png|jsonl)|(?:[\w.-]+/)+)(?![\w/*-])")
 # what a run writes (a run directory, its checkpoint, samples and metric namespaces), and the venvs and wheels
 WRITTEN_BY_RUNS = ("runs/", "RUN/", "checkpoint/", "samples/", "time/", ".whl/", ".venv", ".ci-venv", "merged/")
+# a module of the project's folders that a command runs with python -m
+RUN_MODULE = re.compile(r"-m ((?:experiments|benchmarks|tools|plumbing)(?:\.\w+)+)")
 
 
 def links(text: str) -> list[str]:
@@ -34,6 +37,11 @@ def named_paths(text: str) -> list[str]:
     return found
 
 
+def run_modules(text: str) -> list[str]:
+    """The project's modules that the document's commands run (`python -m benchmarks.sampler`), as file paths."""
+    return [name.replace(".", "/") + ".py" for name in RUN_MODULE.findall(text)]
+
+
 def exists(path: str, document: Path) -> bool:
     """A path counts when it exists beside the document or from the repository's root."""
     return (document.parent / path).exists() or (ROOT / path).exists()
@@ -45,6 +53,7 @@ def test_every_link_and_named_path_exists(name):
     text = document.read_text()
     missing = [p for p in links(text) if not (document.parent / p).exists()]
     missing += [p for p in named_paths(text) if not exists(p, document)]
+    missing += [p for p in run_modules(text) if not (ROOT / p).is_file()]
     assert not missing, f"{name} names paths that do not exist: {sorted(set(missing))}"
 
 
@@ -65,4 +74,8 @@ def test_a_dead_link_and_a_moved_script_are_found(tmp_path):
     assert named_paths("run `python benchmarks/lora.py` then\n```bash\nbash tools/x.sh runs/<run>/a.json\n```") == [
         "benchmarks/lora.py",
         "tools/x.sh",
+    ]
+    assert run_modules("`python -m experiments.gone --seeds 0`, python -m pytest, python -m plumbing.checkpoints") == [
+        "experiments/gone.py",
+        "plumbing/checkpoints.py",
     ]

@@ -146,7 +146,18 @@ def test_no_plumbing_module_defines_an_algorithms_piece():
 # What each script takes from plumbing: machinery modules, and from training.py / lora.py / precision.py /
 # rollout_correction.py the shared steps every script computes the same way. A new name here is a decision: is it
 # machinery (then add it), or a piece of one algorithm (then it belongs in that script)?
-MODULES = {"UsageError", "bookkeeping", "checkpoints", "cli", "distributed", "engines", "models", "paper", "ranges"}
+MODULES = {
+    "UsageError",
+    "bookkeeping",
+    "checkpoints",
+    "cli",
+    "distributed",
+    "engines",
+    "models",
+    "paper",
+    "ranges",
+    "tasks",
+}
 SHARED = {
     "settings",
     "plumbing.precision.FP32",

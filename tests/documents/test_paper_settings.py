@@ -15,10 +15,10 @@ import grpo_baseline
 import ppo_baseline
 import spo_chain
 import spo_tree
+from plumbing import tasks
+from tools import paper_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import paper_settings  # noqa: E402
 
 SCRIPTS = [spo_chain, spo_tree, grpo_baseline, ppo_baseline]
 
@@ -28,8 +28,8 @@ def test_paper_settings_name_real_flags_and_the_defaults_are_the_first_run(scrip
     def loads(*args, **kwargs):
         raise AssertionError("--dry-run loaded something")
 
-    for name in ("load_model", "load_task", "make_sampler", "grade"):
-        monkeypatch.setattr(ev, name, loads)
+    for module, name in ((ev, "load_model"), (ev, "make_sampler"), (tasks, "load_task"), (tasks, "grade")):
+        monkeypatch.setattr(module, name, loads)
     fields = {f.name for f in dataclasses.fields(script.Args)}
     for run, paper in script.PAPER_SETTINGS.items():
         assert set(paper) <= fields, (run, set(paper) - fields)
@@ -94,7 +94,7 @@ def test_dry_run_from_the_command_line_loads_nothing(tmp_path):
 
 def test_readme_table_is_generated_from_the_scripts():
     readme = (ROOT / "README.md").read_text()
-    assert paper_settings.readme_with_table(readme) == readme, "run: python tools/paper_settings.py --write"
+    assert paper_settings.readme_with_table(readme) == readme, "run: python -m tools.paper_settings --write"
     table = paper_settings.table()
     assert "| `--eval-top-p` | 0.9 | 0.95 | 0.9 | 0.9 | 0.95 | 0.9 |" in table
     assert "| `--samples-per-iteration` |  | 512 | 1024 |" in table

@@ -4,25 +4,19 @@ exactly, the estimates on a hand-made tree, the score helpers on hand-made input
 import json
 import math
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import credit_assignment as ca  # noqa: E402
-import measures  # noqa: E402
-
-import grpo_baseline  # noqa: E402
-import spo_chain  # noqa: E402
-import spo_tree  # noqa: E402
-from conftest import make_tiny_model, write_jsonl  # noqa: E402
-from plumbing import engines, models  # noqa: E402
-from spo_tree import Node  # noqa: E402
+import grpo_baseline
+import spo_chain
+import spo_tree
+from conftest import make_tiny_model, write_jsonl
+from experiments import credit_assignment as ca
+from experiments import measures
+from plumbing import engines, models
+from spo_tree import Node
 
 TEMPERATURE = 0.1  # the tiny random model is nearly uniform at 0.6; at 0.1 its most likely token has p ~ 0.2
 

@@ -7,27 +7,21 @@ import dataclasses
 import doctest
 import json
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import credit_exact as ce  # noqa: E402
-import exact_toy as toy  # noqa: E402
-import measures  # noqa: E402
-
-import grpo_baseline  # noqa: E402
-import ppo_baseline  # noqa: E402
-import spo_chain  # noqa: E402
-import spo_tree  # noqa: E402
-from plumbing import UsageError, engines  # noqa: E402
-from plumbing.training import collate, response_logprobs, sample_logprobs  # noqa: E402
+import grpo_baseline
+import ppo_baseline
+import spo_chain
+import spo_tree
+from experiments import credit_exact as ce
+from experiments import exact_toy as toy
+from experiments import measures
+from plumbing import UsageError, engines
+from plumbing.training import collate, response_logprobs, sample_logprobs
 
 ARGS = dataclasses.replace(ce.Args(), **ce.TINY)  # horizon 4, prompts 21 and 13
 

@@ -5,17 +5,12 @@ import dataclasses
 import importlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import read_metrics, smoke_args
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import learning  # noqa: E402
+from experiments import learning
 
 # The tests marked slow run with --slow (README, Tests); the plot test is quick.
 

@@ -6,17 +6,14 @@ import dataclasses
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from experiments import learning_critical as lc
+from plumbing import UsageError
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import learning_critical as lc  # noqa: E402
-
-from plumbing import UsageError  # noqa: E402
 
 CASE = ROOT / "experiments" / "results" / "learning_critical_confident_samples_L3.json"  # a case the sweep wrote
 
@@ -30,7 +27,7 @@ def cached_case(run: dict, edit=lambda results: results) -> Path:
     reuses), after `edit` (which returns what the file holds)."""
     results = json.loads(CASE.read_text())
     results["given_settings"] = json.loads(json.dumps(lc.rounded(run)))
-    results["machine"]["code_hash"] = lc.toy.code_hash(lc.EXPERIMENT)
+    results["machine"]["code_hash"] = lc.toy.code_hash(*lc.toy.LEARNING_EXACT_CODE)
     Path(run["out"]).write_text(json.dumps(edit(results)))
     return Path(run["out"])
 

@@ -1,27 +1,22 @@
-"""experiments/learning_exact.py: the exact J and KL after an update against a fresh enumeration and brute force, the
-pure pieces (sizes, iterations to a gain, bootstrap intervals, the sweep's widening) on hand-made numbers, and a tiny
-end-to-end run."""
+"""experiments/learning_exact.py and the training it runs (toy_training.py): the exact J and KL after an update against
+a fresh enumeration and brute force, the pure pieces (sizes, iterations to a gain, bootstrap intervals, the sweep's
+widening) on hand-made numbers, and a tiny end-to-end run."""
 
 import dataclasses
 import doctest
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import exact_toy as toy  # noqa: E402
-import learning_exact as le  # noqa: E402
-import measures  # noqa: E402
-
-import spo_tree  # noqa: E402
+import spo_tree
+from experiments import exact_toy as toy
+from experiments import learning_exact as le
+from experiments import measures, toy_training
 
 ARGS = dataclasses.replace(le.Args(), **le.TINY)  # horizon 4, prompts 21 and 13
 
@@ -38,9 +33,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def world():
     model, *_ = toy.make_policy(le.toy_settings(ARGS))
-    exacts = le.enumerate_policy(model, ARGS)
+    exacts = toy_training.enumerate_policy(model, ARGS)
     sizes, _ = le.plan_sizes(exacts, list(toy.SETTINGS), ARGS)
-    return le.World(model, exacts, sizes)
+    return toy_training.World(model, exacts, sizes)
 
 
 def response_probabilities(exact: toy.Exact) -> dict[tuple[int, ...], float]:
@@ -60,7 +55,7 @@ def response_probabilities(exact: toy.Exact) -> dict[tuple[int, ...], float]:
 
 @pytest.mark.parametrize("name", ["grpo", "spo_tree_depth", "ppo_lam1"])
 def test_exact_j_and_kl_after_one_update_match_a_fresh_enumeration_and_brute_force(world, name):
-    curve, learner = le.train_run(name, 1e-2, 7, world, dataclasses.replace(ARGS, iterations=1))
+    curve, learner = toy_training.train_run(name, 1e-2, 7, world, dataclasses.replace(ARGS, iterations=1))
     fresh = [
         toy.enumerate_exact(learner.model, *toy.parse_prompt(text), ARGS.horizon, ARGS.temperature, 64)
         for text in ARGS.prompts
@@ -89,7 +84,7 @@ def test_spo_tree_depth_weights_its_edges_as_main_does_and_uniform_does_not(worl
 
     monkeypatch.setattr(spo_tree, "attach_targets", spy)
     for name in ("spo_tree_uniform", "spo_tree_depth"):
-        le.train_run(name, 1e-3, 3, world, dataclasses.replace(ARGS, iterations=1))
+        toy_training.train_run(name, 1e-3, 3, world, dataclasses.replace(ARGS, iterations=1))
     uniform, depth = seen
     branches = [world.sizes["spo_tree_depth"]] * ARGS.tree_depth
     assert uniform and all("weight" not in s for s in uniform)
@@ -100,7 +95,7 @@ def test_spo_tree_depth_weights_its_edges_as_main_does_and_uniform_does_not(worl
 
 def test_every_setting_learns_something_from_the_same_start(world):
     for name in toy.SETTINGS:
-        curve, _ = le.train_run(name, 1e-2, 11, world, dataclasses.replace(ARGS, iterations=2))
+        curve, _ = toy_training.train_run(name, 1e-2, 11, world, dataclasses.replace(ARGS, iterations=2))
         assert curve["J"][0] == toy.expected_reward(world.exacts), name
         assert all(np.isfinite(curve["J"])) and min(curve["kl"][1:]) > 0, name
 
@@ -156,9 +151,10 @@ def test_sizes_are_the_closest_to_the_budget():
 
 
 def test_docstring_examples():
-    import learning_critical as lc
+    from experiments import learning_critical as lc
 
     assert doctest.testmod(le).failed == 0 and doctest.testmod(lc).failed == 0
+    assert doctest.testmod(toy_training).failed == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,8 +192,8 @@ def test_tiny_run_writes_every_setting_with_curves_from_one_start_and_paired_int
 def test_runs_do_not_depend_on_the_number_of_workers(world):
     args = dataclasses.replace(ARGS, iterations=1)
     jobs = [("grpo", 1e-2, 0), ("spo_chain_int1", 1e-2, 1)]
-    alone = le.run_all(jobs, world, args)
-    side_by_side = le.run_all(jobs, world, dataclasses.replace(args, workers=2))
+    alone = toy_training.run_all(jobs, world, args)
+    side_by_side = toy_training.run_all(jobs, world, dataclasses.replace(args, workers=2))
     assert [c["J"] for c in alone] == [c["J"] for c in side_by_side]
 
 
@@ -237,16 +233,16 @@ def test_a_token_budget_run_stops_at_the_budget_and_reports_the_common_rate(tmp_
         if saved["summary"][name]["lr"] == 1e-3:
             assert [r["J"] for r in common["curves"][name]] == [r["J"] for r in saved["curves"][name]]
     model = toy.make_policy(le.toy_settings(args))[0]
-    exacts = le.enumerate_policy(model, args)
-    world = le.World(model, exacts, le.plan_sizes(exacts, ["grpo", "spo_chain_int1"], args)[0])
-    fresh = le.train_run("grpo", 1e-3, args.seeds[0], world, args)[0]
+    exacts = toy_training.enumerate_policy(model, args)
+    world = toy_training.World(model, exacts, le.plan_sizes(exacts, ["grpo", "spo_chain_int1"], args)[0])
+    fresh = toy_training.train_run("grpo", 1e-3, args.seeds[0], world, args)[0]
     assert measures.rounded({"J": fresh["J"]})["J"] == common["curves"]["grpo"][0]["J"]
     assert (tmp_path / "tokens.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
 def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_the_same_code_made(tmp_path):
-    import learning_critical as lc
+    from experiments import learning_critical as lc
 
     out = str(tmp_path / "critical.json")
     saved = lc.main(dataclasses.replace(lc.Args(), tiny=True, out=out))
@@ -291,7 +287,7 @@ def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_
         start = case["start_policy"]  # one recipe: the length right on every prompt, however many steps that took
         assert start["length_right_min"] == min(run["policy"]["length_right"].values()) >= toy.CRITICAL_LENGTH_RIGHT
         assert 200 <= start["pretrain_steps"] == run["policy"]["pretrain_steps"] <= 800  # TINY_RUN's 200, up to 4x
-        assert saved["code_by_case"][name]["code_hash"] == toy.code_hash(lc.EXPERIMENT)
+        assert saved["code_by_case"][name]["code_hash"] == toy.code_hash(*toy.LEARNING_EXACT_CODE)
     first, last = (json.loads(Path(saved["files"][f"confident_samples_L{f}"]).read_text()) for f in (1, 2))
     change = saved["trend"]["confident"]["samples"]["spo_chain_int1"]
     expected = [
@@ -316,7 +312,7 @@ def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_
 
 
 def test_the_critical_sweep_refuses_what_cannot_run():
-    import learning_critical as lc
+    from experiments import learning_critical as lc
 
     with pytest.raises(le.UsageError, match="at least 3"):
         lc.validate(dataclasses.replace(lc.Args(), fillers=[2, 5]))
@@ -335,9 +331,9 @@ def test_the_samples_axis_trains_every_setting_on_its_samples_for_equal_steps(wo
     args = dataclasses.replace(ARGS, samples=6, iterations=3)
     sizes = {name: 6 for name in toy.SETTINGS} | {"spo_tree_uniform": 2, "spo_tree_depth": 2}  # tree: 2 + 4 edges
     assert le.plan_sizes(world.exacts, list(toy.SETTINGS), args)[0] == sizes
-    steps_world = le.World(world.model, world.exacts, sizes)
+    steps_world = toy_training.World(world.model, world.exacts, sizes)
     for name in toy.SETTINGS:
-        curve, _ = le.train_run(name, 1e-3, 0, steps_world, args)
+        curve, _ = toy_training.train_run(name, 1e-3, 0, steps_world, args)
         assert len(curve["J"]) == 4 and len(curve["tokens"]) == 3  # equal steps, whatever the tokens
         per_prompt = [stat["samples"] for stat in curve["stats"]]
         if name.startswith("spo_tree"):  # the edges of a full tree at most: siblings that agree (advantage 0) drop
@@ -349,11 +345,11 @@ def test_the_samples_axis_trains_every_setting_on_its_samples_for_equal_steps(wo
 
 
 def test_the_code_hash_changes_exactly_with_the_code_a_run_imports(tmp_path, monkeypatch):
-    before = toy.code_hash("experiments/learning_exact.py")
-    assert before == toy.code_hash("experiments/learning_exact.py") and len(before) == 16
+    before = toy.code_hash(*toy.LEARNING_EXACT_CODE)
+    assert before == toy.code_hash(*toy.LEARNING_EXACT_CODE) and len(before) == 16
     assert toy.code_hash("experiments/learning_critical.py") != before  # another experiment file
     copy = tmp_path / "repo"
-    for name in (*toy.SHARED_CODE, "experiments/learning_exact.py"):
+    for name in (*toy.SHARED_CODE, *toy.LEARNING_EXACT_CODE):
         source = toy.ROOT / name
         target = copy / name
         if source.is_dir():
@@ -364,12 +360,12 @@ def test_the_code_hash_changes_exactly_with_the_code_a_run_imports(tmp_path, mon
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(source.read_bytes())
     monkeypatch.setattr(toy, "ROOT", copy)
-    assert toy.code_hash("experiments/learning_exact.py") == before  # the same contents elsewhere: the same hash
+    assert toy.code_hash(*toy.LEARNING_EXACT_CODE) == before  # the same contents elsewhere: the same hash
     (copy / "README.md").write_text("a document changes no result")
-    assert toy.code_hash("experiments/learning_exact.py") == before
+    assert toy.code_hash(*toy.LEARNING_EXACT_CODE) == before
     training = copy / "plumbing" / "training.py"
     training.write_text(training.read_text() + "\n# an edit\n")
-    assert toy.code_hash("experiments/learning_exact.py") != before
+    assert toy.code_hash(*toy.LEARNING_EXACT_CODE) != before
 
 
 @pytest.mark.slow

@@ -4,18 +4,13 @@ evaluation itself replaced by fixed scores)."""
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import learning_paired as lp  # noqa: E402
-import measures  # noqa: E402
-
-from plumbing import UsageError  # noqa: E402
+from experiments import learning_paired as lp
+from experiments import measures
+from plumbing import UsageError
 
 
 def test_wilson_interval_matches_the_textbook_values():

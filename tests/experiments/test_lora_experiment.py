@@ -1,7 +1,6 @@
 """experiments/lora.py: its --settings, --seeds and --resamples are checked before anything loads or runs (a model
 for the parameter counts, the base model's evaluation, the quickstart runs), as one line naming the flag."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -9,13 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from experiments import lora as lora_experiment  # not `lora`: plumbing has a module of that name
 from plumbing import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-SPEC = importlib.util.spec_from_file_location("lora_experiment", ROOT / "experiments" / "lora.py")
-lora_experiment = importlib.util.module_from_spec(SPEC)  # not `lora`: plumbing has a module of that name
-SPEC.loader.exec_module(lora_experiment)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +42,8 @@ def test_settings_are_refused_before_anything_loads(settings, seeds, resamples, 
 
 def test_the_command_line_says_it_in_one_line():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "lora.py"), "--settings", "r16", "full:fast"],
+        [sys.executable, "-m", "experiments.lora", "--settings", "r16", "full:fast"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,

@@ -2,7 +2,6 @@
 marks, medians without the warm-up step, ratios and targets, the table and the results file. TRL is a benchmark-only
 dependency (requirements-bench.txt): the one test that runs it is skipped where it is not installed (CI)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
-import eval as ev
 import grpo_baseline as grpo
+from experiments import trl_side_by_side as bench
+from plumbing import tasks
 from plumbing.precision import cpu_description
 
 pytestmark = pytest.mark.slow  # run with --slow (README, Tests)
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("trl_side_by_side", ROOT / "experiments" / "trl_side_by_side.py")
-bench = sys.modules["trl_side_by_side"] = importlib.util.module_from_spec(_spec)  # dataclasses look the module up
-_spec.loader.exec_module(bench)
 
 
 def test_prompts_for_steps_are_the_questions_grpo_baseline_trains_on(tiny_model_dir, gsm8k_jsonl, tmp_path):
@@ -46,7 +43,7 @@ def test_prompts_for_steps_are_the_questions_grpo_baseline_trains_on(tiny_model_
             seed=5,
         )
     )
-    examples = ev.load_task(str(gsm8k_jsonl), "train", seed=5)
+    examples = tasks.load_task(str(gsm8k_jsonl), "train", seed=5)
     expected = bench.prompts_for_steps(examples, questions=3, steps=2, seed=5)
     for iteration in (1, 2):
         records = (Path(summary["run_dir"]) / "samples" / f"iter_{iteration}.jsonl").read_text().splitlines()
@@ -134,7 +131,8 @@ def test_side_by_side_run_on_a_tiny_model(tiny_model_dir, gsm8k_jsonl, tmp_path)
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "experiments" / "trl_side_by_side.py"),
+            "-m",
+            "experiments.trl_side_by_side",
             "--model",
             str(tiny_model_dir),
             "--task",

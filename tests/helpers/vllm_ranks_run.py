@@ -54,7 +54,7 @@ def seeing_a_gpu(function):
 def install_fake(tokenizer, script=None) -> FakeEngine:
     engine = FakeEngine(script=script)
     sys.modules["vllm"] = make_fake_vllm(engine, tokenizer)
-    # --backend auto: the engine, its log line, the memory plan and starts.jsonl's record, each module that holds the name
+    # --backend auto (the engine, its log line, the memory plan, starts.jsonl's record): each module holding the name
     resolve_backend = seeing_a_gpu(vllm_preflight.resolve_backend)
     for module in (vllm_preflight, engines, runs):
         module.resolve_backend = resolve_backend

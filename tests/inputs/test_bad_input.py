@@ -190,21 +190,20 @@ def test_context_shorter_than_every_prompt_fails_and_leaves_no_run_directory(tin
 
 
 def test_some_prompts_without_room_are_dropped_from_training_with_a_warning(gsm8k_jsonl):
-    import eval as ev
-    from plumbing import UsageError
+    from plumbing import UsageError, tasks
 
-    examples = ev.load_task(str(gsm8k_jsonl), "train")
+    examples = tasks.load_task(str(gsm8k_jsonl), "train")
     for e, n in zip(examples, range(len(examples))):
         e.prompt_ids = [0] * (10 + n)  # 10, 11, ... tokens
     with pytest.warns(
         UserWarning, match=f"{len(examples) - 2} of {len(examples)} prompts of T leave no room .*dropped"
     ):
-        kept = ev.check_prompt_room(examples, 12, "T", drop=True)
+        kept = tasks.check_prompt_room(examples, 12, "T", drop=True)
     assert [len(e.prompt_ids) for e in kept] == [10, 11]
     with pytest.warns(UserWarning, match="kept; they score 0"):
-        assert ev.check_prompt_room(examples, 12, "T", drop=False) == examples
+        assert tasks.check_prompt_room(examples, 12, "T", drop=False) == examples
     with pytest.raises(UsageError, match="--context 10 leaves no room .*prompts are 10-17 tokens"):
-        ev.check_prompt_room(examples, 10, "T", drop=True)
+        tasks.check_prompt_room(examples, 10, "T", drop=True)
 
 
 # ----------------------------------------------------------------------------------------------

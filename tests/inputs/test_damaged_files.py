@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import eval as ev
 import grpo_baseline
-from plumbing import UsageError, checkpoints, files, memory, models, run_lock, runs, settings
+from plumbing import UsageError, checkpoints, files, memory, models, run_lock, runs, settings, tasks
 from plumbing.precision import FP32
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,20 +33,20 @@ def test_a_task_file_that_is_not_text_is_one_line(content, message, tmp_path):
     path = tmp_path / "task.jsonl"
     path.write_bytes(content)
     with pytest.raises(UsageError, match=f"task file {path} {message}"):
-        ev.load_task(str(path), "train")
+        tasks.load_task(str(path), "train")
 
 
 def test_a_task_file_that_cannot_be_read_or_is_a_directory_is_named(tmp_path):
     folder = tmp_path / "x.jsonl"
     folder.mkdir()
-    assert ev.task_problems(str(folder)) == [f"--task {folder}: a directory, not a task file"]
+    assert tasks.task_problems(str(folder)) == [f"--task {folder}: a directory, not a task file"]
     with pytest.raises(UsageError, match="is a directory, not a file"):
-        ev.load_task(str(folder), "train")
+        tasks.load_task(str(folder), "train")
     if os.geteuid() != 0:  # root reads any file
         locked = tmp_path / "locked.jsonl"
         locked.write_text("{}")
         locked.chmod(0)
-        assert "permission denied" in ev.task_problems(str(locked))[0]
+        assert "permission denied" in tasks.task_problems(str(locked))[0]
 
 
 def test_named_pipes_are_refused_never_opened(tiny_model_dir, gsm8k_jsonl, tmp_path):
@@ -55,9 +54,9 @@ def test_named_pipes_are_refused_never_opened(tiny_model_dir, gsm8k_jsonl, tmp_p
     forever. Each is one line, from the command line too (--task <(zcat ...) is a pipe)."""
     pipe = tmp_path / "task.jsonl"
     os.mkfifo(pipe)
-    assert ev.task_problems(str(pipe)) == [f"--task {pipe} is a named pipe, not a regular file: " + PIPE_FIX]
+    assert tasks.task_problems(str(pipe)) == [f"--task {pipe} is a named pipe, not a regular file: " + PIPE_FIX]
     with pytest.raises(UsageError, match=f"task file {pipe} is a named pipe"):
-        ev.load_task(str(pipe), "train")
+        tasks.load_task(str(pipe), "train")
     with pytest.raises(UsageError, match="args.json .* is a named pipe"):
         files.read_json(pipe, "args.json")
     model = tmp_path / "model"

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval as ev
 from conftest import write_jsonl
-from plumbing import UsageError, checkpoints, lora, models
+from plumbing import UsageError, checkpoints, lora, models, tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,8 +123,8 @@ FAKE_PYTHON = textwrap.dedent(
     if words[1:] in (["--help"], ["--dry-run"]):
         sys.exit(print(words[0], words[1]))
     flags = dict(zip(words[1::2], words[2::2]))
-    if words[0].endswith("gpu_check.py"):
-        models = Path(flags["--work"])
+    if words[:2] == ["-m", "benchmarks.gpu_check"]:
+        models = Path(dict(zip(words[2::2], words[3::2]))["--work"])
         (models / "digits").mkdir(parents=True)
         (models / "sevens.jsonl").write_text("{{}}\\n")
         sys.exit()
@@ -212,19 +211,19 @@ def test_a_long_task_file_shows_its_progress_while_it_is_checked(tmp_path, monke
     path = write_jsonl(
         tmp_path / "task.jsonl", [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(50)]
     )
-    ev.check_references(["1"], str(path))  # the grading pool's workers started
-    quiet = ev.load_task(str(path), "train")
+    tasks.check_references(["1"], str(path))  # the grading pool's workers started
+    quiet = tasks.load_task(str(path), "train")
     assert capsys.readouterr().err == ""  # a check shorter than the bar's delay prints nothing
-    monkeypatch.setattr(ev, "PROGRESS_DELAY", 0.0)
-    monkeypatch.setattr(ev, "CHECKED_AT_ONCE", 16)
-    batches, check_references = [], ev.check_references
+    monkeypatch.setattr(tasks, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(tasks, "CHECKED_AT_ONCE", 16)
+    batches, check_references = [], tasks.check_references
 
     def counting_check_references(references, task):
         batches.append(len(references))
         return check_references(references, task)
 
-    monkeypatch.setattr(ev, "check_references", counting_check_references)
-    checked = ev.load_task(str(path), "train")
+    monkeypatch.setattr(tasks, "check_references", counting_check_references)
+    checked = tasks.load_task(str(path), "train")
     progress = capsys.readouterr().err
     assert f"checking the answers of {path}" in progress and "50/50" in progress
     assert batches == [16, 16, 16, 2]  # the bar moves after each round trip to the grading pool

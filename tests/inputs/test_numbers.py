@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import eval as ev
-from plumbing import UsageError, bookkeeping, files, grading, training
+from plumbing import UsageError, bookkeeping, files, grading, tasks, training
 from plumbing.precision import FP32
 
 NAN, INF = float("nan"), float("inf")
@@ -62,7 +61,7 @@ SCIENTIFIC_CASES = [
     ids=[f"{c[0]}:{c[1][:30]!r}->{c[2]!r}" for c in SCIENTIFIC_CASES],
 )
 def test_scientific_notation_grades_as_its_value(task, response, reference, expected):
-    assert ev.grade([response], [reference], task) == [expected]
+    assert tasks.grade([response], [reference], task) == [expected]
 
 
 @pytest.mark.parametrize(
@@ -100,25 +99,25 @@ def test_a_huge_exponent_is_left_as_written_and_refused_as_a_reference():
     assert grading._plain_numbers("1e1001") == ("1e1001", False)
     assert grading._plain_numbers("1e" + "0" * 5000 + "1") == ("10", True)  # int() never sees 5,000 digits
     assert grading._plain_numbers("1e" + "9" * 5000)[1] is False
-    assert ev.check_references(["2.5e3", "1.2E-3", "1e1000", "1e1001", "1e99999"], "data/t.jsonl") == [
+    assert tasks.check_references(["2.5e3", "1.2E-3", "1e1000", "1e1001", "1e99999"], "data/t.jsonl") == [
         True,
         True,
         True,
         False,
         False,
     ]
-    assert ev.grade(["The answer is 1e1001", "The answer is 1e1001"], ["1e1000", "1"], "gsm8k") == [0.0, 0.0]
+    assert tasks.grade(["The answer is 1e1001", "The answer is 1e1001"], ["1e1000", "1"], "gsm8k") == [0.0, 0.0]
 
 
 def test_a_task_file_reference_in_scientific_notation_grades_its_answers(tmp_path):
     task = tmp_path / "t.jsonl"
     rows = [{"question": "How many?", "answer": "... #### 2.5e3"}, {"question": "How far?", "answer": 1e20}]
     task.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    examples = ev.load_task(str(task))
+    examples = tasks.load_task(str(task))
     assert [e.answer for e in examples] == ["2.5e3", "1e+20"]
     responses = ["The answer is 2500.", "The answer is 100000000000000000000."]
-    assert ev.grade(responses, [e.answer for e in examples], str(task)) == [1.0, 1.0]
-    assert ev.grade(["The answer is 2501.", "The answer is 1e19"], [e.answer for e in examples], str(task)) == [0, 0]
+    assert tasks.grade(responses, [e.answer for e in examples], str(task)) == [1.0, 1.0]
+    assert tasks.grade(["The answer is 2501.", "The answer is 1e19"], [e.answer for e in examples], str(task)) == [0, 0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -256,7 +255,7 @@ def test_a_task_file_with_a_raw_line_separator_in_a_question_loads(tmp_path):
     task = tmp_path / "t.jsonl"
     rows = [{"question": "Add 2\u2028and 3.\x85Go.", "answer": "#### 5"}, {"question": "Add 1 and 1.", "answer": "2"}]
     task.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-    examples = ev.load_task(str(task))
+    examples = tasks.load_task(str(task))
     assert [(e.question, e.answer) for e in examples] == [("Add 2\u2028and 3.\x85Go.", "5"), ("Add 1 and 1.", "2")]
 
 
@@ -264,7 +263,7 @@ def test_a_task_file_with_a_repeated_key_stops_with_one_line(tmp_path):
     task = tmp_path / "t.jsonl"
     task.write_text('{"question": "Add 2 and 3.", "answer": "5", "answer": "6"}\n')
     with pytest.raises(UsageError, match=r'line 1 repeats the key "answer"'):
-        ev.load_task(str(task))
+        tasks.load_task(str(task))
 
 
 def test_logs_keep_their_reading(tmp_path):

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import eval as ev
 import viewer
 from conftest import write_jsonl
-from plumbing import UsageError, files, models
+from plumbing import UsageError, files, models, tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +52,7 @@ def test_an_oversized_question_or_answer_is_dropped_before_any_tokenizer_sees_it
     tokenizer = RecordingTokenizer()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        examples = ev.load_task(str(path), "train", tokenizer=tokenizer)
+        examples = tasks.load_task(str(path), "train", tokenizer=tokenizer)
     assert [e.question for e in examples] == [r["question"] for r in gsm8k_rows(3)]
     assert tokenizer.lengths and max(tokenizer.lengths) < 1_000  # neither long row was ever encoded
     dropped = [str(w.message) for w in caught if "dropped" in str(w.message)]
@@ -64,7 +63,7 @@ def test_an_oversized_question_or_answer_is_dropped_before_any_tokenizer_sees_it
     tokenizer = RecordingTokenizer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train, held_out = ev.load_examples(str(path), str(path), 10_000, None, 0, tokenizer)
+        train, held_out = tasks.load_examples(str(path), str(path), 10_000, None, 0, tokenizer)
     assert len(train) == len(held_out) == 3 and max(tokenizer.lengths) < 1_000
 
 
@@ -72,7 +71,7 @@ def test_a_file_of_only_oversized_rows_is_one_error_naming_the_file_and_the_limi
     path = write_jsonl(tmp_path / "huge.jsonl", [{"question": "q" * 200_000, "answer": "#### 1"}] * 2)
     tokenizer = RecordingTokenizer()
     with pytest.raises(UsageError) as error:
-        ev.load_task(str(path), "test", tokenizer=tokenizer)
+        tasks.load_task(str(path), "test", tokenizer=tokenizer)
     message = str(error.value)
     assert "\n" not in message and str(path) in message and "100,000 characters" in message
     assert tokenizer.lengths == []
@@ -85,7 +84,7 @@ def test_limit_is_applied_while_reading_a_large_file(tmp_path, monkeypatch):
     path = tmp_path / "large.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "not json\n")
     lines_read, references_checked = [], []
-    read_lines, check_references = files.read_lines, ev.check_references
+    read_lines, check_references = files.read_lines, tasks.check_references
 
     def counting_read_lines(*args, **kwargs):
         for item in read_lines(*args, **kwargs):
@@ -97,8 +96,8 @@ def test_limit_is_applied_while_reading_a_large_file(tmp_path, monkeypatch):
         return check_references(references, task)
 
     monkeypatch.setattr(files, "read_lines", counting_read_lines)
-    monkeypatch.setattr(ev, "check_references", counting_check_references)
-    examples = ev.load_task(str(path), "test", limit=2)
+    monkeypatch.setattr(tasks, "check_references", counting_check_references)
+    examples = tasks.load_task(str(path), "test", limit=2)
     assert [(e.question, e.answer) for e in examples] == [("What is 0 + 1?", "1"), ("What is 1 + 1?", "2")]
     assert lines_read == [1, 2, 3]  # the duplicate on line 2 is skipped, as it always was; then reading stops
     assert references_checked == ["1", "2"]
@@ -106,10 +105,10 @@ def test_limit_is_applied_while_reading_a_large_file(tmp_path, monkeypatch):
 
 def test_limit_takes_the_same_examples_as_loading_everything(tmp_path):
     path = write_jsonl(tmp_path / "task.jsonl", gsm8k_rows(5) + gsm8k_rows(3) + gsm8k_rows(12, start=5))
-    everything = [(e.question, e.answer) for e in ev.load_task(str(path), "train")]
+    everything = [(e.question, e.answer) for e in tasks.load_task(str(path), "train")]
     assert len(everything) == 12
     for limit in (1, 5, 6, 12, 40):
-        assert [(e.question, e.answer) for e in ev.load_task(str(path), "train", limit=limit)] == everything[:limit]
+        assert [(e.question, e.answer) for e in tasks.load_task(str(path), "train", limit=limit)] == everything[:limit]
 
 
 # ----------------------------------------------------------------------------------------------

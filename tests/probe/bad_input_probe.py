@@ -304,8 +304,7 @@ def make_handed_over(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
     paths["NANPOOL"] = folder / "nan_paired.json"
     paths["NANPOOL"].write_text('{"seeds": {"2": {"scores": {"spo_chain_int20": [1, NaN], "grpo": [1, 0]}}}}')
     # learning_critical.py --tiny's first case, reused by its settings and the code's hash, policy edited to null
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import learning_critical
+    from experiments import learning_critical
 
     paths["CRITICAL"] = folder / "critical" / "critical.json"
     paths["CRITICAL"].parent.mkdir()
@@ -313,7 +312,7 @@ def make_handed_over(folder: Path, paths: dict[str, Path], tiny: Path) -> None:
     run = learning_critical.run_args("coin", "tokens", 1, dataclasses.replace(args, **learning_critical.TINY))
     case = json.loads((ROOT / "experiments/results/learning_critical_confident_samples_L3.json").read_text())
     case["given_settings"] = json.loads(json.dumps(learning_critical.rounded(run)))
-    case["machine"]["code_hash"] = learning_critical.toy.code_hash(learning_critical.EXPERIMENT)
+    case["machine"]["code_hash"] = learning_critical.toy.code_hash(*learning_critical.toy.LEARNING_EXACT_CODE)
     Path(run["out"]).write_text(json.dumps({**case, "policy": None}))
 
 
@@ -565,17 +564,17 @@ CASES = [
     ("viewer.py curves LINKESC -o OUT.png", "is a symbolic link (to \\x1b]0;owned\\x07)"),
     ("viewer.py html DUPITER -o OUT.html", "iter_01.jsonl and iter_1.jsonl, which are both iteration 1"),
     ("IDENTICAL_WORK=USERWORK tools/identical_outputs.sh HEAD", "was not made by this tool"),
-    ("experiments/learning_paired.py --pool TRUNCPOOL --out OUT.pooled.json", "is not valid JSON"),
-    ("experiments/learning_paired.py --pool NANPOOL --out OUT.pooled.json", "scores.spo_chain_int20[1] is NaN, not"),
-    ("experiments/learning_critical.py --tiny --out CRITICAL", "policy is null, not an object"),
-    ("experiments/lora.py --settings r16 --out OUT.lora.json", "--settings r16: give full:RATE or rRANK:RATE"),
-    ("experiments/lora.py --settings full:fast --out OUT.lora.json", "the rate fast is not a positive number"),
-    ("experiments/learning.py --algorithms foo", "unknown algorithm"),
-    ("experiments/learning.py --results EMPTY", "is a directory"),
-    ("experiments/learning.py --lr 0", "--lr (0.0) must be positive"),
-    ("experiments/credit_assignment.py --questions 0", "--questions (0)"),
-    ("experiments/trl_side_by_side.py --steps 0", "--steps (0)"),
-    ("benchmarks/logprob_memory.py --prompt-tokens -1", "--prompt-tokens (-1)"),
+    ("-m experiments.learning_paired --pool TRUNCPOOL --out OUT.pooled.json", "is not valid JSON"),
+    ("-m experiments.learning_paired --pool NANPOOL --out OUT.pooled.json", "scores.spo_chain_int20[1] is NaN, not"),
+    ("-m experiments.learning_critical --tiny --out CRITICAL", "policy is null, not an object"),
+    ("-m experiments.lora --settings r16 --out OUT.lora.json", "--settings r16: give full:RATE or rRANK:RATE"),
+    ("-m experiments.lora --settings full:fast --out OUT.lora.json", "the rate fast is not a positive number"),
+    ("-m experiments.learning --algorithms foo", "unknown algorithm"),
+    ("-m experiments.learning --results EMPTY", "is a directory"),
+    ("-m experiments.learning --lr 0", "--lr (0.0) must be positive"),
+    ("-m experiments.credit_assignment --questions 0", "--questions (0)"),
+    ("-m experiments.trl_side_by_side --steps 0", "--steps (0)"),
+    ("-m benchmarks.logprob_memory --prompt-tokens -1", "--prompt-tokens (-1)"),
 ]
 
 
