@@ -10,8 +10,10 @@ Reported: each accuracy with its Wilson 95 % interval over the questions, and ea
 (right here and wrong there, and the reverse).
 
 Across seeds (--pool A.json B.json ...: learning_paired outputs, no evaluation): an algorithm minus the reference on
-every seed the files hold, each seed's paired difference, and their mean with a 95 % bootstrap interval that
-resamples the questions within each seed (a seed's runs answer its own held-out questions).
+every seed the files hold, each seed's paired difference, and their mean with a 95 % bootstrap interval that resamples
+the seeds and, crossed with them, the questions (measures.across_seeds). Every seed answers one held-out set (the
+task's test questions do not depend on the run's seed); each output records its set's fingerprint per seed
+(`heldout`), and files whose seeds answered different sets are refused, not pooled.
 
   python -m experiments.learning_paired       # after learning.py; about 8 minutes on 2 cores (6 evaluations)
   python -m experiments.learning_paired --pool runs_a_paired.json runs_b_paired.json --algorithm spo_chain_int20 \
@@ -20,6 +22,7 @@ resamples the questions within each seed (a seed's runs answer its own held-out 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ from experiments.measures import across_seeds, paired, wilson
 from plumbing import UsageError, files, ranges, runs
 from plumbing.cli import run_cli
 from plumbing.precision import cpu_description
+from plumbing.settings import HELDOUT_SEED
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -53,21 +57,29 @@ class Args:
 
 def pool(args: Args) -> None:
     """--pool: --algorithm minus --reference on every seed of the given learning_paired outputs, and across them."""
-    per_seed = {}
+    per_seed, sets = {}, {}
     for path in args.pool:
         if not path.is_file():
             raise UsageError(
                 f"--pool {path}: no such file; run python -m experiments.learning_paired --learning ... first"
             )
-        for seed, pair in pooled_scores(path, args.algorithm, args.reference).items():
+        for seed, (pair, heldout) in pooled_scores(path, args.algorithm, args.reference).items():
             if seed in per_seed:
                 raise UsageError(f"--pool: seed {seed} is in two files; give each seed once")
             per_seed[seed] = pair
+            sets.setdefault(heldout, []).append(f"seed {seed} of {path}")
+    if len(sets) > 1:
+        first, second = (where[0] for where in sets.values())
+        raise UsageError(
+            f"--pool: {first} and {second} answered different held-out questions (fingerprints {' and '.join(sets)}):"
+            " seeds are pooled only on one held-out set; evaluate them on the same --heldout-seed"
+        )
     result = across_seeds(dict(sorted(per_seed.items())), args.resamples)
     out = {
         "cpu": cpu_description(),
         "code": runs.code_state(),
         "pool": [str(p) for p in args.pool],
+        "heldout": next(iter(sets)),
         "algorithm": args.algorithm,
         "reference": args.reference,
         **result,
@@ -112,9 +124,9 @@ def is_score(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
 
 
-def pooled_scores(path: Path, algorithm: str, reference: str) -> dict[str, tuple[list[float], list[float]]]:
-    """seed -> (`algorithm`'s, `reference`'s) per-question scores of one learning_paired output, every field used
-    checked."""
+def pooled_scores(path: Path, algorithm: str, reference: str) -> dict[str, tuple[tuple[list[float], list[float]], str]]:
+    """seed -> ((`algorithm`'s, `reference`'s) per-question scores, the held-out set's fingerprint) of one
+    learning_paired output, every field used checked."""
     saved = files.read_json(path, "--pool")
     seeds = saved.get("seeds", MISSING)
     if not isinstance(seeds, dict) or not seeds:
@@ -139,7 +151,15 @@ def pooled_scores(path: Path, algorithm: str, reference: str) -> dict[str, tuple
                 f"{len(scores[reference])} of {reference}, where both answered the same questions: the file was "
                 "edited; write it again with python -m experiments.learning_paired"
             )
-        pairs[seed] = (scores[algorithm], scores[reference])
+        heldout = result.get("heldout", MISSING) if isinstance(result, dict) else MISSING
+        if heldout is MISSING:
+            raise UsageError(
+                f"--pool {path}: seed {seed} records no held-out set (seeds.{seed}.heldout), so whether its questions "
+                "are the other seeds' is unknown; evaluate it again with python -m experiments.learning_paired"
+            )
+        if not isinstance(heldout, str) or not heldout:
+            raise wrong("--pool", path, f"seeds.{seed}.heldout", heldout, "a held-out set's fingerprint")
+        pairs[seed] = ((scores[algorithm], scores[reference]), heldout)
     return pairs
 
 
@@ -182,8 +202,14 @@ def flag(run: dict, name: str) -> str:
     return words[words.index(name) + 1]
 
 
-def evaluate(model: str, run: dict, output: Path) -> list[float]:
-    """Per-question greedy scores of `model` on the run's held-out questions, with the run's own settings."""
+def heldout_fingerprint(questions: list[str]) -> str:
+    """The held-out set's fingerprint: its questions, in order (16 hex digits of their SHA-256)."""
+    return hashlib.sha256(json.dumps(questions).encode()).hexdigest()[:16]
+
+
+def evaluate(model: str, run: dict, output: Path) -> tuple[list[float], str]:
+    """Per-question greedy scores of `model` on the run's held-out questions, with the run's own settings, and the
+    held-out set's fingerprint."""
     result = ev.main(
         ev.EvalArgs(
             model=model,
@@ -195,11 +221,14 @@ def evaluate(model: str, run: dict, output: Path) -> list[float]:
             context=int(flag(run, "--context")),
             backend="hf",
             seed=run["seed"],
+            heldout_seed=int(flag(run, "--heldout-seed"))
+            if "--heldout-seed" in run["command"].split()
+            else HELDOUT_SEED,
             precision="auto",
             output=str(output),
         )
     )
-    return [r["scores"][0] for r in result["records"]]
+    return [r["scores"][0] for r in result["records"]], heldout_fingerprint([r["question"] for r in result["records"]])
 
 
 def main(args: Args) -> None:
@@ -224,11 +253,14 @@ def main(args: Args) -> None:
         if args.reference not in seed_runs:
             raise UsageError(f"--reference {args.reference}: seed {seed} has runs of {sorted(seed_runs)} only")
         first = next(iter(seed_runs.values()))
-        scores = {"start": evaluate(flag(first, "--model"), first, folder / f"seed{seed}_start.json")}
+        scores, sets = {}, set()
+        scores["start"], heldout = evaluate(flag(first, "--model"), first, folder / f"seed{seed}_start.json")
+        sets.add(heldout)
         recorded = {"start": first["accuracy_before"]}
         for algorithm, run in seed_runs.items():
             output = folder / f"seed{seed}_{algorithm}.json"
-            scores[algorithm] = evaluate(str(Path(run["run_dir"]) / "checkpoint"), run, output)
+            scores[algorithm], heldout = evaluate(str(Path(run["run_dir"]) / "checkpoint"), run, output)
+            sets.add(heldout)
             recorded[algorithm] = run["accuracy_after"]
         n = len(scores["start"])
         table = {}
@@ -244,7 +276,9 @@ def main(args: Args) -> None:
                 if name not in ("start", args.reference)
                 else None,
             }
-        out["seeds"][str(seed)] = {"questions": n, "algorithms": table, "scores": scores}
+        if len(sets) > 1:
+            raise UsageError(f"seed {seed}: its runs were evaluated on different held-out sets ({sorted(sets)})")
+        out["seeds"][str(seed)] = {"questions": n, "heldout": heldout, "algorithms": table, "scores": scores}
         print(f"seed {seed}: {n} held-out questions, greedy")
         for name, row in table.items():
             line = f"  {name:16s} {row['accuracy']:.3f} [{row['wilson_ci'][0]:.3f}, {row['wilson_ci'][1]:.3f}]"

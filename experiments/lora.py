@@ -7,8 +7,8 @@ run's 40 held-out questions (eval.py on the final checkpoint, per question) agai
 questions (eval.py on the base, once per seed).
 
 Across seeds: each setting's gain (after - before) and each LoRA setting's final accuracy minus full fine-tuning's, the
-mean over seeds of the per-seed paired difference, with a 95 % bootstrap interval resampling questions within each
-seed (measures.across_seeds).
+mean over seeds of the per-seed paired difference, with a 95 % bootstrap interval resampling the seeds and, crossed,
+the questions (measures.across_seeds): every seed answers the same held-out questions.
 
   python -m experiments.lora                      # full 1e-5; r16 at 1e-4, 3e-4, 1e-3; seeds 0-2 (~45 min)
   python -m experiments.lora --seeds 0 --settings r16:1e-3
@@ -86,8 +86,8 @@ def check_flags(settings: tuple[str, ...], seeds: tuple[int, ...], resamples: in
 
 
 def held_out_scores(model: str, seed: int, output: Path) -> list[float]:
-    """Per-question greedy scores of `model` on the quickstart's 40 held-out questions of seed `seed` (the questions
-    and settings of the run's own evaluation; eval.py's results JSON goes to `output`)."""
+    """Per-question greedy scores of `model` on the quickstart's 40 held-out questions, the same for every `seed` (the
+    questions and settings of the run's own evaluation; eval.py's results JSON goes to `output`)."""
     result = ev.main(
         ev.EvalArgs(
             model=model,

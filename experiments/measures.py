@@ -140,22 +140,35 @@ def paired(a: list[float], b: list[float], resamples: int, seed: int = 0) -> dic
 
 
 def across_seeds(per_seed: dict[str, tuple[list[float], list[float]]], resamples: int, seed: int = 0) -> dict:
-    """The mean over seeds of mean(a - b) over each seed's questions, with a 95 % bootstrap interval resampling the
-    questions within each seed, and each seed's own paired difference. per_seed: seed -> (a's scores, b's scores).
+    """The mean over seeds of mean(a - b) over each seed's questions, with a 95 % bootstrap interval that resamples
+    the seeds and, crossed with them, the questions (one draw of question positions for every seed of a resample:
+    every seed answered the same held-out questions), and each seed's own paired difference. per_seed: seed -> (a's
+    scores, b's scores), every seed's lists the same length, question i the same question in every seed.
+
+    Seeds whose differences disagree widen the interval (the seeds' own spread); questions every run agrees on add
+    none.
 
     >>> across_seeds({"0": ([1, 1], [0, 1]), "1": ([1, 0], [1, 0])}, 200)["difference"]
     0.25
+    >>> across_seeds({"0": ([1, 1], [0, 0]), "1": ([0, 0], [1, 1])}, 2000)["ci"]  # +1 on one seed, -1 on the other
+    [-1.0, 1.0]
     """
+    lengths = {len(a) for a, b in per_seed.values()} | {len(b) for a, b in per_seed.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"seeds answered different numbers of questions ({sorted(lengths)}): not one held-out set")
+    differences = torch.tensor(
+        [[x - y for x, y in zip(a, b)] for a, b in per_seed.values()], dtype=torch.float64
+    )  # [seeds, questions]
+    seeds, questions = differences.shape
     generator = torch.Generator().manual_seed(seed)
-    means = torch.zeros(resamples, dtype=torch.float64)
-    for a, b in per_seed.values():
-        difference = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
-        index = torch.randint(0, len(a), (resamples, len(a)), generator=generator)
-        means += difference[index].mean(dim=1) / len(per_seed)
+    seed_draws = torch.randint(0, seeds, (resamples, seeds), generator=generator)  # [resamples, seeds]
+    question_draws = torch.randint(0, questions, (resamples, questions), generator=generator)  # [resamples, questions]
+    per_seed_means = differences[:, question_draws].mean(dim=2)  # [seeds, resamples]: each seed on each question draw
+    means = per_seed_means.T.gather(1, seed_draws).mean(dim=1)  # [resamples]
     return {
-        "difference": sum((sum(a) - sum(b)) / len(a) for a, b in per_seed.values()) / len(per_seed),
+        "difference": differences.mean(dim=1).mean().item(),
         "ci": [means.quantile(0.025).item(), means.quantile(0.975).item()],
-        "seeds": {seed: paired(a, b, resamples) for seed, (a, b) in per_seed.items()},
+        "seeds": {name: paired(a, b, resamples) for name, (a, b) in per_seed.items()},
     }
 
 

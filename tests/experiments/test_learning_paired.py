@@ -60,7 +60,7 @@ def fake_evaluate(calls):
     def evaluate(model, run, output):
         calls.append((model, run["seed"], output.name))
         name = "start" if model == "smollm2-135m" else Path(model).parent.name
-        return SCORES[name]
+        return SCORES[name], "set-a"
 
     return evaluate
 
@@ -76,6 +76,7 @@ def test_runs_are_compared_question_by_question(tmp_path, monkeypatch):
         str(tmp_path / "runs/grpo/checkpoint"),
         str(tmp_path / "runs/spo_tree/checkpoint"),
     ]
+    assert json.loads(out.read_text())["seeds"]["2"]["heldout"] == "set-a"  # what --pool checks
     table = json.loads(out.read_text())["seeds"]["2"]["algorithms"]
     assert table["start"]["accuracy"] == 0.25 and table["start"]["matches_recorded"]
     assert table["grpo"]["matches_recorded"] and table["grpo"]["minus_grpo"] is None
@@ -99,8 +100,9 @@ def test_missing_checkpoints_and_reference_are_named(tmp_path, monkeypatch):
 
 
 def test_seeds_pool_as_the_mean_of_their_paired_differences(tmp_path):
-    def paired_output(path: Path, seeds: dict[str, tuple[list[int], list[int]]]) -> Path:
-        path.write_text(json.dumps({"seeds": {s: {"scores": {"int20": a, "mask": b}} for s, (a, b) in seeds.items()}}))
+    def paired_output(path: Path, seeds: dict[str, tuple[list[int], list[int]]], heldout: str = "set-a") -> Path:
+        seeds = {s: {"heldout": heldout, "scores": {"int20": a, "mask": b}} for s, (a, b) in seeds.items()}
+        path.write_text(json.dumps({"seeds": seeds}))
         return path
 
     one = paired_output(tmp_path / "a.json", {"2": ([1, 1, 1, 1], [1, 0, 1, 0])})  # +0.5
@@ -111,9 +113,29 @@ def test_seeds_pool_as_the_mean_of_their_paired_differences(tmp_path):
     assert result["difference"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
     assert [result["seeds"][s]["difference"] for s in ("0", "1", "2")] == [0.0, 0.25, 0.5]
     assert result["ci"][0] <= result["difference"] <= result["ci"][1]
-    # questions resampled within seeds: a seed whose runs agree on every question adds no spread
+    assert result["heldout"] == "set-a"
+    # seeds and questions resampled: runs that agree on every question of every seed add no spread ...
     same = measures.across_seeds({"0": ([1, 0], [1, 0]), "1": ([0, 1], [0, 1])}, 100)
     assert same["difference"] == 0 and same["ci"] == [0, 0]
+    # ... and the seeds' own spread widens the interval: +1 on every question of one seed, -1 on the other's, where
+    # resampling questions within seeds alone gives [0, 0]
+    spread = measures.across_seeds({"0": ([1, 1, 1], [0, 0, 0]), "1": ([0, 0, 0], [1, 1, 1])}, 2000)
+    assert spread["difference"] == 0 and spread["ci"] == [-1, 1]
+    # the same question draw for every seed: two seeds that differ on the same question move together
+    crossed = measures.across_seeds({"0": ([1, 0, 0, 0], [0, 0, 0, 0]), "1": ([1, 0, 0, 0], [0, 0, 0, 0])}, 4000)
+    within = measures.paired([1, 0, 0, 0] * 2, [0] * 8, 4000)  # 8 questions each drawn on its own
+    assert crossed["ci"][1] - crossed["ci"][0] > within["ci"][1] - within["ci"][0]
+    with pytest.raises(ValueError, match="different numbers of questions"):
+        measures.across_seeds({"0": ([1, 0], [1, 0]), "1": ([0, 1, 1], [0, 1, 1])}, 100)
+    # seeds evaluated on different held-out sets are refused, as is a file that records none
+    other = paired_output(tmp_path / "c.json", {"3": ([1, 1, 1, 1], [0, 0, 0, 0])}, heldout="set-b")
+    with pytest.raises(UsageError, match="answered different held-out questions"):
+        lp.main(lp.Args(pool=(one, other), algorithm="int20", reference="mask", out=tmp_path / "refused.json"))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"seeds": {"4": {"scores": {"int20": [1], "mask": [0]}}}}))
+    with pytest.raises(UsageError, match="records no held-out set"):
+        lp.main(lp.Args(pool=(one, old), algorithm="int20", reference="mask", out=tmp_path / "refused.json"))
+    assert not (tmp_path / "refused.json").exists()
     with pytest.raises(UsageError, match="seed 2 is in two files"):
         lp.main(lp.Args(pool=(one, one), algorithm="int20", reference="mask", out=out))
     with pytest.raises(UsageError, match="not ppo and mask"):
@@ -133,6 +155,8 @@ def test_seeds_pool_as_the_mean_of_their_paired_differences(tmp_path):
         ('{"seeds": {"2": {"scores": {"int20": [], "mask": []}}}}', "seeds.2.scores.int20 is [], not a list"),
         ('{"seeds": {"2": {"scores": {"int20": [1, 0, 1], "mask": [1, 0]}}}}', "3 scores of int20 and 2 of mask"),
         ('{"seeds": {"2": {"scores": {"int20": [1, 7], "mask": [1, 0]}}}}', "seeds.2.scores.int20[1] is 7, not a"),
+        ('{"seeds": {"2": {"heldout": null, "scores": {"int20": [1], "mask": [1]}}}}', "seeds.2.heldout is null, not"),
+        ('{"seeds": {"2": {"scores": {"int20": [1], "mask": [1]}}}}', "seed 2 records no held-out set"),
     ],
 )
 def test_a_pool_file_cut_short_or_edited_is_one_line_naming_the_field(content, message, tmp_path):
