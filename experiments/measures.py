@@ -156,9 +156,8 @@ def across_seeds(per_seed: dict[str, tuple[list[float], list[float]]], resamples
     lengths = {len(a) for a, b in per_seed.values()} | {len(b) for a, b in per_seed.values()}
     if len(lengths) != 1:
         raise ValueError(f"seeds answered different numbers of questions ({sorted(lengths)}): not one held-out set")
-    differences = torch.tensor(
-        [[x - y for x, y in zip(a, b)] for a, b in per_seed.values()], dtype=torch.float64
-    )  # [seeds, questions]
+    # [seeds, questions]
+    differences = torch.tensor([[x - y for x, y in zip(a, b)] for a, b in per_seed.values()], dtype=torch.float64)
     seeds, questions = differences.shape
     generator = torch.Generator().manual_seed(seed)
     seed_draws = torch.randint(0, seeds, (resamples, seeds), generator=generator)  # [resamples, seeds]
