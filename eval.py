@@ -31,11 +31,11 @@ from typing import Annotated, Literal
 import tyro
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from plumbing import UsageError, distributed, files, ranges
+from plumbing import UsageError, distributed, files, lora, ranges
 from plumbing.cli import run_cli
-from plumbing.engines import HFSampler, backend_problems, make_sampler
+from plumbing.engines import HFSampler, VLLMSampler, backend_problems, make_sampler
 from plumbing.grading import grade_failures  # noqa: F401  (eval.grade_failures)
-from plumbing.models import load_model
+from plumbing.models import load_model, resolve_model
 from plumbing.precision import choose_precision
 from plumbing.settings import HELDOUT_SEED, directory_problems
 from plumbing.tasks import (  # noqa: F401  (eval.grade, eval.check_reference(s): grading by task name)
@@ -304,11 +304,14 @@ def main(args: EvalArgs) -> dict:
     precision = choose_precision(args.precision, device)
     distributed.print0(precision.line)
     model, tokenizer = load_model(args.model, device=device)
+    # an adapter checkpoint is no model directory: the engine starts from its base, then takes the adapted weights
+    # merged, as in training (engines.run_sampler)
+    adapter = lora.is_adapter_checkpoint(resolve_model(args.model))
     sampler = make_sampler(
         args.backend,
         model,
         tokenizer,
-        args.model,
+        lora.base_record(Path(resolve_model(args.model)))["model"] if adapter else args.model,
         seed=args.seed,
         precision=precision,
         context=args.context,
@@ -316,6 +319,8 @@ def main(args: EvalArgs) -> dict:
         # the flag asks for eager; without it the engine's own default: CUDA graphs on a GPU, eager on a CPU
         enforce_eager=args.vllm_enforce_eager or None,
     )
+    if adapter and isinstance(sampler, VLLMSampler):
+        sampler.load_weights(model)
     result = evaluate(
         model,
         tokenizer,

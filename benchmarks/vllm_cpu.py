@@ -10,14 +10,19 @@ before each call (the HF sampler keeps nothing between calls either). The engine
 load_weights' seconds, eager (what the scripts run on a CPU) and compiled (torch.compile with inductor's C++ code),
 when that starts. Everything computes in the run's precision: bf16 where the CPU has fast bf16, else fp32.
 
-The quickstart (README) for one iteration (its closing evaluation cut to one question), with --backend hf and with
---backend vllm, each in its own process: the iteration's seconds and its rollout's, from the run's metrics.
+The quickstart (README) for one iteration (its closing evaluation cut to one question), each in its own process: with
+--backend hf, with --backend vllm, and with --backend hf beside a vLLM engine started as --backend vllm starts it and
+left idle (the HF run's samples and update, in a process that also holds the engine: its memory, its threads, the
+settings it sets). The iteration's seconds and its phases', from the run's metrics, with the response and Monte-Carlo
+tokens they worked on (the two backends draw different samples, so their updates train on different tokens).
 
-  python -m benchmarks.vllm_cpu        # writes benchmarks/results/vllm_cpu.json
+  python -m benchmarks.vllm_cpu                                              # writes benchmarks/results/vllm_cpu.json
+  python -m benchmarks.vllm_cpu --quickstart-only --quickstart-repeats 3     # the quickstart iterations alone
 """
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,23 @@ QUICKSTART = (
 ).split()
 
 
+# Runs a script (argv[1], its flags after it) with the HF sampler and, beside it, the engine --backend vllm would start,
+# kept alive and never sampled from.
+IDLE_ENGINE = """
+import dataclasses, runpy, sys
+from plumbing import engines
+make = engines.run_sampler
+def run_sampler(args, *rest):
+    engines.idle_engine = make(dataclasses.replace(args, backend="vllm"), *rest)
+    return make(args, *rest)
+engines.run_sampler = run_sampler
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+# What a quickstart row keeps of the iteration's metrics beside time/*: the work its phases did
+WORK = ("charts/response_tokens", "charts/mc_tokens", "charts/mc_rollouts")
+
+
 def run_vllm(engine, prompts: list[list[int]], k: int, new_tokens: int) -> tuple[float, int]:
     from vllm import SamplingParams, TokensPrompt
 
@@ -69,10 +91,16 @@ def start_engine(model, path: str, dtype: str, eager: bool) -> tuple[object, flo
     return engine, time.perf_counter() - started
 
 
-def quickstart_iteration(backend: str, folder: Path) -> dict:
-    """One quickstart iteration with `backend`, in a process of its own; its seconds from metrics.jsonl."""
-    out = folder / backend
-    command = [sys.executable, str(ROOT / "spo_chain.py"), *QUICKSTART, "--backend", backend, "--output-dir", str(out)]
+def quickstart_iteration(variant: str, folder: Path) -> dict:
+    """One quickstart iteration in a process of its own: `variant` "hf", "vllm" (--backend) or "hf_beside_idle_engine";
+    its seconds and work from metrics.jsonl."""
+    out = folder / variant
+    shutil.rmtree(out, ignore_errors=True)
+    script = [str(ROOT / "spo_chain.py"), *QUICKSTART, "--output-dir", str(out)]
+    if variant == "hf_beside_idle_engine":
+        command = [sys.executable, "-c", IDLE_ENGINE, *script, "--backend", "hf"]
+    else:
+        command = [sys.executable, *script, "--backend", variant]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - started
@@ -82,15 +110,50 @@ def quickstart_iteration(backend: str, folder: Path) -> dict:
     row = metrics[-1]
     return {
         "process_seconds": wall,
-        **{key: row[key] for key in row if key.startswith("time/")},
+        **{key: row[key] for key in row if key.startswith("time/") or key in WORK},
         "engine_line": next((line for line in result.stdout.splitlines() if "engine ready" in line), None),
     }
 
 
-def main(out: Path = ROOT / "benchmarks" / "results" / "vllm_cpu.json", compiled: bool = True) -> None:
-    """Measure the three cases on every side, the engine's start and reload, and one quickstart iteration each."""
+def quickstart_iterations(repeats: int) -> dict:
+    """Each variant's quickstart iteration `repeats` times, the variants taking turns (a machine's load then falls on
+    all of them alike): {variant: its run}, or with repeats {variant: {"runs": [...], "update_seconds": [...]}}."""
+    variants = ("hf", "vllm", "hf_beside_idle_engine")
+    found = {variant: [] for variant in variants}
+    with tempfile.TemporaryDirectory() as folder:  # before any engine starts in this process
+        for _ in range(repeats):
+            for variant in variants:
+                found[variant].append(quickstart_iteration(variant, Path(folder)))
+                print(variant, json.dumps(found[variant][-1]), flush=True)
+    if repeats == 1:
+        return {variant: iterations[0] for variant, iterations in found.items()}
+    return {
+        variant: {"runs": iterations, "update_seconds": [run.get("time/update_seconds") for run in iterations]}
+        for variant, iterations in found.items()
+    }
+
+
+def main(
+    out: Path = ROOT / "benchmarks" / "results" / "vllm_cpu.json",
+    compiled: bool = True,
+    quickstart_only: bool = False,
+    quickstart_repeats: int = 1,
+) -> None:
+    """Measure the three cases on every side, the engine's start and reload, and one quickstart iteration each
+    (quickstart_only: the quickstart iterations alone, each variant quickstart_repeats times)."""
     if not vllm_preflight.cpu_build():
         sys.exit("error: this measures vLLM's CPU build, which is not installed here: RUNNING.md, 'vLLM on a CPU'")
+    if quickstart_only:
+        results = {
+            "cpu": cpu_description(),
+            "code": runs.code_state(),
+            "threads": torch.get_num_threads(),
+            "quickstart_iteration": quickstart_iterations(quickstart_repeats),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+        print(f"-> {out}")
+        return
     path = models.resolve_model("smollm2-135m")
     model, tokenizer = models.load_model(path, dtype=torch.float32, device="cpu")
     precision = choose_precision("auto", "cpu")
@@ -121,11 +184,7 @@ def main(out: Path = ROOT / "benchmarks" / "results" / "vllm_cpu.json", compiled
             f"{results['generate'][name]['tokens_per_second']:.0f} tok/s",
             flush=True,
         )
-    with tempfile.TemporaryDirectory() as folder:  # before any engine starts in this process
-        results["quickstart_iteration"] = {
-            backend: quickstart_iteration(backend, Path(folder)) for backend in ("hf", "vllm")
-        }
-    print(json.dumps(results["quickstart_iteration"], indent=1), flush=True)
+    results["quickstart_iteration"] = quickstart_iterations(quickstart_repeats)
     out.parent.mkdir(parents=True, exist_ok=True)
     for kind, eager in (("eager", True), ("compiled", False)):
         if kind == "compiled" and not compiled:

@@ -5,9 +5,13 @@ vllm-cpu, requirements-vllm-cpu.txt) the same engine runs on the CPU: to run thi
 
 from __future__ import annotations
 
+import atexit
+import gc
+import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from transformers import AutoConfig
@@ -55,7 +59,22 @@ from plumbing.precision import engine_dtype
 #   log. The KV cache is kv_cache_memory_bytes, overridden by VLLM_CPU_KVCACHE_SPACE (whole GiB) when set; with
 #   neither, gpu_memory_utilization of the machine's memory less what the process holds, refused when too little.
 #   CPUWorker.init_device replaces torch.set_num_threads with a no-op for the whole process (for the thread binding of
-#   its worker processes; in-process nothing is bound). Without enforce_eager: torch.compile with inductor's C++ code.
+#   its worker processes; in-process nothing is bound: the affinity stays, and no OMP_*/KMP_* variable is set).
+#   platforms/cpu.py puts LD_PRELOAD (torch's libgomp; vLLM's tcmalloc where its wheel bundles one) in os.environ for
+#   the worker processes it would start: in-process it reaches only the child processes started afterwards. Without
+#   enforce_eager: torch.compile with inductor's C++ code.
+# What the in-process engine sets for the whole process, which is the trainer's (put back once it is built):
+#   v1/worker/gpu_worker.py Worker.__init__ torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION, default
+#   "highest"), CPUWorker included; on a GPU Worker.compile_or_warm_up_model -> utils/torch_utils.py
+#   set_torch_threads_for_runtime: torch.set_num_threads(1) unless the user set OMP_NUM_THREADS (CPUWorker's own
+#   compile_or_warm_up_model does not call it). v1/engine/core.py EngineCore.__init__ freezes the heap (gc.freeze,
+#   utils/gc_utils.py freeze_gc_heap) and only its shutdown unfreezes it: a process that ends with its engine running
+#   keeps frozen objects from the interpreter's last collection, triton's among them, which nanobind then lists as
+#   leaked at exit (a screen of lines).
+# Harmless warnings on every reload_weights: model_loader/reload/layerwise.py finalize_layerwise_processing logs
+#   "<layer class>: Failed to load weights" for a layer that loaded nothing and puts its tensors back as they were:
+#   RotaryEmbedding (only its cos/sin cache, a buffer) and a tied ParallelLMHead (its weight is the embedding's,
+#   loaded in place). load_weights leaves exactly those two out of the log (_without_reload_warnings).
 # tests/test_vllm_glue.py holds a strict fake vllm with these exact signatures; tests/test_vllm_source.py holds our
 # calls, the fake and the facts above to the wheel's source; tests/test_vllm_cpu_engine.py runs the CPU build.
 
@@ -76,9 +95,13 @@ class VLLMSampler:
     shards while it sleeps, as with HFSampler: the no-grad log-prob passes call it a different number of times on
     each rank, which a sharded model (one all-gather per call) cannot do.
 
+    The engine runs in this process, the trainer's: the torch settings its worker sets for the process (the thread
+    count, the float32 matmul precision) are put back as they were once it is built, and its frozen heap is released
+    at exit (so nanobind has no leaks to list).
+
     With vLLM's CPU build: no sleep mode (sleep() and wake_up() only move a sharded model; the engine keeps its
     weights and KV cache in memory beside the trainer), eager unless enforce_eager=False is given, a KV cache of
-    kv_cache_bytes (1 GiB unless given), and the process's torch.set_num_threads and thread count as they were.
+    kv_cache_bytes (1 GiB unless given), and torch.set_num_threads working as before.
     """
 
     def __init__(
@@ -124,6 +147,7 @@ class VLLMSampler:
 
         started = time.perf_counter()
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        matmul_precision = torch.get_float32_matmul_precision()
         self.llm = LLM(
             model_path,
             # a model directory is data: its own code is never run (model_dirs.py refuses one that asks first)
@@ -153,9 +177,14 @@ class VLLMSampler:
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher" if distributed.world_size() > 1 else None,
         )
-        if cpu:  # the trainer's threads, as they were (CPUWorker.init_device made set_num_threads a no-op)
-            torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
+        # The trainer's torch settings, as they were: on a GPU the worker dropped the threads to 1, on a CPU it made
+        # set_num_threads a no-op (the comment above the class)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(matmul_precision)
+        # The heap EngineCore froze, released before the interpreter's last collection (close() releases it too)
+        atexit.unregister(gc.unfreeze)
+        atexit.register(gc.unfreeze)
         distributed.print0(
             f"vLLM engine ready in {time.perf_counter() - started:.0f} s ({dtype}"
             + (f"; the CPU build: {_cpu_settings(enforce_eager, kv_cache_bytes)}" if cpu else "")
@@ -299,7 +328,10 @@ class VLLMSampler:
         # computed out of place in fp32, under the base's names: lora.merged_parameters), one layer at a time; the
         # training model itself is never merged (experiments/README.md, "LoRA in the vLLM engine").
         weights = ((name, whole(p)) for name, p in lora.merged_parameters(model))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        with _without_reload_warnings(_loads_nothing_on_reload(model)):
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
         if self.cpu:
             self.llm.collective_rpc(_repack_tied_lm_head)
         self.weights_discarded = False
@@ -346,6 +378,37 @@ class VLLMSampler:
             self.llm.wake_up(tags=["weights"])
             self.asleep = False
         self._gather(True)
+
+
+# vLLM's logger for the layerwise reload, and the warning it logs for a layer that loaded nothing (%s: its class)
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_WARNING = "%s: Failed to load weights"
+
+
+def _loads_nothing_on_reload(model: torch.nn.Module) -> set[str]:
+    """The engine's layers (class names) that load nothing from `model`'s weights on a reload, as they should:
+    RotaryEmbedding (no weights, a cos/sin cache) and, where `model`'s LM head is tied to its embeddings,
+    ParallelLMHead (named_parameters yields the tied weight once, as the embedding's)."""
+    heads = [p for name, p in model.named_parameters(remove_duplicate=False) if name.endswith("lm_head.weight")]
+    others = [p for name, p in model.named_parameters(remove_duplicate=False) if not name.endswith("lm_head.weight")]
+    tied = any(p is head for head in heads for p in others)
+    return {"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"}
+
+
+@contextmanager
+def _without_reload_warnings(layers: set[str]) -> Iterator[None]:
+    """vLLM's "<layer>: Failed to load weights" left out of the log for these layer classes while the block runs;
+    every other record (the same warning for another layer included) goes through."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == RELOAD_WARNING and record.args and record.args[0] in layers)
+
+    logger = logging.getLogger(RELOAD_LOGGER)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _repack_tied_lm_head(worker) -> None:

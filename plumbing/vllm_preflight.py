@@ -300,11 +300,12 @@ def cpu_torch_problems() -> list[str]:
 
 def kv_cache_space_problems() -> list[str]:
     """A line when VLLM_CPU_KVCACHE_SPACE (the user's size of the CPU engine's KV cache, whole GiB) is not a positive
-    whole number, or is more than the memory free (vLLM would refuse it after loading the model)."""
+    whole number written in the digits 0-9, or is more than the memory free (vLLM would refuse it after loading the
+    model). str.isdigit alone would pass "²", which int() refuses."""
     value = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
     if value == "":
         return []
-    if not value.isdigit() or int(value) < 1:
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
         return [f"VLLM_CPU_KVCACHE_SPACE={value!r} is not a whole number of GiB: set it to 1 or more, or unset it"]
     free = free_memory()
     if free is not None and int(value) * 2**30 > free:

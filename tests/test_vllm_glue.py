@@ -33,6 +33,7 @@ and stop_reason is the matched string.
 """
 
 import hashlib
+import logging
 import math
 import os
 import random
@@ -166,6 +167,7 @@ class FakeWorker:
         # What the weights hold: None, as loaded from the model path; DISCARDED after a level-2 sleep; else the
         # digest of the weights the last reload_weights wrote.
         self.weights_state: str | None = None
+        self.failed_layers: list[str] = []  # layers (class names) whose weights a reload fails to load
 
     # vllm/v1/worker/gpu_worker.py Worker.reload_weights forwards to
     # GPUModelRunner.reload_weights(weights_iterator=None, weights_path=None, is_checkpoint_format=True)
@@ -193,6 +195,13 @@ class FakeWorker:
             assert set(names) == set(self.expected), f"missing: {sorted(set(self.expected) - set(names))}"
         self.log.append(("reload_weights", received, weights_path, is_checkpoint_format))
         self.weights_state = weights_digest(received)
+        # model_loader/reload/layerwise.py finalize_layerwise_processing: a warning for each layer that loaded
+        # nothing (RoPE's cache; a tied head, its weight sent as the embedding's), and for any in failed_layers
+        tied = "lm_head.weight" not in names
+        for layer in ["RotaryEmbedding", *(["ParallelLMHead"] if tied else []), *self.failed_layers]:
+            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").warning(
+                "%s: Failed to load weights", layer
+            )
 
 
 DISCARDED = "discarded"
@@ -271,6 +280,12 @@ def make_fake_vllm(engine: FakeEngine, tokenizer=None):
                 )
             )
             engine.log.append(("world", self._join_world(distributed_executor_backend, tensor_parallel_size)))
+            # What the GPU worker sets for the whole process: Worker.__init__ the float32 matmul precision
+            # (VLLM_FLOAT32_MATMUL_PRECISION, default "highest"), compile_or_warm_up_model one torch thread for serving
+            # unless the user set OMP_NUM_THREADS (utils/torch_utils.py set_torch_threads_for_runtime)
+            torch.set_float32_matmul_precision("highest")
+            if "OMP_NUM_THREADS" not in os.environ:
+                torch.set_num_threads(1)
             self.max_model_len = max_model_len
             self.enable_sleep_mode = enable_sleep_mode
             self.worker = FakeWorker(engine.log, engine.weights, getattr(torch, dtype, None))
@@ -410,7 +425,10 @@ def engine(monkeypatch):
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     # the fake is no installed distribution (test_gpu_preflight.py)
     monkeypatch.setattr(vllm_preflight, "vllm_build", lambda: None)
-    return eng
+    threads, matmul_precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    yield eng
+    torch.set_num_threads(threads)  # what the fake engine set, whatever VLLMSampler did
+    torch.set_float32_matmul_precision(matmul_precision)
 
 
 def calls(eng, name):
@@ -683,6 +701,24 @@ def test_load_weights_sends_the_checkpoint_names_shapes_and_engine_dtype(engine,
         s.load_weights(model)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_a_reload_leaves_out_only_the_harmless_warnings(engine, tied, caplog):
+    # vLLM warns "Failed to load weights" on every reload for RotaryEmbedding and a tied head, whose tensors are put
+    # back as they were: left out of the log. The same warning for any other layer, or for an untied head, stays.
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    s = VLLMSampler("m", max_model_len=64)
+    engine.llm.worker.failed_layers = ["QKVParallelLinear", *([] if tied else ["ParallelLMHead"])]
+    with caplog.at_level(logging.WARNING):
+        s.load_weights(model)
+    warned = [r.getMessage() for r in caplog.records if "Failed to load weights" in r.getMessage()]
+    assert warned == ["QKVParallelLinear: Failed to load weights"] + (
+        [] if tied else ["ParallelLMHead: Failed to load weights"]
+    )
+    assert not logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").filters  # only while reloading
+
+
 def test_load_weights_never_holds_a_second_copy(engine):
     # The fake's worker checks that each tensor is freed before the next arrives; a glue that built a list
     # first (a full copy of the model in bf16 on the GPU) fails here.
@@ -776,6 +812,20 @@ def test_sleep_is_a_no_op_without_sleep_mode(engine):
     s.sample([ids("Q")], 1, temperature=1.0, top_p=1.0, max_new_tokens=4)  # the weights were never discarded
 
 
+def test_the_trainers_torch_settings_are_kept_beside_the_engine(engine, monkeypatch):
+    # The engine runs in the trainer's process: on a GPU its worker drops torch to one thread for serving (unless
+    # OMP_NUM_THREADS is set) and sets the float32 matmul precision. The trainer's own come back once it is built.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    torch.set_float32_matmul_precision("high")
+    VLLMSampler("m", max_model_len=64)
+    assert torch.get_num_threads() == 2 and torch.get_float32_matmul_precision() == "high"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's: vLLM leaves the threads alone, and so do we
+    torch.set_num_threads(3)
+    VLLMSampler("m", max_model_len=64)
+    assert torch.get_num_threads() == 3
+
+
 def test_each_rank_draws_its_own_request_seeds(engine, monkeypatch):
     # Under torchrun the ranks' engines must not share noise: the requests' seeds differ per rank from the start
     # (training.reseed then sets them per iteration and rank); rank 0 sends a single process's.
@@ -836,3 +886,17 @@ def test_reseeded_sampler_repeats_its_samples(engine):
     seeds = [sp.seed for _, _, params, _ in calls(engine, "generate") for sp in params]
     assert all(isinstance(seed, int) and 0 <= seed < 2**62 for seed in seeds)
     assert len(set(seeds[:6])) == 6  # the first two calls' requests: each its own seed
+
+
+def test_an_odd_kv_cache_space_is_one_line(monkeypatch):
+    # VLLM_CPU_KVCACHE_SPACE is whole GiB in the digits 0-9; anything else is one line, never a traceback ("²" passes
+    # str.isdigit, and int() refuses it)
+    monkeypatch.setattr(vllm_preflight, "free_memory", lambda: 8 * 2**30)
+    for value in ("²", "٣", "half", "1.5", "0", " 2", "-1"):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", value)
+        [line] = vllm_preflight.kv_cache_space_problems()
+        assert line == (
+            f"VLLM_CPU_KVCACHE_SPACE={value!r} is not a whole number of GiB: set it to 1 or more, or unset it"
+        )
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert vllm_preflight.kv_cache_space_problems() == []

@@ -50,7 +50,7 @@ from test_vllm_glue import (
     make_fake_vllm,
 )
 
-from plumbing import vllm_preflight
+from plumbing import vllm_engine, vllm_preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
@@ -438,6 +438,30 @@ def test_buffers_survive_level_2_through_the_worker_not_the_reload(src):
     assert "finalize_layerwise_reload(model" in body(
         src, "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights"
     ), "GPUModelRunner.reload_weights no longer goes through model_loader/reload/layerwise.py"
+
+
+def test_what_the_in_process_engine_sets_for_the_trainers_process(src):
+    # VLLMSampler puts back what the engine's worker sets for the whole process (plumbing/vllm_engine.py, the comment
+    # above the class), releases the heap EngineCore froze at exit, and leaves a reload's known warnings out of the log.
+    init = body(src, "vllm.v1.worker.gpu_worker", "Worker", "__init__")
+    assert "torch.set_float32_matmul_precision(precision)" in init, (
+        "Worker.__init__ no longer sets the matmul precision"
+    )
+    assert "set_torch_threads_for_runtime()" in body(
+        src, "vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model"
+    ), "Worker.compile_or_warm_up_model no longer sets torch's threads for serving"
+    runtime = body(src, "vllm.utils.torch_utils", "set_torch_threads_for_runtime")
+    assert "torch.set_num_threads(1)" in runtime and "OMP_NUM_THREADS" in runtime, (
+        "set_torch_threads_for_runtime no longer drops torch to one thread unless OMP_NUM_THREADS is set"
+    )
+    assert "freeze_gc_heap()" in body(src, "vllm.v1.engine.core", "EngineCore", "__init__")
+    assert "gc.unfreeze()" in body(src, "vllm.v1.engine.core", "EngineCore", "shutdown")
+    finalize = body(src, "vllm.model_executor.model_loader.reload.layerwise", "finalize_layerwise_processing")
+    warning = f"logger.warning({vllm_engine.RELOAD_WARNING!r}, layer.__class__.__name__)"
+    assert warning in finalize, f"layerwise.py no longer logs {warning}: plumbing/vllm_engine.py's filter misses it"
+    assert "logger = init_logger(__name__)" in ast.unparse(
+        src.tree(vllm_engine.RELOAD_LOGGER.replace(".", "/") + ".py")
+    ), f"{vllm_engine.RELOAD_LOGGER} no longer logs under its module's name"
 
 
 def glue_executor_backends() -> set:
