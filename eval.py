@@ -306,12 +306,13 @@ def main(args: EvalArgs) -> dict:
     model, tokenizer = load_model(args.model, device=device)
     # an adapter checkpoint is no model directory: the engine starts from its base, then takes the adapted weights
     # merged, as in training (engines.run_sampler)
-    adapter = lora.is_adapter_checkpoint(resolve_model(args.model))
+    path = resolve_model(args.model)
+    adapter = lora.is_adapter_checkpoint(path)
     sampler = make_sampler(
         args.backend,
         model,
         tokenizer,
-        lora.base_record(Path(resolve_model(args.model)))["model"] if adapter else args.model,
+        lora.base_record(Path(path))["model"] if adapter else args.model,
         seed=args.seed,
         precision=precision,
         context=args.context,

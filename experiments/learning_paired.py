@@ -187,13 +187,23 @@ def learning_runs(path: Path) -> list[dict]:
                 raise wrong("--learning", path, f"{where}.{key}", value, "an accuracy from 0 to 1")
         words = run["command"].split()
         for name in FLAGS:
-            if name not in words[:-1] or name in ("--max-new-tokens", "--context") and not flag(run, name).isdigit():
+            if name not in words[:-1] or name in ("--max-new-tokens", "--context") and not is_whole(flag(run, name)):
                 raise UsageError(
                     f"--learning {path}: {where}.command has no {name} VALUE"
                     f"{' (a whole number)' if name in ('--max-new-tokens', '--context') else ''}: the file was edited; "
                     "write it again with python -m experiments.learning"
                 )
+        if "--heldout-seed" in words and not ("--heldout-seed" in words[:-1] and is_whole(flag(run, "--heldout-seed"))):
+            raise UsageError(
+                f"--learning {path}: {where}.command has --heldout-seed without a whole number: the file was edited; "
+                "write it again with python -m experiments.learning"
+            )
     return recorded
+
+
+def is_whole(text: str) -> bool:
+    """A whole number written in the digits 0-9 ("²" is a digit to str.isdigit, not to int())."""
+    return text.isascii() and text.isdigit()
 
 
 def flag(run: dict, name: str) -> str:

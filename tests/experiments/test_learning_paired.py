@@ -175,6 +175,8 @@ def test_a_pool_file_cut_short_or_edited_is_one_line_naming_the_field(content, m
         (lambda runs: runs[0].pop("seed"), "runs[0].seed is missing, not an integer"),
         (lambda runs: runs[1].update(accuracy_after=float("nan")), "runs[1].accuracy_after is NaN, not a"),
         (lambda runs: runs[0].update(command="python x.py --model m"), "runs[0].command has no --task VALUE"),
+        (lambda runs: runs[0].update(command=runs[0]["command"] + " --heldout-seed ²"), "--heldout-seed without a"),
+        (lambda runs: runs[0].update(command=runs[0]["command"] + " --heldout-seed"), "--heldout-seed without a"),
         (lambda runs: runs[0].update(run_dir=None), "runs[0].run_dir is null, not a string"),
         (lambda runs: runs.append("grpo"), 'runs[2] is "grpo", not an object'),
     ],
