@@ -729,7 +729,9 @@ def machine(*experiment: str) -> dict:
 SETTINGS = {
     "grpo": ("grpo", {"prob_mask": False}),
     "grpo_mask": ("grpo", {"prob_mask": True}),
+    "grpo_mask_scale": ("grpo", {"prob_mask": True, "whiten": "scale"}),
     "spo_chain_int1": ("spo_chain", {"interval": 1}),
+    "spo_chain_int1_scale": ("spo_chain", {"interval": 1, "whiten": "scale"}),
     "spo_chain_int5": ("spo_chain", {"interval": 5}),
     "spo_tree_uniform": ("spo_tree", {"edge_weight": "uniform"}),
     "spo_tree_depth": ("spo_tree", {"edge_weight": "depth"}),
@@ -741,7 +743,9 @@ SETTINGS = {
 PALETTE = {
     "grpo": ("tab:blue", "-"),
     "grpo_mask": ("tab:blue", ":"),
+    "grpo_mask_scale": ("tab:cyan", ":"),
     "spo_chain_int1": ("tab:red", "-"),
+    "spo_chain_int1_scale": ("tab:pink", "-"),
     "spo_chain_int5": ("tab:orange", "-"),
     "spo_tree_uniform": ("tab:green", "-"),
     "spo_tree_depth": ("tab:green", "--"),

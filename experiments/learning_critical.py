@@ -14,7 +14,7 @@ token: SPO's regime, where cutpoints and the mask fall on the token that decides
 policy's exact map of credit (policy.position_map: the true |A*| and the share of low-probability tokens at every
 response position).
 
-Two axes (--axes), each with its own rates (the best area under J on --tuning-seeds):
+Two axes (--axes), each with its own rates (below):
   tokens   every run stops at B sampled tokens per prompt (responses, MC continuations, tree nodes); each setting's
            size is the one whose cost is closest to --per-iteration x (L + 2) tokens per prompt per iteration
   samples  every setting trains on --samples policy-gradient samples per prompt per iteration (GRPO, SPO-chain, PPO:
@@ -28,6 +28,20 @@ least --min-steps optimizer steps (16; tokens: 16 iterations' worth), and then e
 that length. The minimum: on the samples axis GRPO gains half in 4-7 steps with confident fillers, where Adam's update
 is still near lr x sign(gradient) and the areas rest on 3 points. SPO-tree has 3 levels of 2-token segments at every L
 (so L >= 3).
+Rates. Each setting's rate comes from 5 tuning seeds on a grid sqrt(3) apart that holds 1e-3 and 3e-3 (1e-3, 1.73e-3,
+3e-3, 5.2e-3; a choice on an edge extends it): the highest median area among the rates at which no tuning seed
+collapses (--rate-rule; a run collapses when its exact J falls below half its start J, measures.collapsed). With 3
+seeds and the mean, the sweep picked the fastest rate that survived 3 seeds, often at the edge of collapse; each case
+records which choices the mean would have made instead. Every rate of the grid also runs on the reported seeds
+(learning_exact --reported-sweep): area against rate per setting (<case>_rates.png), each compared pair's lead at every
+rate the settings share beside tuned against tuned, and each setting's collapsed reported runs. "GRPO gains nothing"
+in a case: GRPO's own gain, (area - J0) / (1 - J0), has a 95 % interval reaching 0; a lead there is over a policy
+that did not move, and the summary marks it. Whitening: grpo_mask_scale and spo_chain_int1_scale are GRPO + mask and
+int1 with scale-only whitening (--whiten scale: an advantage of 0 stays 0), each compared with its centre-scale
+setting, and int1 with GRPO + mask whitened the same way.
+Every run is cached (learning_exact --run-cache, keyed by start policy, settings, code, CPU and torch), so a sweep
+cut short goes on from the runs it finished.
+
 Leads over GRPO are paired by seed; the trend reads them on a normalised scale, (area - GRPO's area) / (1 - J0), the
 share of the reachable gain, from the shortest L to the longest (unpaired: different start policies).
 
@@ -63,7 +77,7 @@ from typing import Literal
 import numpy as np
 
 from experiments import exact_toy as toy
-from experiments.measures import area_under, in_steps, paired_interval, rounded
+from experiments.measures import area_under, collapsed, in_steps, paired_interval, rounded
 from plumbing import UsageError, cli, files, ranges
 
 EXPERIMENT = "experiments.learning_exact"  # what computes each case (python -m), in a process of its own
@@ -93,10 +107,15 @@ class Args:
     4-7 steps on the samples axis with confident fillers, where Adam's update is still near lr x sign(gradient)"""
     seeds: ranges.Seeds = field(default_factory=lambda: list(range(10)))
     """reported seeds (paired by seed)"""
-    tuning_seeds: ranges.Seeds = field(default_factory=lambda: [1000, 1001, 1002])
+    tuning_seeds: ranges.Seeds = field(default_factory=lambda: [1000, 1001, 1002, 1003, 1004])
     """seeds of the rate sweeps (not reported)"""
-    lrs: ranges.PositiveFloats = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
-    """the rate grid (extended by 3x at an edge, --max-extensions times)"""
+    lrs: ranges.PositiveFloats = field(default_factory=lambda: [1e-3, 1.73e-3, 3e-3, 5.2e-3])
+    """the rate grid, sqrt(3) apart (extended by --lr-step at an edge, --max-extensions times)"""
+    lr_step: ranges.bounded(float, 1, low_open=True) = 3**0.5
+    """the grid's extension factor (learning_exact --lr-step; new values rounded to 3 significant digits)"""
+    rate_rule: Literal["median-no-collapse", "median", "mean"] = "median-no-collapse"
+    """how each setting's rate is chosen from the tuning seeds (learning_exact --rate-rule; every rule's choice is
+    recorded, so the summary says which choices the rule changed against the mean)"""
     max_extensions: ranges.NonNegativeInt = 2
     """grid extensions per setting"""
     mistake_rate: ranges.Fraction = 0.9
@@ -105,13 +124,16 @@ class Args:
         default_factory=lambda: [
             "grpo",
             "grpo_mask",
+            "grpo_mask_scale",
             "spo_chain_int1",
+            "spo_chain_int1_scale",
             "spo_tree_uniform",
             "spo_tree_depth",
             "ppo_lam1",
         ]
     )
-    """settings to run (grpo is the reference; int5 and PPO lambda 0.96 are left out by default to fit the compute)"""
+    """settings to run (grpo is the reference; the _scale ones whiten scale-only, --whiten scale; int5 and PPO lambda
+    0.96 are left out by default to fit the compute)"""
     workers: ranges.PositiveInt = 2
     """processes of one torch thread each"""
     out: str = "experiments/results/learning_critical.json"
@@ -129,7 +151,7 @@ TINY = dict(
     seeds=[0, 1, 2],
     tuning_seeds=[100],
     lrs=[1e-3, 1e-2],
-    settings=["grpo", "spo_chain_int1", "spo_tree_depth"],
+    settings=["grpo", "grpo_mask", "spo_chain_int1", "spo_tree_depth"],
 )
 TINY_RUN = dict(pretrain_steps=200, tree_depth=2, bootstrap=200, workers=1, prompts=["011", "100"])
 
@@ -159,6 +181,9 @@ def run_args(kind: str, axis: str, filler: int, args: Args) -> dict:
         seeds=args.seeds,
         tuning_seeds=args.tuning_seeds,
         lrs=args.lrs,
+        lr_step=args.lr_step,
+        rate_rule=args.rate_rule,
+        reported_sweep=True,
         max_extensions=args.max_extensions,
         settings=args.settings,
         workers=args.workers,
@@ -178,12 +203,16 @@ def run_args(kind: str, axis: str, filler: int, args: Args) -> dict:
 def flags(run: dict) -> list[str]:
     """learning_exact.py's command-line flags for the settings `run` holds.
 
-    >>> flags({"task": "critical", "tuning_seeds": [100, 101], "budget_share": 0.5})
-    ['--task', 'critical', '--tuning-seeds', '100', '101', '--budget-share', '0.5']
+    >>> flags({"task": "critical", "tuning_seeds": [100, 101], "budget_share": 0.5, "reported_sweep": True})
+    ['--task', 'critical', '--tuning-seeds', '100', '101', '--budget-share', '0.5', '--reported-sweep']
     """
     words = []
     for name, value in run.items():
-        words += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, (list, tuple)) else [value])]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            words += [f"--{flag}", *map(str, value if isinstance(value, (list, tuple)) else [value])]
     return words
 
 
@@ -332,11 +361,53 @@ def seed_areas(results: dict) -> dict[str, np.ndarray]:
     }
 
 
+def share(a: np.ndarray, b: np.ndarray, j0: float, resamples: int) -> list[float] | None:
+    """(a - b) / (1 - j0) per seed, a lead as a share of the reachable gain: [mean, low, high], paired 95 % interval."""
+    return paired_interval(a / (1 - j0), b / (1 - j0), resamples, seed=0)
+
+
+def grpo_gain(results: dict, resamples: int = 2000) -> dict:
+    """GRPO's own gain in the case, (area - J0) / (1 - J0) per reported seed with its 95 % interval, and whether GRPO
+    "gains nothing": that interval reaches 0 or below (a lead over it is then a lead over a policy that did not move).
+    """
+    areas, j0 = seed_areas(results)["grpo"], results["summary"]["grpo"]["J0"]
+    interval = share(areas, np.full(len(areas), j0), j0, resamples)
+    return {"share_of_gain": interval, "gains_nothing": interval[1] <= 0}
+
+
+def collapses(results: dict) -> dict[str, int]:
+    """Per setting, how many of its reported runs at its chosen rate collapsed (learning_exact.collapsed: J below half
+    the start J after some iteration)."""
+    return {name: sum(collapsed(run) for run in runs) for name, runs in results["curves"].items()}
+
+
+def rate_leads(results: dict, resamples: int = 2000) -> dict:
+    """From the reported seeds' sweep (learning_exact --reported-sweep), at every rate all settings ran: each compared
+    pair's lead as a share of the reachable gain, paired by seed ({} for a case run without the sweep)."""
+    rates = results.get("reported_sweep") or {}
+    j0 = results["summary"]["grpo"]["J0"]
+    by_setting = rates.get("by_setting", {})
+    return {
+        lr: {
+            pair: share(
+                np.array(by_setting[pair.split(" - ")[0]][lr]["scores"]),
+                np.array(by_setting[pair.split(" - ")[1]][lr]["scores"]),
+                j0,
+                resamples,
+            )
+            for pair in pairs
+        }
+        for lr, pairs in rates.get("at_common_rates", {}).items()
+    }
+
+
 def leads(results: dict, resamples: int = 2000) -> dict:
-    """Per setting of one case: its size, rate, samples and tokens per iteration, area and J at the length, those
-    minus GRPO's (paired by seed), and the lead as a share of the reachable gain, (area - GRPO's) / (1 - J0), paired
-    95 % interval."""
-    areas, table = seed_areas(results), {}
+    """Per setting of one case: its size, rate (and the rate the tuning seeds' mean would have chosen), samples and
+    tokens per iteration, area and J at the length, those minus GRPO's (paired by seed), the lead as a share of the
+    reachable gain, (area - GRPO's) / (1 - J0), paired 95 % interval, and its collapsed reported runs; then each other
+    compared pair (learning_exact.comparison_pairs: SPO-chain against GRPO + mask, scale-only whitening against
+    centre-scale, depth against uniform) as "a - b" with the same share."""
+    areas, table, fallen = seed_areas(results), {}, collapses(results)
     for name, row in results["summary"].items():
         versus = results["differences"].get(f"{name} - grpo", {})
         scale = 1.0 - row["J0"]
@@ -345,6 +416,9 @@ def leads(results: dict, resamples: int = 2000) -> dict:
             "size": row["size"],
             "lr": row["lr"],
             "at_edge": results["sweep"][name]["at_edge"],
+            "mean_rule_lr": results["sweep"][name].get("choices", {}).get("mean"),
+            "collapsed_runs": fallen[name],
+            "runs": len(runs),
             "samples_per_iteration": float(np.mean([s.get("samples", 0.0) for r in runs for s in r["stats"]])),
             "tokens_per_iteration": row["tokens_per_iteration"],
             "iterations": row["iterations"],
@@ -359,9 +433,15 @@ def leads(results: dict, resamples: int = 2000) -> dict:
                 else None
             ),
         }
-    depth = results["differences"].get("spo_tree_depth - spo_tree_uniform")
-    if depth:
-        table["spo_tree_depth - spo_tree_uniform"] = {"auc": depth["auc"], "J_B": depth["100%"]}
+    j0 = results["summary"]["grpo"]["J0"]
+    for pair, difference in results["differences"].items():
+        a, b = pair.split(" - ")
+        if b != "grpo":
+            table[pair] = {
+                "auc": difference["auc"],
+                "J_B": difference["100%"],
+                "share_of_gain": share(areas[a], areas[b], j0, resamples),
+            }
     return table
 
 
@@ -465,7 +545,9 @@ def main(args: Args) -> dict:
                         "length_right_min": min(rights.values(), default=None),
                     },
                     "length": results["length_from_grpo"],
+                    "grpo_gain": grpo_gain(results),
                     "leads": leads(results),
+                    "leads_at_rates": rate_leads(results),
                 }
                 maps.setdefault(kind, {})[str(filler)] = results["policy"]["position_map"]
                 files[name] = run["out"]
@@ -496,6 +578,15 @@ def main(args: Args) -> dict:
     return summary
 
 
+def interval(value: list[float]) -> str:
+    """[mean, low, high] as the tables print it.
+
+    >>> interval([0.1, -0.02, 0.3])
+    '+0.100 [-0.020, +0.300]'
+    """
+    return f"{value[0]:+.3f} [{value[1]:+.3f}, {value[2]:+.3f}]"
+
+
 def print_summary(summary: dict) -> None:
     """Per case: the length, then each setting's size, rate and lead as a share of the reachable gain; the trends."""
     for kind, by_axis in summary["cases"].items():
@@ -503,16 +594,28 @@ def print_summary(summary: dict) -> None:
             for filler, case in by_filler.items():
                 length = case["length"]
                 unit = "steps" if axis == "samples" else "tokens"
+                gain = case["grpo_gain"]["share_of_gain"]
                 print(
                     f"\n{kind} fillers, {axis} axis, L {filler}: {length['length']} {unit} (GRPO lr "
-                    f"{length['grpo_lr']:g}{'' if length['reached'] else ', half gain not reached'})"
+                    f"{length['grpo_lr']:g}{'' if length['reached'] else ', half gain not reached'}); GRPO's own gain "
+                    f"{interval(gain)}{' - GRPO GAINS NOTHING' if case['grpo_gain']['gains_nothing'] else ''}"
                 )
                 for name, row in case["leads"].items():
                     if " - " in name:
+                        print(f"  {name:<40} {interval(row['share_of_gain'])}")
                         continue
-                    share = row["share_of_gain"]
-                    cell = f"{share[0]:+.3f} [{share[1]:+.3f}, {share[2]:+.3f}]" if share else "reference"
-                    print(f"  {name:<18} size {row['size']:>3} lr {row['lr']:<8g} area {row['auc'][0]:.3f}  {cell}")
+                    cell = interval(row["share_of_gain"]) if row["share_of_gain"] else "reference"
+                    changed = (
+                        f" (mean rule: {row['mean_rule_lr']:g})" if row["mean_rule_lr"] not in (None, row["lr"]) else ""
+                    )
+                    fallen = f"  {row['collapsed_runs']}/{row['runs']} collapsed" if row["collapsed_runs"] else ""
+                    print(
+                        f"  {name:<22} size {row['size']:>3} lr {row['lr']:<8g} area {row['auc'][0]:.3f}  {cell}"
+                        f"{fallen}{changed}"
+                    )
+                for lr, pairs in case["leads_at_rates"].items():
+                    cells = ", ".join(f"{pair} {interval(value)}" for pair, value in pairs.items() if value)
+                    print(f"  at lr {lr}: {cells}")
     print(
         f"\nlead at L {summary['trend']['to_filler']} minus lead at L {summary['trend']['from_filler']} "
         "(share of the reachable gain, unpaired 95 % CI):"

@@ -32,10 +32,16 @@ iteration (responses, MC continuations, tree nodes) on the start policy are clos
 (exact_toy.pilot_costs); what each run actually spends is recorded per iteration. It changes as the policy
 learns (SPO-chain makes fewer cutpoints and SPO-tree grows smaller trees as the policy sharpens), so the plot's
 x axis is the cumulative measured spend, and J at a fraction of the iterations favours a setting that spends more.
-Fairness: each setting's learning rate is the best mean final J over --tuning-seeds (never reported) on a grid of
---lrs 3x apart; a best value on the grid's edge extends the grid by one step on that side and that value is run
-(at most --max-extensions times; recorded, as is a choice still on an edge). Then every setting runs on the same
---seeds at its learning rate; differences are paired by seed.
+Fairness: each setting's learning rate is chosen on --tuning-seeds (never reported) on a grid of --lrs 3x apart
+(--lr-step) by --rate-rule: the highest median score (final J, or on an axis the area under J) among the rates at
+which no tuning seed collapses (a run collapses when its J falls below half its start J: measures.collapsed); the JSON
+records the mean's and the median's choices too. A chosen value on the grid's edge extends the grid by one step on
+that side and that value is run (at most --max-extensions times; recorded, as is a choice still on an edge). Then
+every setting runs on the same --seeds at its learning rate; differences are paired by seed (comparison_pairs).
+--reported-sweep runs every rate of the grid on the reported seeds too: score against rate per setting (a second
+PNG) and the paired differences at every rate the settings share. Every finished run is cached (--run-cache) under
+a key of its start policy, settings, code and machine, so a sweep cut short, or a case run again with another
+length or grid, recomputes only the runs it has not made.
 Reported (JSON): per setting the size, the measured tokens per iteration, J at 0, 25, 50 and 100 % of the
 iterations (iteration ceil(25 %), ...) with 95 % bootstrap intervals over seeds, the final KL, the iterations to
 reach J_0 + --gain (a run that never does counts as iterations + 1, so the mean is a lower bound; how many did is
@@ -103,7 +109,7 @@ import numpy as np
 import torch
 
 from experiments import exact_toy as toy
-from experiments.measures import area_under, at_tokens, in_steps, paired_interval, rounded
+from experiments.measures import area_under, at_tokens, collapsed, in_steps, paired_interval, rounded
 from experiments.toy_training import World, enumerate_policy, run_all, train_run
 from plumbing import UsageError, cli, ranges
 
@@ -145,7 +151,19 @@ class Args:
     lrs: ranges.PositiveFloats = field(default_factory=lambda: [3e-4, 1e-3, 3e-3, 1e-2])
     """learning-rate grid of the sweep (the same for every setting)"""
     lr_step: ranges.bounded(float, 1, low_open=True) = 3.0
-    """factor by which the grid is extended when a setting's best learning rate is at its edge"""
+    """factor by which the grid is extended when a setting's best learning rate is at its edge (the new value rounded
+    to 3 significant digits: a sqrt(3) grid from 1e-3 keeps 3e-3)"""
+    rate_rule: Literal["median-no-collapse", "median", "mean"] = "median-no-collapse"
+    """how the sweep chooses a rate from its tuning seeds' scores: median-no-collapse, the highest median among the
+    rates at which no tuning seed collapses (measures.collapsed; none such: the grid's smallest); median; mean. The JSON
+    records every rule's choice"""
+    reported_sweep: bool = False
+    """every rate of each setting's grid also on the reported seeds: each rate's score per seed (plotted, area against
+    rate) and the paired differences at every rate all settings share, beside tuned against tuned"""
+    run_cache: str = "auto"
+    """where every finished run is kept and read back by a later sweep that makes the same run (toy_training.run_key:
+    start policy, settings, code, CPU, torch): auto ($SPO_CACHE/toy_runs, else ~/.cache/spo/toy_runs), none, or a
+    directory"""
     max_extensions: ranges.NonNegativeInt = 2
     """at most this many extensions of the grid per setting"""
     gain: ranges.PositiveFloat = 0.25
@@ -369,47 +387,66 @@ def length_from_grpo(curves: list[dict], args: Args) -> dict:
     }
 
 
-def best_lr(final: dict[float, list[float]]) -> float:
-    """The learning rate with the highest mean score (final J, or the area under J to the token budget) over the
-    tuning seeds (ties: the smaller).
+RATE_RULES = ("median-no-collapse", "median", "mean")
 
-    >>> best_lr({1e-3: [0.5, 0.6], 3e-3: [0.7, 0.6], 1e-2: [0.2, 0.9]})
-    0.003
+
+def choose_rate(scores: dict[float, list[float]], collapses: dict[float, list[bool]], rule: str) -> float:
+    """The learning rate a sweep chooses from its tuning seeds' scores (final J, or the area under J on the axis) and
+    collapses (ties: the smaller rate). mean: the highest mean; median: the highest median; median-no-collapse (the
+    default): the highest median among the rates at which no tuning seed collapsed, the grid's smallest if every
+    rate has a collapse. Why: the mean over few seeds picks the fastest rate that survives them (a rate that breaks
+    on 20 % of seeds survives 3 with probability 0.51), the median alone keeps a rate at which 2 of 5 seeds broke,
+    and the largest rate without a collapse can be slower than a smaller one.
+
+    >>> scores = {1e-3: [0.5, 0.6, 0.6], 3e-3: [0.8, 0.8, 0.25], 1e-2: [0.2, 0.9, 0.0]}
+    >>> collapses = {1e-3: [False] * 3, 3e-3: [False, False, True], 1e-2: [True, False, True]}
+    >>> [choose_rate(scores, collapses, rule) for rule in ("mean", "median", "median-no-collapse")]
+    [0.003, 0.003, 0.001]
     """
-    return max(sorted(final), key=lambda lr: (float(np.mean(final[lr])), -lr))
+    if rule not in RATE_RULES:
+        raise UsageError(f"--rate-rule {rule}: choose from {' '.join(RATE_RULES)}")
+    rates = sorted(scores)
+    if rule == "median-no-collapse":
+        rates = [lr for lr in rates if not any(collapses[lr])] or rates[:1]
+    average = np.median if rule != "mean" else np.mean
+    return max(rates, key=lambda lr: (float(average(scores[lr])), -lr))
 
 
 def extension(grid: list[float], best: float, step: float) -> tuple[str, float] | None:
-    """Where the grid must grow when its best value sits on an edge: ("low", min / step) or ("high", max * step);
-    None when the best is inside.
+    """Where the grid must grow when its best value sits on an edge: ("low", min / step) or ("high", max * step),
+    rounded to 3 significant digits; None when the best is inside.
 
     >>> extension([1e-3, 3e-3, 1e-2], 3e-3, 3.0), extension([1e-3, 3e-3], 1e-3, 3.0)[0]
     (None, 'low')
+    >>> extension([1e-3, 1.73e-3, 3e-3, 5.2e-3], 5.2e-3, 3**0.5), extension([1e-3, 3e-3], 1e-3, 3**0.5)
+    (('high', 0.00901), ('low', 0.000577))
     """
     if best == min(grid):
-        return "low", min(grid) / step
+        return "low", float(f"{min(grid) / step:.3g}")
     if best == max(grid):
-        return "high", max(grid) * step
+        return "high", float(f"{max(grid) * step:.3g}")
     return None
 
 
 def sweep(names: list[str], world: World, args: Args) -> dict[str, dict]:
-    """Each setting's learning rate: every value of the grid on every tuning seed, chosen by the mean rate_score (final
-    J, or with --token-budget the area under J against tokens); a best value
-    on the grid's edge extends the grid by one step on that side and the new value is run (at most
-    args.max_extensions times). Returns per setting the grid, each value's final J per tuning seed, the choice, the
-    extensions made and whether the choice is still on an edge."""
-    results = {name: {"final_J": {}, "extensions": [], "curves": []} for name in names}
+    """Each setting's learning rate: every value of the grid on every tuning seed, chosen by --rate-rule from each
+    run's rate_score (final J, or on an axis the area under J) and whether it collapsed; a chosen value on the grid's
+    edge extends the grid by one step on that side and the new value is run (at most args.max_extensions times).
+    Returns per setting the grid, each value's scores and collapses per tuning seed, every rule's choice and the
+    one made, the extensions made and whether the choice is still on an edge."""
+    results = {name: {"final_J": {}, "collapses": {}, "extensions": [], "curves": []} for name in names}
     pending = [(name, lr) for name in names for lr in args.lrs]
     for round_ in range(args.max_extensions + 1):
         jobs = [(name, lr, seed) for name, lr in pending for seed in args.tuning_seeds]
         for (name, lr, _), curve in zip(jobs, run_all(jobs, world, args)):
             results[name]["final_J"].setdefault(lr, []).append(rate_score(curve, args))
+            results[name]["collapses"].setdefault(lr, []).append(collapsed(curve))
             results[name]["curves"].append(curve)
         pending = []
         for name in names:
             entry = results[name]
-            entry["chosen"] = best_lr(entry["final_J"])
+            entry["choices"] = {rule: choose_rate(entry["final_J"], entry["collapses"], rule) for rule in RATE_RULES}
+            entry["chosen"] = entry["choices"][args.rate_rule]
             grow = extension(list(entry["final_J"]), entry["chosen"], args.lr_step)
             entry["at_edge"] = grow is not None
             if grow and round_ < args.max_extensions:
@@ -420,10 +457,67 @@ def sweep(names: list[str], world: World, args: Args) -> dict[str, dict]:
     score = "auc" if axis_length(args) else "final_J"  # what the choice maximised, in the JSON
     for entry in results.values():
         entry["grid"] = sorted(entry["final_J"])
-        by_lr = entry.pop("final_J")
+        by_lr, collapses = entry.pop("final_J"), entry.pop("collapses")
         entry[score] = {f"{lr:g}": by_lr[lr] for lr in entry["grid"]}
         entry[f"mean_{score}"] = {lr: float(np.mean(values)) for lr, values in entry[score].items()}
+        entry[f"median_{score}"] = {lr: float(np.median(values)) for lr, values in entry[score].items()}
+        entry["collapses"] = {f"{lr:g}": int(sum(collapses[lr])) for lr in entry["grid"]}
     return results
+
+
+def comparison_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """The paired differences reported, (a, b) for a - b: every setting against grpo, spo_tree_depth against
+    spo_tree_uniform, SPO-chain against GRPO + mask whitened the same way (with confident filler int1 is GRPO + mask
+    with an MC baseline), and each scale-only whitening variant against its centre-scale setting.
+
+    >>> comparison_pairs(["grpo", "grpo_mask", "spo_chain_int1", "spo_chain_int1_scale"])[3:]
+    [('spo_chain_int1', 'grpo_mask'), ('spo_chain_int1_scale', 'spo_chain_int1')]
+    """
+    pairs = [(name, "grpo") for name in names if name != "grpo" and "grpo" in names]
+    if {"spo_tree_depth", "spo_tree_uniform"} <= set(names):
+        pairs.append(("spo_tree_depth", "spo_tree_uniform"))
+    for name in names:  # against GRPO + mask whitened the same way
+        mask = "grpo_mask_scale" if name.endswith("_scale") else "grpo_mask"
+        if name.startswith("spo_chain") and mask in names:
+            pairs.append((name, mask))
+    pairs += [
+        (name, name.removesuffix("_scale")) for name in names if name.removesuffix("_scale") in set(names) - {name}
+    ]
+    return pairs
+
+
+def rate_table(by_rate: dict[str, dict[float, list[dict]]], swept: dict, args: Args) -> dict:
+    """--reported-sweep: per setting and rate of its grid, the reported seeds' scores (rate_score) and collapses, the
+    tuning seeds' mean and median beside them; per rate every setting ran, the paired differences of the scores
+    (comparison_pairs, measures.paired_interval) on the reported seeds."""
+    scores = {
+        name: {lr: np.array([rate_score(run, args) for run in runs]) for lr, runs in rates.items()}
+        for name, rates in by_rate.items()
+    }
+    score = "auc" if axis_length(args) else "final_J"
+    table = {
+        name: {
+            f"{lr:g}": {
+                "scores": scores[name][lr].tolist(),
+                "mean": paired_interval(scores[name][lr], np.zeros(len(scores[name][lr])), args.bootstrap, seed=0),
+                "collapses": int(sum(collapsed(run) for run in by_rate[name][lr])),
+                "tuning_mean": swept[name][f"mean_{score}"][f"{lr:g}"],
+                "tuning_median": swept[name][f"median_{score}"][f"{lr:g}"],
+                "chosen": lr == swept[name]["chosen"],
+            }
+            for lr in sorted(scores[name])
+        }
+        for name in scores
+    }
+    common = sorted(set.intersection(*(set(rates) for rates in scores.values())))
+    at_common = {
+        f"{lr:g}": {
+            f"{a} - {b}": paired_interval(scores[a][lr], scores[b][lr], args.bootstrap, seed=0)
+            for a, b in comparison_pairs(list(scores))
+        }
+        for lr in common
+    }
+    return {"score": score, "by_setting": table, "at_common_rates": at_common}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,9 +597,7 @@ def summarise(curves: dict[str, list[dict]], args: Args) -> tuple[dict, dict]:
                 "runs": len(reach),
             },
         }
-    pairs = [(name, "grpo") for name in curves if name != "grpo" and "grpo" in curves]
-    if {"spo_tree_depth", "spo_tree_uniform"} <= set(curves):
-        pairs.append(("spo_tree_depth", "spo_tree_uniform"))
+    pairs = comparison_pairs(list(curves))
     differences = {
         f"{a} - {b}": {
             measure: paired_interval(columns[a][measure], columns[b][measure], args.bootstrap, seed=0)
@@ -534,8 +626,10 @@ def run_estimate(timing: dict[str, float], args: Args) -> tuple[float, float]:
         min(args.iterations, math.ceil(args.token_budget / args.budget)) if args.token_budget else args.iterations
     )
     per_run = sum(timing.values()) * iterations / args.workers
-    runs = len(args.lrs) * len(args.tuning_seeds) + len(args.seeds) * (2 if args.common_lr else 1)
-    return per_run * runs, per_run * (runs + args.max_extensions * len(args.tuning_seeds))
+    reported = len(args.lrs) if args.reported_sweep else 1  # --reported-sweep: the whole grid on the reported seeds
+    runs = len(args.lrs) * len(args.tuning_seeds) + len(args.seeds) * (reported + (1 if args.common_lr else 0))
+    extended = args.max_extensions * (len(args.tuning_seeds) + (len(args.seeds) if args.reported_sweep else 0))
+    return per_run * runs, per_run * (runs + extended)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -596,6 +690,60 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_rates(results: dict, path: Path) -> None:
+    """--reported-sweep: each setting's score (the area under J on the axis, or final J) against the learning rate,
+    mean over the reported seeds with its 95 % bootstrap interval, the tuning seeds' median dashed, the chosen rate
+    circled, and the number of collapsed reported runs beside each point that has any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = results["reported_sweep"]
+    fig, axis = plt.subplots(figsize=(8, 5.5), layout="constrained")
+    for name, by_lr in rates["by_setting"].items():
+        color, style = toy.PALETTE.get(name, (None, "-"))
+        lrs = [float(lr) for lr in by_lr]
+        means = np.array([row["mean"] for row in by_lr.values()])  # [rates, 3]
+        axis.errorbar(
+            lrs,
+            means[:, 0],
+            yerr=[means[:, 0] - means[:, 1], means[:, 2] - means[:, 0]],
+            color=color,
+            linestyle=style,
+            marker="o",
+            markersize=3,
+            capsize=2,
+            label=name,
+        )
+        axis.plot(lrs, [row["tuning_median"] for row in by_lr.values()], color=color, linestyle=":", alpha=0.5)
+        for lr, row, mean in zip(lrs, by_lr.values(), means[:, 0]):
+            if row["chosen"]:
+                axis.plot(lr, mean, marker="o", markersize=10, markerfacecolor="none", color=color)
+            if row["collapses"]:
+                axis.annotate(
+                    str(row["collapses"]),
+                    (lr, mean),
+                    fontsize=7,
+                    color=color,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+    axis.set_xscale("log")
+    what = "final J" if rates["score"] == "final_J" else "area under J / length"
+    axis.set(
+        xlabel="learning rate",
+        ylabel=f"{what} (reported seeds, mean, 95 % CI)",
+        title="Rate sweep on the reported seeds (dotted: tuning seeds' median; circled: chosen; "
+        "numbers: collapsed runs)",
+    )
+    axis.title.set_fontsize(9)
+    axis.legend(fontsize=7)
+    axis.grid(alpha=0.3)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def print_table(results: dict, summary: dict | None = None, differences: dict | None = None) -> None:
     """One line per setting: size, spend, learning rate, J at 0 / 25 / 50 / 100 % (of the iterations, or with
     --token-budget of B tokens), final - grpo, iterations to gain. `summary` and `differences`: another set's (the
@@ -604,7 +752,7 @@ def print_table(results: dict, summary: dict | None = None, differences: dict | 
     differences = differences or results["differences"]
     gain = results["settings"]["gain"]
     print(
-        f"\n{'setting':<18}{'size':>6}{'tok/it':>8}{'lr':>9}{'J0':>7}{'J25%':>7}{'J50%':>7}{'J100%':>7}"
+        f"\n{'setting':<22}{'size':>6}{'tok/it':>8}{'lr':>9}{'J0':>7}{'J25%':>7}{'J50%':>7}{'J100%':>7}"
         f"{'  final - grpo [95% CI]':<30}{f'iters to +{gain:g} (reached)':>24}"
     )
     for name, row in summary.items():
@@ -613,13 +761,14 @@ def print_table(results: dict, summary: dict | None = None, differences: dict | 
         interval = f"  {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]" if diff else ""
         reach = row["iterations_to_gain"]
         print(
-            f"{name:<18}{row['size']:>6}{row['tokens_per_iteration']:>8.0f}{row['lr']:>8.0e}{edge:1}{row['J0']:>7.3f}"
+            f"{name:<22}{row['size']:>6}{row['tokens_per_iteration']:>8.0f}{row['lr']:>8.0e}{edge:1}{row['J0']:>7.3f}"
             f"{row['J_25%'][0]:>7.3f}{row['J_50%'][0]:>7.3f}{row['J_100%'][0]:>7.3f}{interval:<30}"
             f"{reach['mean_censored']:>16.1f} ({reach['reached']}/{reach['runs']})"
         )
-    if "spo_tree_depth - spo_tree_uniform" in differences:
-        diff = differences["spo_tree_depth - spo_tree_uniform"]["100%"]
-        print(f"spo_tree_depth - spo_tree_uniform, final J: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]")
+    for key, entry in differences.items():
+        if not key.endswith(" - grpo"):
+            diff = entry["100%"]
+            print(f"{key}, final J: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]")
     if any(entry["at_edge"] for entry in results["sweep"].values()):
         print("(! the chosen learning rate is still at the edge of the widened grid)")
     if results["settings"].get("samples"):
@@ -735,6 +884,23 @@ def main(args: Args) -> dict:
         common = {"lr": args.common_lr, "summary": common_summary, "differences": common_differences}
         common["curves"] = common_curves
 
+    # 4c. With --reported-sweep: every other rate of each setting's grid on the reported seeds too.
+    rates = None
+    if args.reported_sweep:
+        step = time.time()
+        by_rate = {name: {swept[name]["chosen"]: curves[name]} for name in names}
+        jobs = [
+            (name, lr, seed)
+            for name in names
+            for lr in swept[name]["grid"]
+            if lr not in by_rate[name]
+            for seed in args.seeds
+        ]
+        for (name, lr, _), curve in zip(jobs, run_all(jobs, world, args)):
+            by_rate[name].setdefault(lr, []).append(curve)
+        rates = rate_table(by_rate, swept, args)
+        seconds["reported_sweep"] = time.time() - step
+
     # 5. Summaries, intervals, JSON and PNG.
     summary, differences = summarise(curves, args)
     for name in names:
@@ -781,12 +947,15 @@ def main(args: Args) -> dict:
             "curves": curves,
             "sweep_curves": {name: entry["curves"] for name, entry in swept.items()},
             "common_rate": common,
+            "reported_sweep": rates,
         }
     )
     output = Path(args.out)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=1))
     plot(results, output.with_suffix(".png"))
+    if rates:
+        plot_rates(results, output.with_name(f"{output.stem}_rates.png"))
     print_table(results)
     if common:
         print(f"\nevery setting at the common learning rate {args.common_lr:g} (no tuning):")

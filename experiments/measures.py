@@ -103,6 +103,20 @@ def at_tokens(run: dict, tokens, key: str = "J") -> np.ndarray:
     return np.interp(np.asarray(tokens, dtype=float), cumulative_tokens(run), run[key])
 
 
+COLLAPSE_SHARE = 0.5  # a run collapses when its J falls below this share of its start J
+
+
+def collapsed(curve: dict) -> bool:
+    """Whether a run collapsed: its exact J, after some iteration of the run, below COLLAPSE_SHARE of its start J,
+    i.e. the run lost half the start policy's expected reward (what too large a rate does on this toy: J 0.96 -> 0.00
+    in one step, or 0.91 -> 0.12 -> 0; a run that recovers later still counts).
+
+    >>> collapsed({"J": [0.6, 0.9, 0.2, 0.9]}), collapsed({"J": [0.6, 0.4, 0.31]})
+    (True, False)
+    """
+    return min(curve["J"][1:], default=curve["J"][0]) < COLLAPSE_SHARE * curve["J"][0]
+
+
 def area_under(run: dict, budget: float) -> float:
     """The area under J against cumulative sampled tokens per prompt from 0 to `budget`, over `budget`: the run's mean
     J over its first `budget` tokens (J linear between iterations), which rewards early and lasting gains alike.
@@ -176,9 +190,16 @@ def across_seeds(per_seed: dict[str, tuple[list[float], list[float]]], resamples
 
 
 def rounded(value):
-    """Floats rounded to 5 digits, NaN as None, through lists, tuples and dicts (for the JSON)."""
+    """Floats rounded to 5 decimals (below 0.01 in size: to 5 significant digits, so a learning rate of 3.33e-4 stays
+    itself), NaN as None, through lists, tuples and dicts (for the JSON).
+
+    >>> rounded([0.123456789, 3.33e-4, 1.234567e-7, float("nan")])
+    [0.12346, 0.000333, 1.2346e-07, None]
+    """
     if isinstance(value, float):
-        return round(value, 5) if math.isfinite(value) else None
+        if not math.isfinite(value):
+            return None
+        return round(value, 5) if abs(value) >= 0.01 else float(f"{value:.5g}")
     if isinstance(value, (list, tuple)):
         return [rounded(v) for v in value]
     if isinstance(value, dict):

@@ -8,11 +8,16 @@ of learning_exact.py. `args` in every function here is learning_exact's Args.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
 import multiprocessing
+import platform
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +27,7 @@ import ppo_baseline
 import spo_chain
 import spo_tree
 from experiments import exact_toy as toy
-from plumbing import UsageError, bookkeeping
+from plumbing import UsageError, bookkeeping, files, models, precision
 from plumbing.precision import FP32
 from plumbing.training import make_optimizer, reseed, sample_logprobs
 
@@ -147,6 +152,20 @@ def make_learner(name: str, world: World, lr: float, args) -> Learner:
     return learner
 
 
+def whitening_stats(metrics: dict) -> dict:
+    """An iteration's whitening counts (bookkeeping.whitening_metrics) as a curve's stats keep them: the loss-masked
+    tokens of the iteration batch, and those whose advantage 0 the whitening turned positive (centring does when the
+    masked mean is negative; --whiten scale never does).
+
+    >>> whitening_stats({"charts/loss_mask_tokens": 12, "charts/zero_advantages_made_positive": 3})
+    {'masked_tokens': 12, 'zeros_made_positive': 3}
+    """
+    return {
+        "masked_tokens": metrics["charts/loss_mask_tokens"],
+        "zeros_made_positive": metrics["charts/zero_advantages_made_positive"],
+    }
+
+
 def batch_size_for(samples: int, minibatches: int) -> int:
     """Sequences per optimizer step so that one epoch over `samples` takes `minibatches` steps (fewer when there are
     fewer samples).
@@ -163,11 +182,11 @@ def grpo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> di
     samples, _, rewards = toy.draw_responses(sampler, exacts, a.group_size)
     a = replace(a, batch_size=batch_size_for(len(samples), learner.minibatches))
     advantages = grpo_baseline.group_advantages(torch.tensor(rewards), a.group_size)
-    grpo_baseline.attach_targets(samples, advantages, learner.model, None, a, toy.EOS, FP32)
+    _, whitening = grpo_baseline.attach_targets(samples, advantages, learner.model, None, a, toy.EOS, FP32)
     grpo_baseline.update_policy(
         learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
     )
-    return {"reward": float(np.mean(rewards)), "samples": len(samples) / len(exacts)}
+    return {"reward": float(np.mean(rewards)), "samples": len(samples) / len(exacts), **whitening_stats(whitening)}
 
 
 def chain_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
@@ -195,7 +214,7 @@ def chain_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> d
         )
         for p, cuts, row, exact, r in zip(probs, cutpoints, prefixes, owners, rewards)
     ]
-    spo_chain.attach_advantages(samples, advantages, flat_probs, a.prob_threshold, a.prob_mask)
+    _, whitening = spo_chain.attach_advantages(samples, advantages, flat_probs, a.prob_threshold, a.prob_mask, a.whiten)
     spo_chain.update_policy(
         learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
     )
@@ -203,6 +222,7 @@ def chain_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> d
         "reward": float(np.mean(rewards)),
         "samples": len(samples) / len(exacts),
         "cutpoints": float(np.mean([len(c) for c in cutpoints])),
+        **whitening_stats(whitening),
     }
 
 
@@ -240,7 +260,7 @@ def tree_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> di
         for edge, weight in zip(taken, spo_tree.edge_weights(taken, learner.buffer, spo_tree.depth_weights(branches))):
             edge["weight"] = weight
     samples, learner.buffer = spo_tree.fill_samples(taken, learner.buffer, a.samples_per_iteration, rng)
-    spo_tree.attach_targets(
+    whitening = spo_tree.attach_targets(
         samples,
         None,
         micro_batch_size=a.micro_batch_size,
@@ -249,13 +269,19 @@ def tree_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> di
         prob_threshold=a.prob_threshold,
         prob_mask=a.prob_mask,
         precision=FP32,
+        whiten_mode=a.whiten,
     )
     a = replace(a, batch_size=batch_size_for(len(samples), learner.minibatches))
     spo_tree.update_policy(
         learner.model, learner.optimizer, learner.scheduler, samples, a, toy.EOS, iteration, learner.guard
     )
     root_values = [root.value for root in roots]  # backed up by tree_segments
-    return {"reward": float(np.mean(root_values)), "samples": len(samples) / len(exacts), "edges": len(samples)}
+    return {
+        "reward": float(np.mean(root_values)),
+        "samples": len(samples) / len(exacts),
+        "edges": len(samples),
+        **whitening_stats(whitening),
+    }
 
 
 def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dict:
@@ -275,8 +301,8 @@ def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dic
         pad_id=toy.EOS,
         precision=FP32,
     )
-    ppo_baseline.add_advantages_and_returns(
-        samples, torch.tensor(rewards), gamma=a.gamma, lam=a.lam, prob_threshold=a.prob_threshold, prob_mask=a.prob_mask
+    _, whitening = ppo_baseline.add_advantages_and_returns(
+        samples, torch.tensor(rewards), a.gamma, a.lam, a.prob_threshold, a.prob_mask, a.whiten
     )
     # the critic against the exact V of the states it valued, before this update
     value_error = float(
@@ -301,7 +327,12 @@ def ppo_iteration(learner: Learner, sampler, exacts, iteration: int, rng) -> dic
         iteration,
         learner.guard,
     )
-    return {"reward": float(np.mean(rewards)), "samples": len(samples) / len(exacts), "critic_value_mse": value_error}
+    return {
+        "reward": float(np.mean(rewards)),
+        "samples": len(samples) / len(exacts),
+        "critic_value_mse": value_error,
+        **whitening_stats(whitening),
+    }
 
 
 ITERATIONS = {"grpo": grpo_iteration, "spo_chain": chain_iteration, "spo_tree": tree_iteration, "ppo": ppo_iteration}
@@ -350,6 +381,110 @@ def train_run(name: str, lr: float, seed: int, world: World, args) -> tuple[dict
 # ----------------------------------------------------------------------------------------------
 # Many runs: side by side in worker processes (each run is seeded on its own: the result does not depend on them)
 
+
+def run_all(jobs: list[tuple[str, float, int]], world: World, args) -> list[dict]:
+    """The curve of every (setting, lr, seed) job, in order: read back from the run cache (args.run_cache) where the
+    same run was made before, the others computed (in this process with one worker, else in a pool of forked
+    processes) and each written to the cache as it finishes, so an interrupted sweep keeps every run it finished."""
+    cache = run_cache_dir(args.run_cache)
+    keys = [run_key(job, world, args) for job in jobs] if cache else []
+    curves = [read_cached(cache / f"{key}.json") for key in keys] if cache else [None] * len(jobs)
+    todo = [index for index, curve in enumerate(curves) if curve is None]
+    if cache and len(todo) < len(jobs):
+        print(f"({len(jobs) - len(todo)} of {len(jobs)} runs read back from {cache})", flush=True)
+    for index, curve in zip(todo, _compute([jobs[index] for index in todo], world, args)):
+        if cache:
+            files.write_atomic(cache / f"{keys[index]}.json", json.dumps(curve), "the run cache's file")
+        curves[index] = curve
+    return curves
+
+
+def _compute(jobs: list[tuple[str, float, int]], world: World, args) -> Iterator[dict]:
+    """Each job's curve as it finishes, in order."""
+    if not jobs:
+        return
+    if args.workers == 1 or len(jobs) == 1:
+        _start_worker(world, args)
+        yield from map(_run, jobs)
+        return
+    with multiprocessing.get_context("fork").Pool(args.workers, _start_pool_worker, (world, args)) as pool:
+        yield from pool.imap(_run, jobs, chunksize=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run cache: a run is a function of its start policy, its settings, its code and the machine's arithmetic
+
+# learning_exact's settings that one run reads besides the start policy (hashed whole: its weights) and the size
+RUN_FIELDS = (
+    "task",
+    "filler",
+    "prompts",
+    "horizon",
+    "temperature",
+    "prob_threshold",
+    "mc_samples",
+    "tree_depth",
+    "segment_tokens",
+    "critic_lr",
+    "value_clip_eps",
+    "clip_eps",
+    "max_grad_norm",
+    "minibatches",
+    "micro_batch_size",
+    "iterations",
+    "token_budget",
+    "threads",
+)
+RUN_CODE = ("experiments/toy_training.py",)  # with exact_toy.SHARED_CODE: the scripts, plumbing, exact_toy, measures
+
+
+def run_cache_dir(setting: str) -> Path | None:
+    """Where runs are cached: --run-cache auto is $SPO_CACHE/toy_runs (else ~/.cache/spo/toy_runs), none is no
+    cache, anything else a directory.
+
+    >>> run_cache_dir("none"), run_cache_dir("/tmp/runs")
+    (None, PosixPath('/tmp/runs'))
+    """
+    if setting == "none":
+        return None
+    return models.cache_dir() / "toy_runs" if setting == "auto" else Path(setting)
+
+
+def run_key(job: tuple[str, float, int], world: World, args) -> str:
+    """The cache key of one (setting, lr, seed) run: a hash of the start policy's weights, the setting's size, the
+    settings a run reads (RUN_FIELDS), the code it runs (exact_toy.code_hash: a commit that changes none of it keeps
+    every run), and the machine's arithmetic (the CPU's name and flags, torch, numpy and Python versions: one seed
+    trains differently on another CPU)."""
+    name, lr, seed = job
+    weights = hashlib.sha256()
+    for key, tensor in world.model.state_dict().items():
+        weights.update(key.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+    identity = {
+        "setting": name,
+        "lr": float(lr),
+        "seed": seed,
+        "size": world.sizes[name],
+        "start_policy": weights.hexdigest(),
+        "settings": {field_name: getattr(args, field_name) for field_name in RUN_FIELDS},
+        "code": toy.code_hash(*RUN_CODE),
+        "cpu": precision.cpu_description(),
+        "cpu_flags": hashlib.sha256(" ".join(sorted(precision.cpu_flags())).encode()).hexdigest()[:16],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def read_cached(path: Path) -> dict | None:
+    """A cached run's curve, or None where there is none (or only a file an interrupted write left)."""
+    try:
+        curve = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return curve if isinstance(curve, dict) and "J" in curve else None
+
+
 _WORKER: dict = {}
 
 
@@ -369,13 +504,3 @@ def _start_pool_worker(world: World, args) -> None:
 def _run(job: tuple[str, float, int]) -> dict:
     """One (setting, lr, seed) job's curve."""
     return train_run(*job, _WORKER["world"], _WORKER["args"])[0]
-
-
-def run_all(jobs: list[tuple[str, float, int]], world: World, args) -> list[dict]:
-    """The curve of every (setting, lr, seed) job, in order: in this process with one worker, else in a pool of
-    forked processes."""
-    if args.workers == 1 or len(jobs) == 1:
-        _start_worker(world, args)
-        return [_run(job) for job in jobs]
-    with multiprocessing.get_context("fork").Pool(args.workers, _start_pool_worker, (world, args)) as pool:
-        return pool.map(_run, jobs, chunksize=1)

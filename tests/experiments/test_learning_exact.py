@@ -283,6 +283,22 @@ def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_
                 share = (areas[setting] - areas["grpo"]).mean() / (1 - row["J0"])
                 assert row["share_of_gain"][0] == pytest.approx(share, abs=1e-5)
                 assert row["auc_minus_grpo"] == run["differences"][f"{setting} - grpo"]["auc"]
+        areas, j0 = lc.seed_areas(run), run["summary"]["grpo"]["J0"]
+        assert case["grpo_gain"]["share_of_gain"][0] == pytest.approx(
+            ((areas["grpo"] - j0) / (1 - j0)).mean(), abs=1e-5
+        )
+        assert case["grpo_gain"]["gains_nothing"] == (case["grpo_gain"]["share_of_gain"][1] <= 0)
+        pair = case["leads"]["spo_chain_int1 - grpo_mask"]["share_of_gain"]  # int1 against GRPO + mask too
+        assert pair[0] == pytest.approx(((areas["spo_chain_int1"] - areas["grpo_mask"]) / (1 - j0)).mean(), abs=1e-5)
+        for setting, row in case["leads"].items():
+            if " - " not in setting:
+                assert row["collapsed_runs"] == sum(measures.collapsed(r) for r in run["curves"][setting])
+                assert row["mean_rule_lr"] == run["sweep"][setting]["choices"]["mean"]
+        by_setting = run["reported_sweep"]["by_setting"]
+        assert set(case["leads_at_rates"]) == set(run["reported_sweep"]["at_common_rates"]) != set()
+        for lr, pairs in case["leads_at_rates"].items():
+            a, b = (np.array(by_setting[s][lr]["scores"]) for s in ("spo_tree_depth", "grpo"))
+            assert pairs["spo_tree_depth - grpo"][0] == pytest.approx(((a - b) / (1 - j0)).mean(), abs=1e-5)
         assert saved["advantage_maps"][kind][str(filler)] == run["policy"]["position_map"]
         start = case["start_policy"]  # one recipe: the length right on every prompt, however many steps that took
         assert start["length_right_min"] == min(run["policy"]["length_right"].values()) >= toy.CRITICAL_LENGTH_RIGHT
@@ -379,3 +395,93 @@ def test_the_critical_task_learns_through_every_setting(tmp_path):
     for name, runs in saved["curves"].items():  # every setting's updates move the policy (a response can finish)
         assert any(j != run["J"][0] for run in runs for j in run["J"]), name
     assert any(stat["edges"] > 0 for run in saved["curves"]["spo_tree_depth"] for stat in run["stats"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The rate protocol: rates that hold on new seeds, the sweep on the reported seeds, the run cache, whitening
+
+
+def test_the_rule_takes_the_best_median_among_rates_no_tuning_seed_collapses_at(monkeypatch):
+    # final J 0.5 + 0.1 lr / 1e-3, but at 3e-3 one tuning seed in three falls from J 0.5 to 0.1 (below half its start)
+    def fake_run_all(jobs, world, args):
+        curves = []
+        for _, lr, seed in jobs:
+            if lr > 2e-3 and seed == args.tuning_seeds[0]:
+                curves.append({"J": [0.5, 0.9, 0.1, 0.1]})
+            else:
+                curves.append({"J": [0.5, 0.55, 0.6, 0.5 + 0.1 * lr / 1e-3]})
+        return curves
+
+    monkeypatch.setattr(le, "run_all", fake_run_all)
+    args = dataclasses.replace(le.Args(), lrs=[1e-3, 1.73e-3, 3e-3], lr_step=3**0.5, tuning_seeds=[7, 8, 9])
+    entry = le.sweep(["grpo"], None, args)["grpo"]
+    assert entry["choices"] == {"median-no-collapse": 1.73e-3, "median": 3e-3, "mean": 1.73e-3}
+    assert entry["chosen"] == 1.73e-3 and entry["collapses"] == {"0.001": 0, "0.00173": 0, "0.003": 1}
+    assert entry["median_final_J"]["0.003"] == pytest.approx(0.8) and not entry["at_edge"]
+    # every rate with a collapse: the grid's smallest, and the grid grows downwards from it, rounded on the sqrt(3) grid
+    monkeypatch.setattr(le, "run_all", lambda jobs, world, args: [{"J": [0.5, 0.1]} for _ in jobs])
+    entry = le.sweep(["grpo"], None, dataclasses.replace(args, max_extensions=2))["grpo"]
+    assert entry["grid"] == [3.33e-4, 5.77e-4, 1e-3, 1.73e-3, 3e-3] and entry["chosen"] == 3.33e-4 and entry["at_edge"]
+
+
+def test_a_scale_only_whitening_never_turns_a_zero_advantage_positive_and_its_counts_are_kept(world):
+    args = dataclasses.replace(ARGS, iterations=3)
+    for name in ("grpo_mask", "grpo_mask_scale", "spo_chain_int1", "spo_chain_int1_scale", "ppo_lam1"):
+        stats = toy_training.train_run(name, 1e-2, 0, world, args)[0]["stats"]
+        assert all(s["masked_tokens"] > 0 for s in stats), name
+        if name.endswith("_scale"):
+            assert all(s["zeros_made_positive"] == 0 for s in stats), name
+    assert toy_training.script_args("grpo", toy.SETTINGS["grpo_mask_scale"][1], 4, 1e-3, ARGS).whiten == "scale"
+
+
+@pytest.mark.slow
+def test_the_run_cache_reads_back_every_run_it_made_and_no_other(tmp_path, monkeypatch):
+    cache = tmp_path / "runs"
+    settings = dict(le.TINY, settings=["grpo", "spo_chain_int1"], run_cache=str(cache))
+    first = le.main(dataclasses.replace(le.Args(), **settings, out=str(tmp_path / "a.json")))
+    made = sorted(cache.iterdir())
+    assert len(made) == 2 * (len(first["sweep"]["grpo"]["grid"]) + 3)  # tuning runs (one seed) + 3 reported seeds
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a cached run was trained again")
+
+    monkeypatch.setattr(toy_training, "train_run", no_training)
+    monkeypatch.setattr(le, "time_iteration", lambda name, world, args: 0.1)
+    again = le.main(dataclasses.replace(le.Args(), **settings, out=str(tmp_path / "b.json")))
+    assert again["curves"] == first["curves"] and again["sweep"] == first["sweep"] and sorted(cache.iterdir()) == made
+    # another CPU (or torch, or code, or setting) is another run
+    model = toy.make_policy(le.toy_settings(dataclasses.replace(le.Args(), **settings)))[0]
+    world = toy_training.World(model, [], {"grpo": 4})
+    args = dataclasses.replace(le.Args(), **settings)
+    key = toy_training.run_key(("grpo", 1e-3, 0), world, args)
+    assert key == toy_training.run_key(("grpo", 1e-3, 0), world, args)
+    assert key != toy_training.run_key(("grpo", 1e-3, 1), world, args)
+    assert key != toy_training.run_key(("grpo", 1e-3, 0), world, dataclasses.replace(args, clip_eps=0.3))
+    monkeypatch.setattr(toy_training.precision, "cpu_description", lambda: "another CPU")
+    assert key != toy_training.run_key(("grpo", 1e-3, 0), world, args)
+
+
+@pytest.mark.slow
+def test_the_reported_sweep_scores_every_rate_on_the_reported_seeds(tmp_path):
+    names = ["grpo", "grpo_mask", "spo_chain_int1", "spo_chain_int1_scale"]
+    args = dataclasses.replace(
+        le.Args(), **le.TINY, settings=names, reported_sweep=True, out=str(tmp_path / "r.json"), run_cache="none"
+    )
+    saved = le.main(args)
+    rates = saved["reported_sweep"]
+    assert (tmp_path / "r_rates.png").stat().st_size > 10_000
+    for name in names:
+        by_lr = rates["by_setting"][name]
+        assert [float(lr) for lr in by_lr] == saved["sweep"][name]["grid"]
+        chosen = [row for row in by_lr.values() if row["chosen"]]
+        assert len(chosen) == 1 and chosen[0]["scores"] == [run["J"][-1] for run in saved["curves"][name]]
+        for row in by_lr.values():
+            assert len(row["scores"]) == 3 and row["mean"][0] == pytest.approx(np.mean(row["scores"]), abs=2e-5)
+    common = set.intersection(*(set(rates["by_setting"][name]) for name in names))
+    assert set(rates["at_common_rates"]) == common
+    for lr in common:
+        pairs = rates["at_common_rates"][lr]
+        assert set(pairs) == {f"{a} - {b}" for a, b in le.comparison_pairs(names)}
+        a = np.array(rates["by_setting"]["spo_chain_int1"][lr]["scores"])
+        b = np.array(rates["by_setting"]["grpo_mask"][lr]["scores"])
+        assert pairs["spo_chain_int1 - grpo_mask"][0] == pytest.approx(float(np.mean(a - b)), abs=2e-5)
