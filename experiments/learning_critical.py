@@ -401,6 +401,29 @@ def rate_leads(results: dict, resamples: int = 2000) -> dict:
     }
 
 
+def whitening_counts(runs: list[dict]) -> dict:
+    """What the whitening met in a setting's reported runs, from each iteration's stats: the loss-masked tokens of the
+    iteration batch (mean over iterations; the fewest of a run, and of its last iteration, mean over runs) and how many
+    advantage-0 tokens the whitening turned positive per iteration (mean). None for runs that did not record them.
+
+    >>> whitening_counts([{"stats": [{"masked_tokens": 40, "zeros_made_positive": 2},
+    ...                              {"masked_tokens": 10, "zeros_made_positive": 6}]}])
+    {'masked_tokens': {'mean': 25.0, 'fewest': 10.0, 'last': 10.0}, 'zeros_made_positive': 4.0}
+    """
+    stats = [run["stats"] for run in runs if run["stats"] and "masked_tokens" in run["stats"][0]]
+    if not stats:
+        return {"masked_tokens": None, "zeros_made_positive": None}
+    masked = [[step["masked_tokens"] for step in run] for run in stats]
+    return {
+        "masked_tokens": {
+            "mean": float(np.mean([m for run in masked for m in run])),
+            "fewest": float(np.mean([min(run) for run in masked])),
+            "last": float(np.mean([run[-1] for run in masked])),
+        },
+        "zeros_made_positive": float(np.mean([step["zeros_made_positive"] for run in stats for step in run])),
+    }
+
+
 def leads(results: dict, resamples: int = 2000) -> dict:
     """Per setting of one case: its size, rate (and the rate the tuning seeds' mean would have chosen), samples and
     tokens per iteration, area and J at the length, those minus GRPO's (paired by seed), the lead as a share of the
@@ -419,6 +442,7 @@ def leads(results: dict, resamples: int = 2000) -> dict:
             "mean_rule_lr": results["sweep"][name].get("choices", {}).get("mean"),
             "collapsed_runs": fallen[name],
             "runs": len(runs),
+            **whitening_counts(runs),
             "samples_per_iteration": float(np.mean([s.get("samples", 0.0) for r in runs for s in r["stats"]])),
             "tokens_per_iteration": row["tokens_per_iteration"],
             "iterations": row["iterations"],
@@ -609,6 +633,10 @@ def print_summary(summary: dict) -> None:
                         f" (mean rule: {row['mean_rule_lr']:g})" if row["mean_rule_lr"] not in (None, row["lr"]) else ""
                     )
                     fallen = f"  {row['collapsed_runs']}/{row['runs']} collapsed" if row["collapsed_runs"] else ""
+                    masked = row["masked_tokens"]
+                    if masked:
+                        fallen += f"  masked tokens {masked['mean']:.0f} (fewest {masked['fewest']:.0f})"
+                        fallen += f", zeros made positive {row['zeros_made_positive']:.1f}"
                     print(
                         f"  {name:<22} size {row['size']:>3} lr {row['lr']:<8g} area {row['auc'][0]:.3f}  {cell}"
                         f"{fallen}{changed}"

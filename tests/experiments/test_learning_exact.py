@@ -294,6 +294,8 @@ def test_the_critical_sweep_runs_both_regimes_on_both_axes_and_reuses_only_what_
             if " - " not in setting:
                 assert row["collapsed_runs"] == sum(measures.collapsed(r) for r in run["curves"][setting])
                 assert row["mean_rule_lr"] == run["sweep"][setting]["choices"]["mean"]
+                masked = [[s["masked_tokens"] for s in r["stats"]] for r in run["curves"][setting]]
+                assert row["masked_tokens"]["fewest"] == pytest.approx(np.mean([min(m) for m in masked]), abs=1e-5)
         by_setting = run["reported_sweep"]["by_setting"]
         assert set(case["leads_at_rates"]) == set(run["reported_sweep"]["at_common_rates"]) != set()
         for lr, pairs in case["leads_at_rates"].items():
