@@ -186,6 +186,7 @@ class Node:
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"; None for the root
     depth: int = 0  # 0 for the root, d for a segment sampled at level d-1
     logprobs: list[float] | None = None  # the log-probs the sampler drew the segment's tokens with (Completion)
+    logprobs_top_p: float = 1.0  # the nucleus those log-probs are renormalised over (Completion)
 
 
 def backup_values(root: Node) -> float:
@@ -296,7 +297,9 @@ def tree_edges(trees: list[Node], question_ids: list[int], iteration: int, advan
             {
                 "question": question_id,
                 "born": iteration,
-                **new_sample(query, engines.Completion(node.tokens, node.finish_reason, node.logprobs)),
+                **new_sample(
+                    query, engines.Completion(node.tokens, node.finish_reason, node.logprobs, node.logprobs_top_p)
+                ),
                 "advantage": edge_advantage,
                 "depth": depth,
             }
@@ -570,7 +573,13 @@ def grow_trees(
                 # empty when a stop string began in the path
                 ids = completion.ids
                 finish = completion.finish_reason
-                child = Node(list(ids), finish_reason=finish, depth=depth + 1, logprobs=completion.logprobs)
+                child = Node(
+                    list(ids),
+                    finish_reason=finish,
+                    depth=depth + 1,
+                    logprobs=completion.logprobs,
+                    logprobs_top_p=completion.logprobs_top_p,
+                )
                 parent.children.append(child)
                 room = context - len(prompt) - len(path) - len(ids)
                 if not last and finish == "length" and len(ids) == segment_tokens and room > 0:

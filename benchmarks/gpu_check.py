@@ -8,7 +8,8 @@ other step. Each step writes its figures, or its error, to one JSON file:
   models                the small random Llamas (digits and printable characters) and the task every answer is 7
   script_<name>         each script's CUDA path on the small model for two iterations, --backend hf, through the
                         script's own command line (grpo, spo_chain, spo_tree with its memory at auto and the
-                        reference parked, ppo); spo_tree_vllm: the same with --backend vllm
+                        reference parked, ppo); spo_tree_vllm: the same with --backend vllm at --top-p 0.9, whose
+                        sampler/* figures show vLLM returned processed log-probs and the gap over the nucleus is logged
   real_shape_update     the update at the real DeepSeek-R1-Distill-Qwen-1.5B shape (random weights) at the micro-batch
                         the memory plan picks on this GPU, with the training state resident: peak memory beside the
                         plan's estimate; then micro-batch 4, and 8 with checkpointing; the no-grad pass's tokens/s
@@ -20,7 +21,9 @@ other step. Each step writes its figures, or its error, to one JSON file:
   hf_sampler            the HF sampler at 30 and 240 rows (tokens per second)
   reference_round_trip  the reference model's cost per iteration at the real shape: pageable, pinned, resident
   vllm_sleep            vLLM's level-2 sleep against itself: greedy before sleep = greedy after wake + reload on every
-                        prompt, a seeded request repeated, free memory awake / asleep / woken, engine start-up seconds
+                        prompt, a seeded request repeated, free memory awake / asleep / woken, engine start-up seconds;
+                        at top-p 0.9 the engine's processed log-probs returned for every token, and the sampler/* gap
+                        against the trainer's rebuilt nucleus
   vllm_rollout          vLLM's rollout tokens per second at the paper's SPO-tree level-1 size (32 prompts x 6
                         segments of 600 tokens) at the real 1.5B shape
 `--device cpu` runs a step at toy sizes on the CPU (the lease's rehearsal, tests/benchmarks/test_gpu_lease.py), so no
@@ -56,7 +59,20 @@ import grpo_baseline
 import ppo_baseline
 import spo_chain
 import spo_tree
-from plumbing import cli, engines, files, lora, memory, models, ranges, run_lock, tasks, training, vllm_preflight
+from plumbing import (
+    cli,
+    engines,
+    files,
+    lora,
+    memory,
+    models,
+    ranges,
+    rollout_correction,
+    run_lock,
+    tasks,
+    training,
+    vllm_preflight,
+)
 from plumbing.memory import GiB, model_shape
 from plumbing.precision import choose_precision, gpu_has_bf16
 from plumbing.training import collate, micro_batches, response_logprobs, sample_logprobs
@@ -279,8 +295,8 @@ def unmet_requirements(site: Path) -> list[str]:
 
 
 def script_flags(name: str, work: Path, device: str) -> list[str]:
-    """The command line of one script's run on the small model: two iterations, --backend hf (spo_tree_vllm: vllm);
-    toy sizes on a CPU."""
+    """The command line of one script's run on the small model: two iterations, --backend hf (spo_tree_vllm: vllm at
+    --top-p 0.9, the paper's GSM8K nucleus); toy sizes on a CPU."""
     toy = device == "cpu"
     flags = ["--model", str(work / "digits"), "--task", str(work / "sevens.jsonl"), "--backend", "hf"]
     flags += ["--iterations", "2", "--questions", "4" if toy else "8", "--max-new-tokens", "16" if toy else "128"]
@@ -299,13 +315,16 @@ def script_flags(name: str, work: Path, device: str) -> list[str]:
     tree += ["--samples-per-iteration", "16" if toy else "64"]
     if name == "spo_tree":  # every memory knob at auto but the reference, parked in pinned CPU memory
         return flags + tree + ["--reference-on-device", "False"]
-    # spo_tree with vLLM, every memory knob at auto (the engine's share too); eager: a faster start
+    # spo_tree with vLLM, every memory knob at auto (the engine's share too); eager: a faster start; at top-p 0.9 the
+    # engine's log-probs are renormalised over the nucleus, and sampler/* holds them against the trainer's over its own
     backend = flags.index("--backend") + 1
-    return flags[:backend] + ["vllm"] + flags[backend + 1 :] + tree + ["--vllm-enforce-eager"]
+    return flags[:backend] + ["vllm"] + flags[backend + 1 :] + tree + ["--vllm-enforce-eager", "--top-p", "0.9"]
 
 
 def run_script(name: str, args: Args) -> dict:
-    """One script's run through its own command line (cli.parse, as its __main__ does), then what its logs hold."""
+    """One script's run through its own command line (cli.parse, as its __main__ does), then what its logs hold; with
+    --backend vllm also its sampler/* figures per iteration, a problem where they are missing (at --top-p < 1: the
+    engine returned no processed log-probs, or the gap over the nucleus was not logged)."""
     work = Path(args.work)
     ensure_models(work, args.device)
     module = SCRIPTS[name.removesuffix("_vllm")]
@@ -327,16 +346,34 @@ def run_script(name: str, args: Args) -> dict:
     train = [m for m in lines if "charts/reward" in m]
     start = files.read_log(Path(summary["run_dir"]) / "starts.jsonl")[0]
     finite = all(isinstance(v, (int, float)) and math.isfinite(v) for m in lines for v in m.values())
-    return {
+    problems = ([] if finite else ["a metric is not finite"]) + ([] if len(train) == 2 else ["not 2 iterations"])
+    result = {
         "iterations": len(train),
         "finite_metrics": finite,
         "backend": start.get("backend"),  # the engine the run sampled with
         "seconds_per_iteration": [round(m["time/iteration_seconds"], 2) for m in train],
         "peak_gpu_gib": peak_gib(args.device),
         "memory": start.get("memory", {}).get("line"),
-        "problems": ([] if finite else ["a metric is not finite"]) + ([] if len(train) == 2 else ["not 2 iterations"]),
+        "problems": problems,
         "command": command,
     }
+    if start.get("backend") == "vllm":
+        # per iteration: the gap, its largest, the KL, and (top-p < 1) the tokens outside the trainer's nucleus; an
+        # iteration that trained on no sample (SPO-tree where every reward was equal: no edge) has none to log
+        result["sampler"] = [
+            {
+                key.removeprefix("sampler/"): float(f"{value:.3g}")
+                for key, value in m.items()
+                if key.startswith("sampler/")
+            }
+            for m in train
+        ]
+        wanted = {"logp_gap_mean", "logp_gap_max", "kl_per_token"}
+        if parsed.top_p < 1:
+            wanted.add("outside_nucleus_fraction")
+        if any(wanted - set(gaps) for m, gaps in zip(train, result["sampler"]) if "policy/entropy" in m):
+            problems.append(f"sampler/* not logged at --top-p {parsed.top_p:g}: no processed log-probs from vLLM")
+    return result
 
 
 # ----------------------------------------------------------------------------- the passes at the real shape
@@ -728,8 +765,11 @@ def vllm_sleep(args: Args) -> dict:
     """vLLM's level-2 sleep checked against itself, on the small printable model: greedy before the sleep equals
     greedy after wake_up + load_weights (the training model's weights, the same values) on every prompt; a seeded
     request repeats, awake and after the reload; free GPU memory awake, asleep, woken. Engine start-up seconds with
-    the scripts' defaults (CUDA graphs). On vLLM's CPU build (the rehearsal) sleep and wake_up do nothing: the reload
-    and the seeded repeats are checked, the memory is not; the engine is shut down after (VLLMSampler.close)."""
+    the scripts' defaults (CUDA graphs). Then at top-p 0.9 (temperature 1): the engine's processed log-probs come back
+    for every token, renormalised over its nucleus, and the sampler/* metrics hold them against the trainer's (fp32)
+    over the nucleus it rebuilds, as a run at --top-p 0.9 logs them. On vLLM's CPU build (the rehearsal) sleep and
+    wake_up do nothing: the reload and the seeded repeats are checked, the memory is not; the engine is shut down after
+    (VLLMSampler.close)."""
     if skipped := vllm_missing(args.device):
         return skipped
     device, work = args.device, Path(args.work)
@@ -758,6 +798,16 @@ def vllm_sleep(args: Args) -> dict:
         engine.load_weights(model)
         free["woken"] = free_gib(device)
         greedy_after, seeded_after = greedy(), seeded()
+        nucleus = engine.sample(prompts, 2, temperature=1.0, top_p=0.9, max_new_tokens=32)
+    samples = [training.new_sample(p, c) for p, group in zip(prompts, nucleus) for c in group]
+    returned = [
+        len(s.get("sampler_logps", ())) == len(s["response_ids"]) and s.get("sampler_top_p") == 0.9 for s in samples
+    ]
+    training.attach_old_logprobs(model, samples, 8, 1.0, tokenizer.pad_token_id)
+    for s in samples:
+        s["loss_mask"] = torch.ones(len(s["response_ids"]), dtype=torch.bool)
+    metrics = rollout_correction.rollout_metrics(samples)
+    gap = {key.removeprefix("sampler/"): value for key, value in metrics.items() if key.startswith("sampler/")}
     same = lambda a, b: sum(x == y for x, y in zip(a, b))  # noqa: E731
     checks = {
         "greedy_after_reload_equal": f"{same(greedy_before, greedy_after)} of {len(prompts)}",
@@ -765,12 +815,17 @@ def vllm_sleep(args: Args) -> dict:
         "seeded_after_reload_equal": f"{same(seeded_before, seeded_after)} of {len(prompts)}",
     }
     problems = [name for name, value in checks.items() if not value.startswith(f"{len(prompts)} of")]
+    if not all(returned) or "outside_nucleus_fraction" not in gap:
+        problems.append("at top-p 0.9 the engine returned no processed log-prob for some tokens: sampler/* not logged")
     if device == "cuda" and not free["asleep"] > free["awake"]:
         problems.append("sleep released no memory")
     return {
         "engine": engine_build(),
         "startup_seconds": round(startup, 1),
         **checks,
+        "nucleus_logprobs_returned": f"{sum(returned)} of {len(samples)}",
+        # the gap, its largest, the KL and the tokens outside the trainer's nucleus, as a run at --top-p 0.9 logs them
+        "nucleus_gap": {key: float(f"{value:.3g}") for key, value in gap.items()},
         "free_gib": free,
         "problems": problems,
     }

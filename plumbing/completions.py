@@ -17,10 +17,12 @@ from transformers import PreTrainedTokenizerBase
 class Completion:
     ids: list[int]  # sampled token ids; ends with EOS when the model stopped itself; cut where a stop string begins
     finish_reason: str  # "stop" (EOS or stop string) or "length" (token or context limit: scores 0)
-    # Per id, the log-prob the engine sampled it with: log softmax(logits / temperature) over the whole vocabulary,
-    # before any top-p cut (what the trainer computes); None where the engine did not report it (greedy decoding,
-    # vLLM at top_p < 1, whose reported log-probs are renormalised over the nucleus)
+    # Per id, the log-prob the engine sampled it with: log softmax(logits / temperature) over the whole vocabulary
+    # (logprobs_top_p 1: what the trainer computes), or renormalised over the top-p nucleus the engine drew it from
+    # (logprobs_top_p < 1: vLLM at top_p < 1); None where the engine did not report it (greedy decoding)
     logprobs: list[float] | None = None
+    # The nucleus `logprobs` are renormalised over: 1.0 for the whole vocabulary (the HF sampler at any top_p)
+    logprobs_top_p: float = 1.0
 
 
 def cut_at_stop(tokenizer: PreTrainedTokenizerBase, ids: list[int], stop: Sequence[str]) -> tuple[list[int], bool]:

@@ -81,8 +81,8 @@ class Sampler(Protocol):
 
         Each Completion holds the ids, the finish reason ("stop": EOS or a stop string; "length": the token or
         context limit, which scores 0) and, per id, the log-prob the engine drew it with (log softmax(logits /
-        temperature) over the whole vocabulary, before any top-p cut: what the trainer computes), or None where the
-        engine does not report it.
+        temperature) over the whole vocabulary, before any top-p cut: what the trainer computes; or renormalised over
+        the nucleus, which logprobs_top_p then names), or None where the engine does not report it.
         """
         ...
 
@@ -152,8 +152,9 @@ def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     """A training run's rollout engine: make_sampler with the run's --backend, --seed, --sampler-batch-tokens,
     --context and vLLM flags (`args`, a script's Args); vLLM loads the checkpoint's weights when resuming (with
     --lora-rank: the base, then the checkpoint's adapters merged into it, as after every update). vLLM at
-    top_p < 1 reports no log-prob to hold against the trainer's (Completion.logprobs): said in one line, and
-    --rollout-correction refused."""
+    top_p < 1 reports each token's log-prob renormalised over the nucleus (Completion.logprobs_top_p): one line
+    says which gap sampler/* logs then, and --rollout-correction is refused (its weight is stated for the whole
+    vocabulary's log-probs)."""
     adapters = getattr(args, "lora_rank", 0) > 0
     sampler = make_sampler(
         args.backend,
@@ -174,14 +175,16 @@ def run_sampler(args, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     if isinstance(sampler, VLLMSampler) and args.top_p < 1:
         if args.rollout_correction != "none":
             raise UsageError(
-                f"--rollout-correction {args.rollout_correction} needs the log-prob each token was sampled with, "
-                f"which vLLM at --top-p {args.top_p:g} reports renormalised over the nucleus: use --top-p 1 or "
-                "--backend hf"
+                f"--rollout-correction {args.rollout_correction} needs each token's log-prob under the whole "
+                f"vocabulary, and vLLM at --top-p {args.top_p:g} reports it renormalised over the nucleus (the "
+                "weight is not stated for the truncated distribution): use --top-p 1 or --backend hf"
             )
-        distributed.print0(
-            f"sampler-vs-trainer metrics (sampler/*) not logged: vLLM at --top-p {args.top_p:g} reports log-probs "
-            "renormalised over the nucleus, not the trainer's (--top-p 1 or --backend hf logs them)"
-        )
+        if args.temperature > 0:
+            distributed.print0(
+                f"sampler/* compare vLLM's log-probs with the trainer's, both renormalised over the top-p "
+                f"{args.top_p:g} nucleus (the trainer's rebuilt from its own logits by vLLM's rule; "
+                "sampler/outside_nucleus_fraction: sampled tokens outside it, each a gap of 10 nats)"
+            )
     return sampler
 
 

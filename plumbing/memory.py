@@ -60,6 +60,9 @@ CPU_SAMPLER_TOKENS = 2**16  # the HF sampler's batch on a CPU (benchmarks/sample
 LARGEST_MICRO_BATCH = 8
 LOGIT_CHUNK = 512  # positions per LM-head chunk (training.response_logprobs)
 KEPT_LOGITS = 2**28  # logits entries above which the chunks are recomputed (training.response_logprobs)
+# Positions per nucleus rebuilt at top-p < 1 (training.token_logprobs): its sort, cumulative mass and masks, about 21
+# bytes a logit, stay within the room an LM-head chunk of LOGIT_CHUNK positions has (no_grad_pass_bytes)
+NUCLEUS_CHUNK = 128
 VLLM_SHARE_CAP = 0.9
 
 
@@ -160,7 +163,8 @@ def no_grad_pass_bytes(shape, element: int, context: int, sharded: bool = False)
       the attention mask (bool) and SDPA's additive copy, one entry per key                          (1 + 2 e) context
       sharded: every layer's hidden state (output_hidden_states)                                     4 (L + 1) h
     Once: a chunk of the LM head, 512 positions x vocab x (e + 12) (its logits, in fp32, divided by the temperature,
-    their log-sum-exp), and under autocast the e-byte copies of the weights it caches for the pass."""
+    their log-sum-exp; at top-p < 1 the nucleus rebuilt from them, 128 positions x vocab x 21 at a time, fits in
+    the room their temporaries leave), and under autocast the e-byte copies of the weights it caches for the pass."""
     e, d = element, shape.head_dim
     per_position = (
         shape.layers * shape.kv_heads * d * (4 + e)

@@ -5,7 +5,11 @@ loss); every run logs the gap itself per token (sampler/*) and the sampling dist
 Beside what the loss needs (plumbing/training.py), a sample may hold, per response token (1-D tensors):
   sampler_logps    the log-prob the engine sampled the token with (Completion.logprobs): log softmax(logits /
                    temperature) of the sampler's own forward pass, over the whole vocabulary (before the top-p cut),
-                   the quantity the trainer computes as old_logps
+                   the quantity the trainer computes as old_logps; or, with sampler_top_p (vLLM at top_p < 1),
+                   renormalised over the top-p nucleus the sampler drew the token from
+  nucleus_logps    with sampler_top_p: the trainer's log-prob renormalised over the nucleus it rebuilds from its own
+                   logits by vLLM's rule (training.nucleus_logprobs; -inf outside it), what sampler_logps is held
+                   against; the loss never reads it
   entropy          the entropy of the sampling distribution softmax(logits / temperature) at the token's position,
                    from the pass that computed old_logps (training.attach_old_logprobs)
   rollout_weights  --rollout-correction tis: the weight that multiplied the token's surrogate (rollout_capped: where
@@ -71,25 +75,40 @@ def rollout_metrics(samples: list[dict]) -> dict:
     sampler/logp_gap_mean and sampler/logp_gap_max (|sampler - trainer| log-prob per token) and sampler/kl_per_token
     (k3 with d = trainer - sampler, whose mean under the sampler's draws estimates KL(sampler || trainer));
     sampler/tis_weight_mean and sampler/tis_capped_fraction with --rollout-correction tis. A metric whose tokens
-    are missing (no sampler log-probs: greedy, or vLLM at top_p < 1) is left out."""
-    sums = torch.zeros(10, dtype=torch.float64)
+    are missing (no sampler log-probs: greedy) is left out.
+
+    The trainer's log-prob is old_logps, or where the sampler's is renormalised over a top-p nucleus (sampler_top_p
+    < 1: vLLM at top_p < 1) nucleus_logps, renormalised over the nucleus the trainer rebuilds from its own logits:
+    both sides then are log-probs under the same truncated distribution. d is clipped to [-10, 10] nats per token,
+    so a token the trainer puts outside its nucleus (nucleus_logps -inf: a near tie at the nucleus's edge, bf16
+    rounding) counts as a gap of exactly 10 nats (d = -10) instead of an infinite one; sampler/outside_nucleus_fraction
+    is the share of those tokens among the compared tokens of such samples (logged only where there are any)."""
+    sums = torch.zeros(12, dtype=torch.float64)
     largest_gap = torch.zeros(1, dtype=torch.float64)
     for s in samples:
         if "entropy" in s:
             mask = s["loss_mask"].bool()
             sums[:4] += torch.tensor([len(mask), s["entropy"].sum(), mask.sum(), s["entropy"][mask].sum()])
         if "sampler_logps" in s and len(s["sampler_logps"]):
-            d = torch.clamp(s["old_logps"].double() - s["sampler_logps"].double(), -10.0, 10.0)
+            nucleus = s.get("sampler_top_p", 1.0) < 1.0
+            trainer = s["nucleus_logps"] if nucleus else s["old_logps"]
+            d = torch.clamp(trainer.double() - s["sampler_logps"].double(), -10.0, 10.0)
             sums[4:7] += torch.tensor([len(d), d.abs().sum(), (d.exp() - d - 1).sum()])
             largest_gap = torch.maximum(largest_gap, d.abs().max())
+            if nucleus:
+                sums[10:] += torch.tensor([len(d), torch.isneginf(trainer).sum()])
         if "rollout_weights" in s:
-            sums[7:] += torch.tensor([len(s["rollout_weights"]), s["rollout_weights"].sum(), s["rollout_capped"].sum()])
+            sums[7:10] += torch.tensor(
+                [len(s["rollout_weights"]), s["rollout_weights"].sum(), s["rollout_capped"].sum()]
+            )
     return summarise(distributed.all_sum(sums), distributed.gather(largest_gap).max().item())
 
 
 def summarise(sums: torch.Tensor, largest_gap: float) -> dict:
     """rollout_metrics' entries from its sums over ranks."""
-    tokens, entropy, masked, masked_entropy, gap_tokens, gap, k3, weighted, weights, capped = sums.tolist()
+    tokens, entropy, masked, masked_entropy, gap_tokens, gap, k3, weighted, weights, capped, nucleus, outside = (
+        sums.tolist()
+    )
     metrics = {}
     if tokens:
         metrics["policy/entropy"] = entropy / tokens
@@ -99,6 +118,8 @@ def summarise(sums: torch.Tensor, largest_gap: float) -> dict:
         metrics["sampler/logp_gap_mean"] = gap / gap_tokens
         metrics["sampler/logp_gap_max"] = largest_gap
         metrics["sampler/kl_per_token"] = k3 / gap_tokens
+    if nucleus:
+        metrics["sampler/outside_nucleus_fraction"] = outside / nucleus
     if weighted:
         metrics["sampler/tis_weight_mean"] = weights / weighted
         metrics["sampler/tis_capped_fraction"] = capped / weighted

@@ -265,8 +265,8 @@ def setting_problems(
     if get("rollout_correction") not in (None, "none") and get("backend") == "vllm" and args.top_p < 1:
         problems.append(
             f"--rollout-correction {args.rollout_correction} with --backend vllm needs --top-p 1: at --top-p "
-            f"{args.top_p:g} vLLM reports each token's log-prob renormalised over the nucleus, not the trainer's "
-            "quantity; use --top-p 1 or --backend hf"
+            f"{args.top_p:g} vLLM reports each token's log-prob renormalised over the nucleus, and the weight is "
+            "stated for the whole vocabulary's; use --top-p 1 or --backend hf"
         )
     if get("lora_rank") and get("fsdp"):
         problems.append(

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Cache, get_linear_schedule_with_warmup
 
 from plumbing import UsageError, distributed, lora
-from plumbing.memory import KEPT_LOGITS, LOGIT_CHUNK, model_shape, no_grad_pass_bytes
+from plumbing.memory import KEPT_LOGITS, LOGIT_CHUNK, NUCLEUS_CHUNK, model_shape, no_grad_pass_bytes
 from plumbing.precision import FP32, Precision
 
 
@@ -105,19 +105,52 @@ def collate(samples: list[dict], pad_id: int, device) -> dict:
     return batch
 
 
+def nucleus_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The log-prob of each target id under softmax(logits) cut to its top-p nucleus and renormalised over it, the
+    nucleus built by vLLM's rule (vllm/v1/sample/ops/topk_topp_sampler.py, apply_top_k_top_p_pytorch): sort the
+    logits ascending, cut every token whose cumulative probability up to and including it is at most 1 - top_p,
+    keep the most likely token always. -inf for a target outside the nucleus. [tokens, vocab] logits (already
+    divided by the temperature), [tokens] ids -> [tokens]. This is what vLLM reports as the processed log-prob of a
+    token it sampled at top_p < 1, rebuilt from the trainer's own logits: only the sampler-vs-trainer metric reads
+    it (plumbing/rollout_correction.py); the loss never does.
+
+    >>> nucleus_logprobs(torch.tensor([[0.0, 1.0, 2.0]] * 3), torch.tensor([2, 1, 0]), 0.9)  # probs .09 .24 .67
+    tensor([-0.3133, -1.3133,    -inf])
+    """
+    ascending, order = logits.sort(-1)  # [tokens, vocab] each
+    # [tokens, vocab], in ascending order; vLLM holds top_p in float32
+    cut = ascending.softmax(-1).cumsum(-1) <= 1 - torch.tensor(top_p, dtype=torch.float32)
+    cut[:, -1] = False
+    log_mass = ascending.masked_fill(cut, -torch.inf).logsumexp(-1)  # [tokens]: log of the nucleus's mass
+    # [tokens]: the cut, back in vocabulary order, at the target
+    outside = torch.empty_like(cut).scatter_(-1, order, cut).gather(-1, targets[:, None]).squeeze(-1)
+    return (logits.gather(-1, targets[:, None]).squeeze(-1) - log_mass).masked_fill(outside, -torch.inf)
+
+
 def token_logprobs(
-    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]. With
-    entropy=True also the entropy of that distribution at each position (no gradient; a metric only):
-    H = log Z - sum_v p_v * logit_v, from the same logits."""
+    lm_head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool = False,
+    top_p: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """log softmax(lm_head(hidden) / temperature) at the target ids: [tokens, hidden], [tokens] -> [tokens]. Metrics
+    from the same logits (no gradient) make it a tuple, in this order: with entropy=True the entropy of that
+    distribution at each position, H = log Z - sum_v p_v * logit_v; with top_p < 1 the log-prob renormalised over
+    the top-p nucleus (nucleus_logprobs, NUCLEUS_CHUNK positions at a time: its sort and masks stay within the room
+    the chunk's logits have, memory.no_grad_pass_bytes)."""
     logits = lm_head(hidden).float() / temperature  # [tokens, vocab]
     log_z = logits.logsumexp(-1)  # [tokens]
     logps = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z  # [tokens]
-    if not entropy:
+    if not entropy and top_p == 1.0:
         return logps
     with torch.no_grad():
-        return logps, log_z - (logits.softmax(-1) * logits).sum(-1)
+        metrics = [log_z - (logits.softmax(-1) * logits).sum(-1)] if entropy else []
+        if top_p < 1.0:
+            pieces = zip(logits.split(NUCLEUS_CHUNK), targets.split(NUCLEUS_CHUNK))
+            metrics.append(torch.cat([nucleus_logprobs(piece, ids, top_p) for piece, ids in pieces]))
+        return logps, *metrics
 
 
 def last_hidden_state(model, **inputs) -> tuple[torch.Tensor, Cache | None]:
@@ -138,10 +171,12 @@ def response_logprobs(
     recompute_above: int = KEPT_LOGITS,
     precision: Precision = FP32,
     entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    top_p: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """log pi(y_t | prompt, y_<t) of every response token, with logits divided by the sampling temperature
     so that exp(logp) is the probability the sampler used. entropy=True: also the entropy of pi(. | prompt, y_<t)
-    at each response position ([rows, R], no gradient), from the same chunks of logits.
+    at each response position; top_p < 1: also the log-prob renormalised over the top-p nucleus (nucleus_logprobs);
+    each [rows, R], no gradient, from the same chunks of logits, in that order after the log-probs (token_logprobs).
 
     Paper: the token probabilities p_t.
 
@@ -198,13 +233,13 @@ def response_logprobs(
         recompute = torch.is_grad_enabled() and rows * response_len * lm_head.out_features > recompute_above
         chunks = zip(hidden.flatten(0, 1).split(chunk_tokens), targets.flatten().split(chunk_tokens))
         logps = [
-            checkpoint(token_logprobs, lm_head, h, t, temperature, entropy, use_reentrant=False)
+            checkpoint(token_logprobs, lm_head, h, t, temperature, entropy, top_p, use_reentrant=False)
             if recompute
-            else token_logprobs(lm_head, h, t, temperature, entropy)
+            else token_logprobs(lm_head, h, t, temperature, entropy, top_p)
             for h, t in chunks
         ]
-    if entropy:
-        return tuple(torch.cat(parts).view(rows, response_len) for parts in zip(*logps))  # 2 x [rows, R]
+    if entropy or top_p < 1.0:
+        return tuple(torch.cat(parts).view(rows, response_len) for parts in zip(*logps))  # 2 or 3 x [rows, R]
     return torch.cat(logps).view(rows, response_len)  # [rows, R]
 
 
@@ -265,26 +300,27 @@ def sample_logprobs(
     precision: Precision = FP32,
     batch_tokens: int | None = None,
     entropy: bool = False,
-) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-sample response log-probs (1-D CPU tensors; entropy=True: and their positions' entropies, a second list)
-    without gradients, in passes of at most `batch_tokens` cached
+    top_p: float = 1.0,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
+    """Per-sample response log-probs (1-D CPU tensors; entropy=True: and their positions' entropies, a second list;
+    top_p < 1: and the log-probs renormalised over the top-p nucleus, a list after those) without gradients, in
+    passes of at most `batch_tokens` cached
     positions each; by default as many as the GPU's free memory holds (no_grad_batches), so that SPO-tree's pass over
     all of an iteration's new edges takes a few large passes instead of hundreds of training micro-batches. Where
     nothing is sized (a CPU), micro-batches of `micro_batch_size` sequences. The log-probs do not depend on the split
     (up to the summation order of padded rows)."""
     was_training = model.training
     model.eval()
-    out: list[torch.Tensor] = [None] * len(samples)
-    entropies: list[torch.Tensor] = [None] * len(samples)
+    results = 1 + entropy + (top_p < 1.0)  # lists returned: the log-probs, then the metrics asked for
+    out: list[list[torch.Tensor]] = [[None] * len(samples) for _ in range(results)]
     for indices in no_grad_batches(model, samples, micro_batch_size, precision, batch_tokens):
         batch = collate([samples[i] for i in indices], pad_id, model.device)
-        logps = response_logprobs(model, batch, temperature, precision=precision, entropy=entropy)
-        logps, entropy_rows = logps if entropy else (logps, logps)
-        for i, row, row_entropy in zip(indices, logps.cpu(), entropy_rows.cpu()):
-            out[i] = row[: len(samples[i]["response_ids"])]
-            entropies[i] = row_entropy[: len(samples[i]["response_ids"])]
+        rows = response_logprobs(model, batch, temperature, precision=precision, entropy=entropy, top_p=top_p)
+        for per_sample, result_rows in zip(out, rows if results > 1 else (rows,)):
+            for i, row in zip(indices, result_rows.cpu()):
+                per_sample[i] = row[: len(samples[i]["response_ids"])]
     model.train(was_training)
-    return (out, entropies) if entropy else out
+    return tuple(out) if results > 1 else out[0]
 
 
 def attach_old_logprobs(
@@ -292,18 +328,31 @@ def attach_old_logprobs(
 ) -> list[torch.Tensor]:
     """Set each sample's "old_logps" (pi_old: the policy that sampled it, before the update) and "entropy" (of the
     sampling distribution at each response token, plumbing/rollout_correction.py) from one no-grad pass; returns the
-    old log-probs."""
-    old_logps, entropies = sample_logprobs(
-        model, samples, micro_batch_size, temperature, pad_id, precision, entropy=True
+    old log-probs. A sample whose sampler log-probs are renormalised over a top-p nucleus (sampler_top_p < 1) also
+    gets "nucleus_logps": the trainer's log-probs renormalised over the nucleus rebuilt from its own logits by the
+    sampler's rule (nucleus_logprobs), for the sampler-vs-trainer metric alone; old_logps stay the whole
+    vocabulary's, which p_t, the ratio and the KL use."""
+    top_ps = {s["sampler_top_p"] for s in samples if "sampler_top_p" in s}
+    if len(top_ps) > 1:
+        raise ValueError(f"samples drawn at top_p {sorted(top_ps)}: one pass rebuilds one nucleus")
+    top_p = top_ps.pop() if top_ps else 1.0
+    old_logps, entropies, *nucleus = sample_logprobs(
+        model, samples, micro_batch_size, temperature, pad_id, precision, entropy=True, top_p=top_p
     )
     for s, logps, entropy in zip(samples, old_logps, entropies):
         s["old_logps"], s["entropy"] = logps, entropy
+    if top_p < 1.0:
+        (nucleus_logps,) = nucleus
+        for s, logps in zip(samples, nucleus_logps):
+            if "sampler_top_p" in s:
+                s["nucleus_logps"] = logps
     return old_logps
 
 
 def new_sample(prompt_ids: list[int], completion) -> dict:
     """A training sample of a sampled response: its prompt and response ids, and the log-probs the engine sampled
-    them with when it reported them (sampler_logps, plumbing/rollout_correction.py). What an engine reports is
+    them with when it reported them (sampler_logps, plumbing/rollout_correction.py), with the top-p of the nucleus
+    they are renormalised over where it is below 1 (sampler_top_p: vLLM at top_p < 1). What an engine reports is
     checked as data: one finite log-prob per token, else one line (a NaN would make every sampler/* metric NaN)."""
     sample = {"prompt_ids": prompt_ids, "response_ids": completion.ids}
     if completion.logprobs is not None:
@@ -320,6 +369,8 @@ def new_sample(prompt_ids: list[int], completion) -> dict:
                 "or its weights are not finite; compute it in a wider dtype (--precision fp32) or check the weights"
             )
         sample["sampler_logps"] = logprobs
+        if completion.logprobs_top_p < 1.0:
+            sample["sampler_top_p"] = completion.logprobs_top_p
     return sample
 
 

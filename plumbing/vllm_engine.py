@@ -169,8 +169,8 @@ class VLLMSampler:
             # thrown away, and vLLM then winds the request's generator back (GPUModelRunner._bookkeeping_sync,
             # set_offset), which a CPU generator cannot do: a seeded request would stop the engine. None: vLLM's own.
             enable_chunked_prefill=False if cpu else None,
-            # The log-prob a token was sampled with, after temperature (and top-p: see sample()), as the trainer's
-            # log-probs are; the default (raw_logprobs) is before temperature.
+            # The log-prob a token was sampled with: after temperature, as the trainer's log-probs are, and after
+            # the top-p cut (renormalised over the nucleus: see sample()); the default (raw_logprobs) is before both.
             logprobs_mode="processed_logprobs",
             # Under torchrun each rank holds the whole model on its own GPU (see the comment above the class); in
             # one process the default single-process executor.
@@ -226,7 +226,7 @@ class VLLMSampler:
     ) -> list[list[Completion]]:
         """The Sampler contract (plumbing/engines.py). vLLM looks for stop strings in the new text only: one that
         begins in the response so far (`generated`) is found and cut here, after generation. Log-probs: reported at
-        top_p 1 and temperature > 0 only (at top_p < 1 vLLM renormalises them over the nucleus)."""
+        temperature > 0; at top_p < 1 renormalised over the nucleus the token was drawn from (logprobs_top_p)."""
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:
@@ -256,9 +256,9 @@ class VLLMSampler:
         # numpy's global RNG), which no reseed reaches: a resumed run would not repeat.
         seeds = torch.randint(0, 2**62, (len(live),), generator=self.generator).tolist()
         # Each sampled token's own log-prob (logprobs=0: no alternatives). At top_p < 1 vLLM's processed log-probs
-        # are renormalised over the nucleus, no longer the trainer's quantity: not asked for, and the
-        # sampler-vs-trainer metrics are not logged (plumbing/rollout_correction.py).
-        logprobs = 0 if top_p == 1.0 and temperature > 0 else None
+        # are log softmax(logits / temperature) over the nucleus it kept (TopKTopPSampler: the cut logits set to
+        # -inf, then log_softmax): the trainer rebuilds that nucleus to compare (training.nucleus_logprobs).
+        logprobs = 0 if temperature > 0 else None
         params = [
             SamplingParams(
                 n=n,
@@ -279,10 +279,10 @@ class VLLMSampler:
         assert len(outs) == len(live)
         for i, out in zip(live, outs):
             assert len(out.outputs) == n
-            result[i] = [self._completion(c, stop, histories[i]) for c in out.outputs]
+            result[i] = [self._completion(c, stop, histories[i], top_p) for c in out.outputs]
         return result
 
-    def _completion(self, c, stop: list[str], history: list[int]) -> Completion:
+    def _completion(self, c, stop: list[str], history: list[int], top_p: float) -> Completion:
         if c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
         ids, finish = list(c.token_ids), c.finish_reason
@@ -298,7 +298,9 @@ class VLLMSampler:
             cut, found = cut_at_stop(self.tokenizer, history + ids, stop)
             if found:
                 ids, finish = cut[len(history) :], "stop"
-        return Completion(ids, finish, None if logprobs is None else logprobs[: len(ids)])
+        if logprobs is None:
+            return Completion(ids, finish)
+        return Completion(ids, finish, logprobs[: len(ids)], logprobs_top_p=top_p)
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Copy the training model's current weights (with LoRA: merged) into the engine, in place, then bring back the

@@ -13,6 +13,9 @@ wide, the narrowest vLLM's CPU attention computes; SmolLM2-135M-Instruct where a
     stop strings cut as cut_at_stop cuts, context limits, prompts with no room, finish reasons, one log-prob a token;
   - in fp32 the engine's log-probs are the trainer's, and after an update and load_weights the updated trainer's,
     for a tied and an untied LM head (prompts longer than a KV block: an unreset prefix cache would fail it);
+  - at top-p < 1 the engine's processed log-probs (renormalised over its nucleus) against the trainer's over the
+    nucleus it rebuilds (training.nucleus_logprobs, vLLM's own top-p function as the reference): each script's run
+    logs the gap, small, no token outside the nucleus, and its start line says which gap it is;
   - LoRA: after load_weights the engine samples the adapted policy, not the base;
   - each script with --backend vllm for 2 iterations: sampler/* logged and small, the checkpoint evaluated with
     eval.py --backend vllm, a run killed in iteration 2 and resumed ending with the uninterrupted run's metrics;
@@ -46,7 +49,7 @@ from conftest import (
     smoke_args,
     write_jsonl,
 )
-from plumbing import UsageError, engines, lora, memory, models, training, vllm_preflight
+from plumbing import UsageError, engines, lora, memory, models, rollout_correction, training, vllm_preflight
 from plumbing.completions import cut_at_stop
 from plumbing.precision import choose_precision
 from plumbing.vllm_engine import VLLMSampler
@@ -484,6 +487,52 @@ def test_each_script_runs_evaluates_and_resumes_with_the_vllm_engine(script, sev
     assert read_metrics(run_dir) == metrics
 
 
+def test_the_trainers_nucleus_is_vllms():
+    # vLLM's processed log-probs at top-p < 1: its top-p function's cut logits, log-softmaxed (TopKTopPSampler's
+    # forward_cpu and forward_native), on rows with ties, every token of the vocabulary as the target.
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.randn(40, 50, generator=generator) * 3  # [40, 50]
+    tied = torch.randint(0, 3, (40, 50), generator=generator).float()  # [40, 50]: ties, some at the nucleus's edge
+    bf16 = (torch.randn(40, 50, generator=generator) * 2).bfloat16().float()  # [40, 50]: ties as in a bf16 run
+    logits = torch.cat([spread, tied, bf16])  # [120, 50]
+    for top_p in (0.3, 0.7, 0.9, 0.95):
+        rows = torch.full((len(logits),), top_p)
+        processed = apply_top_k_top_p_pytorch(logits.clone(), None, rows, allow_cpu_sync=True).log_softmax(-1)
+        for token in range(logits.shape[1]):
+            rebuilt = training.nucleus_logprobs(logits, torch.full((len(logits),), token), top_p)  # [120]
+            expected = processed[:, token]
+            assert torch.equal(rebuilt.isneginf(), expected.isneginf()), (top_p, token)
+            kept = ~rebuilt.isneginf()
+            assert torch.allclose(rebuilt[kept], expected[kept], atol=1e-6)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.__name__)
+def test_a_run_at_top_p_below_one_logs_the_gap_over_the_nucleus(script, sevens, tmp_path, monkeypatch, capfd):
+    # The paper's GSM8K --top-p 0.9: the engine's log-probs are renormalised over its nucleus, the trainer's over the
+    # nucleus it rebuilds from its own logits; in fp32 they agree to rounding, and nothing falls outside.
+    model_dir, data = sevens
+    compared = []
+    metrics_of = rollout_correction.rollout_metrics
+    monkeypatch.setattr(script, "rollout_metrics", lambda samples: compared.extend(samples) or metrics_of(samples))
+    summary = script.main(smoke_args(script, model_dir, data, tmp_path, **dict(VLLM_RUN, top_p=0.9)))
+    assert (
+        "sampler/* compare vLLM's log-probs with the trainer's, both renormalised over the top-p 0.9 nucleus"
+        in capfd.readouterr().out
+    )
+    trained = [m for m in read_metrics(summary["run_dir"]) if "charts/reward" in m]
+    assert [m["iteration"] for m in trained] == [1, 2]
+    for m in trained:
+        # measured: a mean gap of 1e-7 and a largest of 1e-6 nats
+        assert m["sampler/logp_gap_max"] < 1e-4 and 0 <= m["sampler/kl_per_token"] < 1e-8
+        assert m["sampler/outside_nucleus_fraction"] == 0
+    # the loss's old_logps stay the whole vocabulary's, which the engine's renormalised log-probs are not
+    compared = [s for s in compared if "sampler_logps" in s]
+    assert compared and all(s["sampler_top_p"] == 0.9 for s in compared)
+    assert max((s["sampler_logps"] - s["old_logps"]).max().item() for s in compared) > 0.01
+
+
 def test_a_lora_run_samples_its_adapted_policy(sevens, tmp_path, monkeypatch):
     model_dir, data = sevens
     engines_made = []
@@ -578,3 +627,8 @@ def test_the_gpu_leases_vllm_steps_run_on_this_engine(tmp_path):
     # spo_tree.py --backend vllm, run: two iterations sampled by the engine
     assert script["backend"] == "vllm" and script["iterations"] == 2 and script["problems"] == []
     assert "parsed_only" not in script and "--backend vllm" in script["command"]
+    # at top-p 0.9 the engine's processed log-probs come back for every token, and the gap over the nucleus is logged
+    # (the toy tree run's rewards are all 0 here: no edge to train on, so none to compare; it runs at --top-p 0.9 too)
+    assert sleep["nucleus_logprobs_returned"] == "16 of 16"
+    assert {"logp_gap_mean", "logp_gap_max", "kl_per_token", "outside_nucleus_fraction"} == set(sleep["nucleus_gap"])
+    assert "--top-p 0.9" in script["command"] and len(script["sampler"]) == 2

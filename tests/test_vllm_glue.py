@@ -524,14 +524,31 @@ def test_sampled_log_probs_travel_through_the_sampler_to_the_metric(engine):
     assert metrics["sampler/kl_per_token"] == pytest.approx((k3(0.25) + k3(-0.05)) / 3)
     assert metrics["policy/entropy"] == pytest.approx(2.0)
 
-    # top_p < 1: vLLM's log-probs are renormalised over the nucleus, not the trainer's: none asked for, none kept,
-    # and no sampler metric.
+    # top_p < 1: vLLM's processed log-probs are renormalised over the nucleus it drew from: asked for all the same,
+    # kept with the top_p they are relative to, and held against the trainer's log-probs renormalised over the
+    # nucleus it rebuilds (nucleus_logps), never its whole-vocabulary old_logps.
     [[c]] = s.sample([[T["Q"]] * 3], 1, temperature=0.7, top_p=0.9, max_new_tokens=4)
-    assert calls(engine, "generate")[-1][2][0].logprobs is None and c.logprobs is None
+    assert calls(engine, "generate")[-1][2][0].logprobs == 0
+    assert c.logprobs == [engine.logprob(None, j, t) for j, t in enumerate(c.ids)] and c.logprobs_top_p == 0.9
     sample = training.new_sample([T["Q"]] * 3, c)
-    assert "sampler_logps" not in sample
-    sample |= {"old_logps": torch.zeros(4), "loss_mask": torch.ones(4, dtype=torch.bool), "entropy": torch.ones(4)}
-    assert not any(key.startswith("sampler/") for key in rollout_correction.rollout_metrics([sample]))
+    assert torch.equal(sample["sampler_logps"], torch.tensor(c.logprobs)) and sample["sampler_top_p"] == 0.9
+    # Over its nucleus the trainer puts the first token 0.25 higher, the second where the sampler did, the fourth 0.1
+    # lower, and the third outside its nucleus (-inf: a near tie at the edge): a gap of 10 nats, the clip.
+    sample["nucleus_logps"] = sample["sampler_logps"] + torch.tensor([0.25, 0.0, -math.inf, -0.1])
+    sample["old_logps"] = sample["sampler_logps"] - 3.0  # the whole vocabulary's: not what is compared
+    sample["loss_mask"], sample["entropy"] = torch.ones(4, dtype=torch.bool), torch.ones(4)
+    metrics = rollout_correction.rollout_metrics([sample])
+    assert metrics["sampler/logp_gap_mean"] == pytest.approx((0.25 + 10.0 + 0.1) / 4)
+    assert metrics["sampler/logp_gap_max"] == pytest.approx(10.0)
+    assert metrics["sampler/kl_per_token"] == pytest.approx((k3(0.25) + k3(-10.0) + k3(-0.1)) / 4)
+    assert metrics["sampler/outside_nucleus_fraction"] == pytest.approx(1 / 4)
+    # with the top_p 1 sample beside it: both compared, the fraction over the nucleus's tokens alone
+    plain = training.new_sample([T["Q"]] * 3, Completion(ids(" 2", "+"), "stop", [-0.5, -0.5]))
+    plain |= {"old_logps": plain["sampler_logps"] + 0.5, "loss_mask": torch.ones(2, dtype=torch.bool)}
+    metrics = rollout_correction.rollout_metrics([sample, plain])
+    assert metrics["sampler/logp_gap_mean"] == pytest.approx((0.25 + 10.0 + 0.1 + 2 * 0.5) / 6)
+    assert metrics["sampler/outside_nucleus_fraction"] == pytest.approx(1 / 4)
+    assert "sampler/outside_nucleus_fraction" not in rollout_correction.rollout_metrics([plain])
 
 
 def test_prompts_without_room_get_empty_length_completions(engine):

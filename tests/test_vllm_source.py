@@ -320,7 +320,8 @@ def test_fields_the_glue_sets_and_reads(src):
 
 def test_processed_logprobs_are_after_temperature_and_top_p(src):
     # The glue asks for logprobs_mode="processed_logprobs" and holds them against the trainer's log softmax(logits /
-    # temperature) (plumbing/rollout_correction.py); each sampled token's comes back as a Logprob with a .logprob.
+    # temperature), over the nucleus at top_p < 1 (plumbing/rollout_correction.py); each sampled token's comes back
+    # as a Logprob with a .logprob.
     modes = next(
         node.value
         for node in src.tree("vllm/config/model.py").body
@@ -334,6 +335,21 @@ def test_processed_logprobs_are_after_temperature_and_top_p(src):
         "processed log-probs are taken"
     )
     assert "logprob" in fields(src, src.find_class("vllm.logprobs", "Logprob")), "vllm/logprobs.py: Logprob.logprob"
+    # At top_p < 1 they are the log_softmax of the logits cut to the nucleus, by the rule training.nucleus_logprobs
+    # rebuilds for the trainer's side of the sampler metrics: sort ascending, cut while the cumulative probability is
+    # at most 1 - p, keep the last (likeliest) token.
+    path, sampler = src.find_class("vllm.v1.sample.ops.topk_topp_sampler", "TopKTopPSampler")
+    for name in ("forward_native", "forward_cpu"):
+        body = ast.unparse(method((path, sampler), name))
+        cut, processed = body.find("apply_top_k_top_p(logits"), body.find("logits.log_softmax(")
+        assert 0 <= cut < processed, f"{path}: TopKTopPSampler.{name} no longer log-softmaxes the top-p cut logits"
+    [rule] = [
+        ast.unparse(node)
+        for node in src.tree(path).body
+        if isinstance(node, ast.FunctionDef) and node.name == "apply_top_k_top_p_pytorch"
+    ]
+    for step in ("logits.sort(dim=-1, descending=False)", "<= 1 - p.unsqueeze(dim=1)", "top_p_mask[:, -1] = False"):
+        assert step in rule, f"{path}: apply_top_k_top_p_pytorch's top-p rule changed ({step!r} is gone)"
 
 
 def test_reload_weights_reaches_the_model_runner(src):
