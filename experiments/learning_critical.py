@@ -29,8 +29,9 @@ that length. The minimum: on the samples axis GRPO gains half in 4-7 steps with 
 is still near lr x sign(gradient) and the areas rest on 3 points. SPO-tree has 3 levels of 2-token segments at every L
 (so L >= 3).
 Rates. Each setting's rate comes from 5 tuning seeds on a grid sqrt(3) apart that holds 1e-3 and 3e-3 (1e-3, 1.73e-3,
-3e-3, 5.2e-3; a choice on an edge extends it): the highest median area among the rates at which no tuning seed
-collapses (--rate-rule; a run collapses when its exact J falls below half its start J, measures.collapsed). With 3
+3e-3, 5.2e-3; a choice on an edge extends it): the highest median area among the rates below the smallest at which a
+tuning seed collapsed (--rate-rule; a run collapses when its exact J falls below half its start J, measures.collapsed,
+and a rate above one that broke a seed is taken to break seeds too). With 3
 seeds and the mean, the sweep picked the fastest rate that survived 3 seeds, often at the edge of collapse; each case
 records which choices the mean would have made instead. Every rate of the grid also runs on the reported seeds
 (learning_exact --reported-sweep): area against rate per setting (<case>_rates.png), each compared pair's lead at every

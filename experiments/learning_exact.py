@@ -33,8 +33,9 @@ iteration (responses, MC continuations, tree nodes) on the start policy are clos
 learns (SPO-chain makes fewer cutpoints and SPO-tree grows smaller trees as the policy sharpens), so the plot's
 x axis is the cumulative measured spend, and J at a fraction of the iterations favours a setting that spends more.
 Fairness: each setting's learning rate is chosen on --tuning-seeds (never reported) on a grid of --lrs 3x apart
-(--lr-step) by --rate-rule: the highest median score (final J, or on an axis the area under J) among the rates at
-which no tuning seed collapses (a run collapses when its J falls below half its start J: measures.collapsed); the JSON
+(--lr-step) by --rate-rule: the highest median score (final J, or on an axis the area under J) among the rates below
+the smallest at which a tuning seed collapsed (a run collapses when its J falls below half its start J:
+measures.collapsed); the JSON
 records the mean's and the median's choices too. A chosen value on the grid's edge extends the grid by one step on
 that side and that value is run (at most --max-extensions times; recorded, as is a choice still on an edge). Then
 every setting runs on the same --seeds at its learning rate; differences are paired by seed (comparison_pairs).
@@ -155,8 +156,8 @@ class Args:
     to 3 significant digits: a sqrt(3) grid from 1e-3 keeps 3e-3)"""
     rate_rule: Literal["median-no-collapse", "median", "mean"] = "median-no-collapse"
     """how the sweep chooses a rate from its tuning seeds' scores: median-no-collapse, the highest median among the
-    rates at which no tuning seed collapses (measures.collapsed; none such: the grid's smallest); median; mean. The JSON
-    records every rule's choice"""
+    rates below the smallest at which a tuning seed collapsed (measures.collapsed; the grid's smallest when that one
+    is); median; mean. The JSON records every rule's choice"""
     reported_sweep: bool = False
     """every rate of each setting's grid also on the reported seeds: each rate's score per seed (plotted, area against
     rate) and the paired differences at every rate all settings share, beside tuned against tuned"""
@@ -393,21 +394,23 @@ RATE_RULES = ("median-no-collapse", "median", "mean")
 def choose_rate(scores: dict[float, list[float]], collapses: dict[float, list[bool]], rule: str) -> float:
     """The learning rate a sweep chooses from its tuning seeds' scores (final J, or the area under J on the axis) and
     collapses (ties: the smaller rate). mean: the highest mean; median: the highest median; median-no-collapse (the
-    default): the highest median among the rates at which no tuning seed collapsed, the grid's smallest if every
-    rate has a collapse. Why: the mean over few seeds picks the fastest rate that survives them (a rate that breaks
-    on 20 % of seeds survives 3 with probability 0.51), the median alone keeps a rate at which 2 of 5 seeds broke,
-    and the largest rate without a collapse can be slower than a smaller one.
+    default): the highest median among the rates below the smallest one at which a tuning seed collapsed (the grid's
+    smallest when that one is), since a rate above one that broke a seed is taken to break seeds too. Why: the mean
+    over few seeds picks the fastest rate that survives them (a rate that breaks on 20 % of seeds survives 3 with
+    probability 0.51), the median alone keeps a rate at which 2 of 5 seeds broke, and the largest rate without a
+    collapse can be slower than a smaller one.
 
-    >>> scores = {1e-3: [0.5, 0.6, 0.6], 3e-3: [0.8, 0.8, 0.25], 1e-2: [0.2, 0.9, 0.0]}
-    >>> collapses = {1e-3: [False] * 3, 3e-3: [False, False, True], 1e-2: [True, False, True]}
+    >>> scores = {1e-3: [0.5, 0.6, 0.6], 3e-3: [0.8, 0.8, 0.25], 1e-2: [0.2, 0.9, 0.9]}
+    >>> collapses = {1e-3: [False] * 3, 3e-3: [False, False, True], 1e-2: [False] * 3}
     >>> [choose_rate(scores, collapses, rule) for rule in ("mean", "median", "median-no-collapse")]
-    [0.003, 0.003, 0.001]
+    [0.01, 0.01, 0.001]
     """
     if rule not in RATE_RULES:
         raise UsageError(f"--rate-rule {rule}: choose from {' '.join(RATE_RULES)}")
     rates = sorted(scores)
     if rule == "median-no-collapse":
-        rates = [lr for lr in rates if not any(collapses[lr])] or rates[:1]
+        first = next((lr for lr in rates if any(collapses[lr])), math.inf)  # the smallest rate that broke a seed
+        rates = [lr for lr in rates if lr < first] or rates[:1]
     average = np.median if rule != "mean" else np.mean
     return max(rates, key=lambda lr: (float(average(scores[lr])), -lr))
 
