@@ -133,7 +133,8 @@ def test_the_sweep_widens_its_grid_at_an_edge_until_the_best_is_inside(monkeypat
         return [{"J": [0.0, 1 - abs(math.log10(lr) + 1)]} for _, lr, _ in jobs]
 
     monkeypatch.setattr(le, "run_all", fake_run_all)
-    args = dataclasses.replace(le.Args(), lrs=[1e-3, 3e-3, 1e-2], lr_step=3.0, max_extensions=3)
+    # the widening under the mean rule (these curves start at J 0: every rate would count as a collapse)
+    args = dataclasses.replace(le.Args(), lrs=[1e-3, 3e-3, 1e-2], lr_step=3.0, max_extensions=3, rate_rule="mean")
     entry = le.sweep(["grpo"], None, args)["grpo"]
     assert [e["side"] for e in entry["extensions"]] == ["high", "high", "high"]
     assert entry["grid"] == pytest.approx([1e-3, 3e-3, 1e-2, 3e-2, 9e-2, 2.7e-1])
