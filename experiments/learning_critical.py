@@ -434,7 +434,6 @@ def leads(results: dict, resamples: int = 2000) -> dict:
     areas, table, fallen = seed_areas(results), {}, collapses(results)
     for name, row in results["summary"].items():
         versus = results["differences"].get(f"{name} - grpo", {})
-        scale = 1.0 - row["J0"]
         runs = results["curves"][name]
         table[name] = {
             "size": row["size"],
@@ -452,11 +451,7 @@ def leads(results: dict, resamples: int = 2000) -> dict:
             "J_B": row["J_100%"],
             "auc_minus_grpo": versus.get("auc"),
             "J_B_minus_grpo": versus.get("100%"),
-            "share_of_gain": (
-                paired_interval(areas[name] / scale, areas["grpo"] / scale, resamples, seed=0)
-                if name != "grpo"
-                else None
-            ),
+            "share_of_gain": share(areas[name], areas["grpo"], row["J0"], resamples) if name != "grpo" else None,
         }
     j0 = results["summary"]["grpo"]["J0"]
     for pair, difference in results["differences"].items():
